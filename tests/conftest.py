@@ -1,0 +1,74 @@
+"""Shared test set-up.
+
+* Without CUDA, Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1 must be set before
+  `triton` is first imported, which is why this happens at the top of conftest, before any test module
+  imports kernels.py).
+* GLASSBOX_POISON=1 makes kernels.py allocate its output buffers filled with NaN, so a kernel that forgets
+  to write a tile fails the comparison instead of passing on lucky zeros (fla's conftest does the same).
+* fp32 matmuls stay IEEE (no TF32), so fp32 comparisons measure the kernel, not the tensor cores.
+* Every test starts from the same seeds.
+* `assert_close` is the one relative-error helper of the suite (see its docstring for the thresholds).
+"""
+import os
+import random
+
+os.environ.setdefault("GLASSBOX_POISON", "1")
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+try:  # decide on the interpreter without importing torch.cuda machinery twice
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+except ImportError:  # pragma: no cover - torch is a hard requirement
+    raise
+
+import numpy as np
+import pytest
+
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+# Relative RMS thresholds per dtype of the tensor under test, measured against a float32 reference.
+# fp32: reductions in a different order differ by ~1e-7 relative; 1e-5 leaves room for long sums.
+# bf16/fp16: one rounding of the output alone is ~2e-3 relative RMS; fla uses 5e-3 for outputs and up to
+# 8e-3 for gradients, and so do we.
+RATIO = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 8e-3, torch.float16: 5e-3}
+ATOL = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 1e-3, torch.float16: 1e-3}
+
+
+def _assert_close(name, ref, out, ratio=None, atol=None):
+    """Pass if max|ref - out| <= atol; otherwise require no NaN/inf in `out` and
+    rms(ref - out) / rms(ref) < ratio. Both default to the per-dtype tables above (keyed by out.dtype).
+    `ref` is compared in float64, so a bf16 `out` is judged against the exact reference, not a rounded one."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    ratio = RATIO[out.dtype] if ratio is None else ratio
+    atol = ATOL[out.dtype] if atol is None else atol
+    r, o = ref.detach().double().cpu(), out.detach().double().cpu()
+    assert torch.isfinite(o).all() or not torch.isfinite(r).all(), f"{name}: non-finite values in output"
+    abs_err = (r - o).abs().max().item() if r.numel() else 0.0
+    if abs_err <= atol:
+        return
+    err = ((r - o).pow(2).mean().sqrt() / r.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+    assert err < ratio, f"{name}: rel rms err {err:.3e} >= {ratio:.1e} (max abs err {abs_err:.3e})"
+
+
+@pytest.fixture
+def assert_close():
+    return _assert_close
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything():
+    random.seed(42)
+    np.random.seed(42)
+    torch.manual_seed(42)
+    yield
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

