@@ -708,9 +708,14 @@ def config_parser(cfg_cls, description: str = "", extra=None) -> argparse.Argume
 
 
 def parse_config(cfg_cls, argv=None, description: str = "", extra=None):
-    """-> (cfg, args): the dataclass filled from the command line, and the full namespace (for `extra`)."""
-    args = config_parser(cfg_cls, description, extra).parse_args(argv)
+    """-> (cfg, args): the dataclass filled from the command line, and the full namespace (for `extra`).
+    `args.explicit` is the set of field names given on the command line, so a preset can fill in the rest."""
+    parser = config_parser(cfg_cls, description, extra)
+    args = parser.parse_args(argv)
+    for action in parser._actions:  # a second pass with every default suppressed tells what was typed
+        action.default = argparse.SUPPRESS
     names = {f.name for f in dataclasses.fields(cfg_cls)}
+    args.explicit = set(vars(parser.parse_args(argv))) & names
     return cfg_cls(**{k: v for k, v in vars(args).items() if k in names}), args
 
 
