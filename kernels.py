@@ -658,6 +658,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Generic Triton kernels of glassbox (see the docstring).")
     parser.add_argument("--bench", action="store_true", help="time Triton vs torch eager (needs a CUDA GPU)")
     parser.add_argument("--bench-json", metavar="PATH", help="run the benchmark and also write its rows as JSON")
+    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")  # one line, exit 2
     args = parser.parse_args()
     if args.bench or args.bench_json:
         bench(args.bench_json)
