@@ -53,7 +53,7 @@ Dispatch: every public function and module takes `backend` in BACKENDS = ("auto"
   auto   - Triton if the tensor is on CUDA and triton imports, the torch reference otherwise (also for norm
            rows wider than MAX_NORM_WIDTH, where `triton` raises);
   triton - always Triton; on CPU this needs TRITON_INTERPRET=1 (Triton's interpreter, how the tests run it);
-  torch  - the reference.
+  torch  - the reference (for cross-entropy, torch's fused F.cross_entropy, which computes the same thing).
 The module imports without triton (e.g. on macOS): `auto` then always takes the reference. The functions
 that launch Triton are decorated with torch.compiler.disable, so torch.compile graph-breaks around them.
 
@@ -547,7 +547,11 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", inplace_g
                          f"vocabulary dim {tuple(logits.shape[:-1])}")
     if _use_triton(logits, backend):
         return _cross_entropy_triton(logits, target, ignore_index, reduction, inplace_grad)
-    return cross_entropy_ref(logits, target, ignore_index, reduction)
+    # Off the Triton path: torch's fused log-softmax + NLL, the same maths as cross_entropy_ref in one kernel
+    # (about 2x faster on a CPU, where the vocabulary-sized softmax dominates a small model's step).
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
+                           reduction=reduction)
+    return loss.view(target.shape) if reduction == "none" else loss
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@
   to write a tile fails the comparison instead of passing on lucky zeros (fla's conftest does the same).
 * fp32 matmuls stay IEEE (no TF32), so fp32 comparisons measure the kernel, not the tensor cores.
 * Every test starts from the same seeds.
-* `assert_close` is the one relative-error helper of the suite (see its docstring for the thresholds).
+* `check_close` is the one relative-error helper of the suite (thresholds in its docstring), given to tests
+  as the `assert_close` fixture, or imported (`from conftest import check_close`) where a helper needs it.
 """
 import os
 import random
@@ -36,7 +37,7 @@ RATIO = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 8e-3, torch.
 ATOL = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 1e-3, torch.float16: 1e-3}
 
 
-def _assert_close(name, ref, out, ratio=None, atol=None):
+def check_close(name, ref, out, ratio=None, atol=None):
     """Pass if max|ref - out| <= atol; otherwise require no NaN/inf in `out` and
     rms(ref - out) / rms(ref) < ratio. Both default to the per-dtype tables above (keyed by out.dtype).
     `ref` is compared in float64, so a bf16 `out` is judged against the exact reference, not a rounded one."""
@@ -54,7 +55,7 @@ def _assert_close(name, ref, out, ratio=None, atol=None):
 
 @pytest.fixture
 def assert_close():
-    return _assert_close
+    return check_close
 
 
 @pytest.fixture(autouse=True)

@@ -251,11 +251,14 @@ def op_args(op):
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "cross_entropy"])
-def test_dispatch(monkeypatch, op):
+def test_dispatch(monkeypatch, op, assert_close):
     """auto on CPU takes the reference, triton takes the Triton wrapper, torch the reference."""
     calls = []
     monkeypatch.setattr(kernels, f"_{op}_triton", lambda *args: calls.append(args) or "triton path")
     fn, ref, args = getattr(kernels, op), getattr(kernels, f"{op}_ref"), op_args(op)
+    if op == "cross_entropy":  # the torch path of cross-entropy is F.cross_entropy (checked against the ref below)
+        ref = lambda z, t: F.cross_entropy(z, t)
+        assert_close("F.cross_entropy vs cross_entropy_ref", cross_entropy_ref(*args), ref(*args))
     assert torch.equal(fn(*args, backend="auto"), ref(*args)) and not calls
     assert torch.equal(fn(*args, backend="torch"), ref(*args)) and not calls
     assert fn(*args, backend="triton") == "triton path" and len(calls) == 1

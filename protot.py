@@ -1,0 +1,1899 @@
+"""protot.py — ProtoT, the Prototype Transformer, in one file.
+
+Paper: "Prototype Transformer: towards language model architectures interpretable by design",
+Y. Yordanov et al., arXiv 2602.11852 (ICML 2026). Official code: github.com/YDYordanov/prototype_transformer.
+Spec used here: shared/papers/protot.md (the mixer maths is the official code's `ProtoBroadcastMixerUpgraded`).
+
+ProtoT is a LLaMA-3-style decoder (pre-RMSNorm, SwiGLU FFN, tied head, no positional encoding) whose
+self-attention is replaced by a *prototype mixer*: R learnable prototypes P_k per layer define R channels;
+every token writes into the channels, every token reads a convex mix of the channels' past summaries.
+With x̃_t = RMSNorm(h_t) (the block's pre-norm):
+
+    (1) write gate   w_t = softmax_k( <x̃_t, P_k> / |τ_w| )                       over prototypes, not tokens
+    (2) value        v_t = V x̃_t   (V: d -> d/2);  layers 0, 1: v_t <- ½ v_t + ½ DWConv5(v)_t   (causal)
+    (3) state        N_t = β ⊙ N_{t-1} + (1-β) ⊙ w_t v_tᵀ,   M_t = β ⊙ M_{t-1} + (1-β) ⊙ w_t,   β_k = σ(γ_k)
+    (4) prefix mean  PM_{t,k} = N_{t-1,k} / max(M_{t-1,k}, 1e-6)          strictly past-only, PM_0 = 0, fp32
+    (5) read gate    ρ_t = softmax_k( <W_r x̃_t, P_k> / |τ_r| )                  layer 0: ρ_t = w_t (shared)
+    (6) output       y_t = α · U( Σ_k ρ_{t,k} PM_{t,k} )                          (U: d/2 -> d, α init 1)
+
+Eqs. (3)-(6) between the gates and U are the core op `prefix_mean_read(w, v, ρ, β) -> Σ_k ρ_tk PM_tk`, here in
+three forms: the recurrence as defined, a chunked torch form (matmuls within chunks, the state carried across
+chunks, decay factors exp((t-s)·ln β) so nothing overflows), and a Triton kernel (forward and backward; it never
+stores a [B, T, R, d_v] tensor). Generation uses the recurrence: per layer a cache (N, M, the conv's last 4
+values) and an O(1) step per token.
+
+What differs from the official code, and why
+  * The EMA is exact at every length. The official code computes the discounted sums as
+    β^t Σ_{s≤t} u_s / (β^s + 1e-12) with a cumsum; once β^t falls below ~1e-12 the prefix mean collapses to 0
+    (β = 0.9: wrong past ~240 tokens, 0 by ~512; β = 0.5: by ~64). `--ema official` reproduces that shortcut
+    to match the paper's numbers; tests/test_protot.py shows where it fails and the exact scan does not.
+  * Layer 0 reads with its write gate and has no W_r (the official code builds an unused one; the parameter
+    count here is d² smaller).
+  * Data: packed windows of the token stream (common.get_batch) instead of one padded document per example;
+    the embedded corpus is 38 long plays, for which one-document-per-example would leave 34 examples.
+  * Perplexity is token-weighted over the whole val split (every token predicted once); the official metric,
+    exp of the mean of per-batch means, is not reported.
+Everything else follows the spec: R = 32, d_v = d/2, β init 0.9, τ_w = 3 in layer 0 and 1 elsewhere, α = 1,
+SwiGLU hidden floor(2.7·d/16)·16, dropout 0.1 (embedding, FFN hidden, both residual branches), AdamW with weight
+decay 0.1 on matrices but not on P, γ, τ, α or norms, 2% warmup then cosine to 0.1x, no gradient clipping.
+
+Commands
+    python protot.py --layers 6                  # train, evaluate, analyse, write out/protot/report.html
+                                                 # (no GPU: a CPU preset of about 5 minutes, announced)
+    python protot.py --compare                   # ProtoT and the attention baseline on one budget: ppl ratio
+    python protot.py --mixer attention           # the LLaMA baseline (RoPE, causal SDPA), same block otherwise
+    python protot.py --no-train --find-prototype woman            # rank (layer, prototype) by masking effect
+    python protot.py --no-train --intervene 3:7 --mode write-mask --target woman
+    python protot.py --no-train --sample "HAMLET:\n"              # generation with the O(1) cache
+    python protot.py --bench                     # tokens/s vs context, decode ms/token, scan kernel vs chunked
+    python protot.py --dataset fineweb-edu --max-tokens 250000000 # the paper's data (online)
+    torchrun --standalone --nproc_per_node=8 protot.py           # DDP
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import html
+import io
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON, TRITON_ERROR = True, None
+except ImportError as err:  # no Triton (e.g. macOS): the module still imports and the torch forms work
+
+    class _NoTriton:  # stand-ins so the kernel definitions below still parse; they are never launched
+        jit = staticmethod(lambda fn: fn)
+        constexpr = None
+
+    HAS_TRITON, TRITON_ERROR = False, err
+    triton = tl = _NoTriton
+
+try:  # generic Triton kernels (kernels.py beside this file); a copied-out script falls back to plain torch
+    from kernels import BACKENDS, RMSNorm, cross_entropy
+except ImportError:
+    BACKENDS = ("auto", "triton", "torch")
+
+    class RMSNorm(nn.Module):
+        def __init__(self, dim, eps=1e-6, backend="auto"):
+            super().__init__()
+            self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+        def forward(self, x):
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def cross_entropy(logits, target, ignore_index=-100, reduction="mean", inplace_grad=False, backend="auto"):
+        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction=reduction)
+
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class Config:
+    # model (spec §1-2; the paper's small configuration)
+    mixer: Literal["proto", "attention"] = field(default="proto", metadata={"help": "prototype mixer or the LLaMA baseline"})
+    layers: int = field(default=6, metadata={"help": "transformer blocks"})
+    d_model: int = field(default=256, metadata={"help": "model width d"})
+    n_protos: int = field(default=32, metadata={"help": "prototypes R per layer"})
+    heads: int = field(default=4, metadata={"help": "attention heads (baseline only)"})
+    value_dim: Literal["half", "full"] = field(default="half", metadata={"help": "d_v = d/2 (paper) or d"})
+    ema: Literal["exact", "official"] = field(default="exact", metadata={"help": "exact EMA, or the official b^s cumsum shortcut"})
+    shared_routing: bool = field(default=True, metadata={"help": "layer 0 reads with its write gate"})
+    conv_layers: int = field(default=2, metadata={"help": "first layers whose values get the causal conv"})
+    dropout: float = field(default=0.1, metadata={"help": "dropout (embedding, FFN hidden, residual branches)"})
+    # data (common.py)
+    dataset: str = field(default="shakespeare", metadata={"help": "shakespeare | tinystories | fineweb-edu | PATH"})
+    tokenizer: Literal["cl100k", "gpt2", "bytes"] = field(default="cl100k", metadata={"help": "tokenizer"})
+    compact: str = field(default="train", metadata={"help": "vocabulary compaction: none | train | N"})
+    max_tokens: Optional[int] = field(default=None, metadata={"help": "training-token budget of the corpus"})
+    cache_dir: Optional[str] = field(default=None, metadata={"help": "token cache folder"})
+    # training
+    preset: Literal["auto", "cpu", "paper"] = field(default="auto", metadata={"help": "auto: paper on a GPU, cpu otherwise"})
+    batch_size: int = field(default=32, metadata={"help": "global batch (sequences per step, all ranks)"})
+    ctx: int = field(default=256, metadata={"help": "training context length"})
+    lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of lr"})
+    warmup_frac: float = field(default=0.02, metadata={"help": "warmup as a fraction of max_iters"})
+    max_iters: int = field(default=10000, metadata={"help": "optimizer steps"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on matrices"})
+    grad_clip: float = field(default=0.0, metadata={"help": "max gradient norm (0: off, as in the paper)"})
+    eval_interval: int = field(default=500, metadata={"help": "steps between evaluations and checkpoints"})
+    eval_iters: int = field(default=20, metadata={"help": "val batches per evaluation"})
+    log_interval: int = field(default=50, metadata={"help": "steps between log lines"})
+    seed: int = field(default=1337, metadata={"help": "random seed"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
+    dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata={"help": "auto: bf16 autocast on CUDA"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
+    kernels: Literal["auto", "triton", "torch"] = field(default="auto", metadata={"help": "Triton kernels on CUDA (auto)"})
+    out_dir: str = field(default="out/protot", metadata={"help": "checkpoints, logs and reports"})
+    resume: bool = field(default=False, metadata={"help": "continue from out_dir's checkpoint"})
+    train: bool = field(default=True, metadata={"help": "train (--no-train: load out_dir's checkpoint)"})
+    # analyses (the default run does all that apply)
+    compare: bool = field(default=False, metadata={"help": "train ProtoT and attention on one budget, print the ppl ratio"})
+    labels: bool = field(default=True, metadata={"help": "prototype labelling (top contexts, half-lives)"})
+    label_windows: int = field(default=1024, metadata={"help": "val windows of 32 tokens scanned for labelling"})
+    intervene: str = field(default="", metadata={"help": "LAYER:PROTO[,LAYER:PROTO...] to intervene on"})
+    mode: Literal["write-mask", "read-mask", "reinit"] = field(default="write-mask", metadata={"help": "intervention"})
+    target: str = field(default="woman", metadata={"help": "target word of --intervene"})
+    prompts: Optional[str] = field(default=None, metadata={"help": "file of prompt sentences (one per line)"})
+    find_prototype: str = field(default="", metadata={"help": "WORD: rank every (layer, prototype) by masking effect"})
+    robustness: bool = field(default=True, metadata={"help": "perturbation robustness analysis"})
+    sample: Optional[str] = field(default=None, metadata={"help": "generate from this prompt"})
+    sample_tokens: int = field(default=200, metadata={"help": "tokens per sample"})
+    bench: bool = field(default=False, metadata={"help": "benchmarks only (tokens/s vs context, decode, kernel)"})
+    report: bool = field(default=True, metadata={"help": "write out_dir/report.html"})
+
+
+# A CPU has ~1/1000 of a GPU's FLOPs: the preset keeps the paper's architecture (layers, R, d_v = d/2, the
+# layer-0/1 specials) but shrinks width, context, batch and steps so the whole run takes about 5 minutes.
+CPU_PRESET = dict(d_model=128, ctx=128, batch_size=16, max_iters=320, lr=3e-3, eval_interval=80, eval_iters=5,
+                  log_interval=20, label_windows=512)
+ARCH_KEYS = ("mixer", "layers", "d_model", "n_protos", "heads", "value_dim", "ema", "shared_routing",
+             "conv_layers", "dataset", "tokenizer", "compact", "max_tokens")
+
+
+# -----------------------------------------------------------------------------
+# Core op: prefix_mean_read(w, v, rho, beta) -> y,   y_t = Σ_k ρ_tk · N_{t-1,k} / max(M_{t-1,k}, eps)
+
+# Each token t spreads one unit of write mass over R prototype channels (w_t, a softmax over k), every channel keeps
+# an exponentially discounted average of the values written to it, and the token reads a convex mix (ρ_t) of the
+# channel averages built from the tokens *before* it. Per batch row, with β_k = σ(γ_k) ∈ (0, 1):
+#
+#     N_t = β ⊙ N_{t-1} + (1-β) ⊙ w_t v_tᵀ          N: [R, dv]      N_{-1} = 0
+#     M_t = β ⊙ M_{t-1} + (1-β) ⊙ w_t               M: [R]          M_{-1} = 0
+#     PM_{t,k} = N_{t-1,k} / max(M_{t-1,k}, 1e-6)   (strictly past-only: PM_0 = 0)
+#     y_t = Σ_k ρ_{t,k} PM_{t,k}
+#
+# Shapes: w, ρ [B, T, R]; v, y [B, T, dv]; β [R]. State maths in fp32 (fp64 for fp64 inputs); y in v's dtype.
+#
+# The same op in three forms (fla's naive → chunk chain), plus the official shortcut and the decode step:
+#   1. prefix_mean_read_recurrent  the recurrence above, a Python loop over prefix_mean_step (the readable truth)
+#   2. prefix_mean_read_chunked    pure torch, chunked linear attention: the CPU training path (autograd)
+#   3. PrefixMeanRead              Triton kernels, forward and backward, never storing a [B, T, R, dv] tensor
+#   -  prefix_mean_read_official   the official code's β^s-cumsum shortcut, kept only to show it collapsing (§1.3)
+#   -  prefix_mean_step            O(1)-per-token decode: read the state, then write token t into it (§4)
+#
+# Dispatch (`backend` in PREFIX_MEAN_BACKENDS): "auto" = Triton when the tensors are on CUDA and triton imports,
+# else the chunked torch form; "triton" = Triton (on CPU only under TRITON_INTERPRET=1); "torch" = chunked;
+# "recurrent" = form 1.
+
+MASS_EPS = 1e-6  # clamp on the channel mass M before dividing: near-empty channels read ~0 instead of blowing up
+PREFIX_MEAN_BACKENDS = ("auto", "triton", "torch", "recurrent")
+
+
+def _state_dtype(*tensors):
+    """The precision of the state maths: fp32, or fp64 when any input is fp64 (so tests can build a float64 truth)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. The recurrence (the readable truth) and the O(1) decode step
+
+def prefix_mean_init_state(B, R, dv, device=None, dtype=torch.float32):
+    """Empty decode state (N [B, R, dv], M [B, R]): R·(dv+1) floats per sequence, whatever the context length."""
+    return torch.zeros(B, R, dv, device=device, dtype=dtype), torch.zeros(B, R, device=device, dtype=dtype)
+
+
+def prefix_mean_step(state, w_t, v_t, rho_t, beta):
+    """One decode step (spec §4): read the state *before* token t, then write token t into it.
+
+        y_t = Σ_k ρ_{t,k} N_k / max(M_k, eps)                     (read first: past-only)
+        N  <- β ⊙ N + (1-β) ⊙ w_t v_tᵀ,   M <- β ⊙ M + (1-β) ⊙ w_t   (then write)
+
+    state = (N [B, R, dv], M [B, R]) in fp32 (from prefix_mean_init_state); w_t, rho_t [B, R]; v_t [B, dv];
+    beta [R]. Returns (y_t [B, dv] in v_t's dtype, new state)."""
+    N, M = state
+    out_dtype = v_t.dtype
+    w_t, v_t, rho_t, beta = (x.to(N.dtype) for x in (w_t, v_t, rho_t, beta))
+    prefix_mean = N / M.clamp_min(MASS_EPS)[..., None]  # (B, R, dv): PM_{t,k}
+    y_t = torch.einsum("bk,bkd->bd", rho_t, prefix_mean)
+    N = beta[:, None] * N + ((1 - beta) * w_t)[..., None] * v_t[:, None, :]
+    M = beta * M + (1 - beta) * w_t
+    return y_t.to(out_dtype), (N, M)
+
+
+def prefix_mean_read_recurrent(w, v, rho, beta):
+    """The op exactly as defined, one token at a time (autograd gives its gradients):
+
+        for t = 0 .. T-1:   y_t = Σ_k ρ_{t,k} N_{t-1,k} / max(M_{t-1,k}, eps)
+                            N_t = β ⊙ N_{t-1} + (1-β) ⊙ w_t v_tᵀ,   M_t = β ⊙ M_{t-1} + (1-β) ⊙ w_t
+
+    O(T) sequential steps: the ground truth for the other forms, not a training path."""
+    B, _, R = w.shape
+    state = prefix_mean_init_state(B, R, v.shape[-1], w.device, _state_dtype(w, v, rho, beta))
+    ys = []
+    # unbind, not w[:, t]: the backward of T selects would build T full-size zero gradients
+    for w_t, v_t, rho_t in zip(w.unbind(1), v.unbind(1), rho.unbind(1)):
+        y_t, state = prefix_mean_step(state, w_t, v_t, rho_t, beta)
+        ys.append(y_t)
+    return torch.stack(ys, dim=1)  # (B, T, dv)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. The chunked form (pure torch; the CPU training path)
+
+def prefix_mean_read_chunked(w, v, rho, beta, chunk=64):
+    """The same op as linear attention over chunks of C tokens, with per-channel decay and no division by β^s.
+
+    Rescaling: (1-β) multiplies every write of both N and M, so it cancels in N/M except at the clamp. This form
+    (and the kernels) carries Ñ = N/(1-β), M̃ = M/(1-β) and clamps M̃ at eps/(1-β): the same PM, but ∂β is no
+    longer a difference of two terms of size 1/(1-β) (in fp32 that cancellation costs ~4 digits at β = 0.9999).
+
+    Write ρ'_{t,k} = ρ_{t,k} / max(M̃_{t-1,k}, eps/(1-β_k)). Then y_t = Σ_k ρ'_{t,k} Ñ_{t-1,k}: linear attention
+    with R-dimensional keys w, queries ρ', values v and a fixed decay β_k per key channel (like retention/GLA).
+    Split the sequence into chunks; row i (0 ≤ i < C) of chunk n is token t = nC + i, and S_n = Ñ_{nC-1},
+    m_n = M̃_{nC-1} are the state and mass carried into the chunk. Unrolling the recurrence inside a chunk:
+
+        Ñ_{t-1} = β^i ⊙ S_n + Σ_{j<i} D[i,j] ⊙ w_j v_jᵀ      D[i,j,k] = exp((i-1-j) · ln β_k)  for j < i
+        M̃_{t-1} = β^i ⊙ m_n + Σ_{j<i} D[i,j] ⊙ w_j                         (0 for j ≥ i)
+
+    D is strictly lower-triangular: that *is* the past-only shift (token j reaches rows i > j only). Its entries
+    are exps of non-positive numbers, so they lie in [0, 1]: nothing is divided by β^s, nothing overflows, and
+    an underflow to 0 is the correct value. Contracting with ρ':
+
+        y_t = (ρ'_t ⊙ β^i) · S_n + Σ_{j<i} A[i,j] v_j        A[i,j] = Σ_k ρ'_{i,k} D[i,j,k] w_{j,k}
+        S_{n+1} = β^C ⊙ S_n + Σ_j β^(C-1-j) ⊙ w_j v_jᵀ,   m_{n+1} likewise with w_j      (a scan over chunks)
+
+    Memory: the carried states are [B, T/C, R, dv]; the intra-chunk scores need a transient [B, T/C, C, C, R]
+    (C/dv the size of a [B, T, R, dv] tensor, which is never formed). Cost O(T·(C·R + C·dv + R·dv))."""
+    B, T, R = w.shape
+    dv = v.shape[-1]
+    dt = _state_dtype(w, v, rho, beta)
+    C = chunk
+    NC = -(-T // C)
+    pad = NC * C - T  # zero rows at the end write no mass and read nothing
+    w = F.pad(w.to(dt), (0, 0, 0, pad)).view(B, NC, C, R)
+    rho = F.pad(rho.to(dt), (0, 0, 0, pad)).view(B, NC, C, R)
+    v_ = F.pad(v.to(dt), (0, 0, 0, pad)).view(B, NC, C, dv)
+    log_beta = beta.to(dt).log()  # (R,)
+    mass_floor = MASS_EPS / (1 - beta.to(dt))  # (R,): the clamp on M, rescaled like M̃
+
+    i = torch.arange(C, device=w.device, dtype=dt)
+    lag = i[:, None] - 1 - i[None, :]  # (C, C): (t-1) - s, the steps between a write and a later read
+    decay = torch.where((lag >= 0)[..., None], torch.exp(lag.clamp_min(0)[..., None] * log_beta), 0.0)  # (C, C, R)
+    decay_in = torch.exp(i[:, None] * log_beta)  # (C, R): β^i, how row i sees the carried state
+    decay_out = torch.exp((C - 1 - i)[:, None] * log_beta)  # (C, R): weight of row j in the state leaving
+
+    # Each chunk's own writes into the state it hands on, then the carry across chunks (a scan over NC)
+    out = w * decay_out  # (B, NC, C, R)
+    own_state = out.transpose(-1, -2) @ v_  # (B, NC, R, dv)
+    own_mass = out.sum(2)  # (B, NC, R)
+    decay_chunk = torch.exp(C * log_beta)  # (R,): β^C
+    state = w.new_zeros(B, R, dv)
+    mass = w.new_zeros(B, R)
+    states, masses = [], []
+    for n in range(NC):
+        states.append(state)
+        masses.append(mass)
+        state = decay_chunk[:, None] * state + own_state[:, n]
+        mass = decay_chunk * mass + own_mass[:, n]
+    states = torch.stack(states, 1)  # (B, NC, R, dv): S_n = Ñ_{nC-1}
+    masses = torch.stack(masses, 1)  # (B, NC, R): m_n = M̃_{nC-1}
+
+    # Mass before each token, then the read weights ρ' = ρ / max(M̃_{t-1}, eps/(1-β))
+    mass_prev = decay_in * masses[:, :, None, :] + torch.einsum("ijk,bnjk->bnik", decay, w)  # (B, NC, C, R)
+    rho_s = rho / mass_prev.clamp_min(mass_floor)
+
+    # y = read of the carried state + intra-chunk linear attention
+    scores = torch.einsum("bnik,ijk,bnjk->bnij", rho_s, decay, w)  # (B, NC, C, C): A[i, j]
+    y = (rho_s * decay_in) @ states + scores @ v_  # (B, NC, C, dv)
+    return y.reshape(B, NC * C, dv)[:, :T].to(v.dtype)
+
+
+def prefix_mean_read_official(w, v, rho, beta):
+    """The official code's shortcut (spec §1.3), for comparison only: discounted sums by a rescaled cumsum,
+
+        S_t = β^t Σ_{s≤t} (1-β) u_s / (β^s + 1e-12)      (exact: S_t = Σ_{s≤t} (1-β) β^(t-s) u_s)
+
+    in fp32 for N (u = w v) and M (u = w), then rolled right by one step (past-only) before the division.
+    Once β^t drops below ~1e-12 (t ≈ 262 for β = 0.9) the 1e-12 dominates, S_t collapses towards 0, the mass
+    falls under the clamp and the prefix mean reads ~0. Like the official code it builds [B, T, R, dv]."""
+    T = w.shape[1]
+    b = beta.float()  # (R,)
+    b_pow = b ** torch.arange(T, device=w.device, dtype=torch.float32)[:, None]  # (T, R): β^t
+    w32 = w.float()
+    N = torch.cumsum(((1 - b) * w32 / (b_pow + 1e-12))[..., None] * v.float()[:, :, None, :], 1) * b_pow[..., None]
+    M = torch.cumsum((1 - b) * w32 / (b_pow + 1e-12), 1) * b_pow  # (B, T, R)
+    N_prev = F.pad(N[:, :-1], (0, 0, 0, 0, 1, 0))  # (B, T, R, dv): rolled right by one, zero at t = 0
+    M_prev = F.pad(M[:, :-1], (0, 0, 1, 0))  # (B, T, R)
+    prefix_mean = N_prev / M_prev.clamp_min(MASS_EPS)[..., None]
+    return torch.einsum("btk,btkd->btd", rho.float(), prefix_mean).to(v.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. Triton kernels
+#
+# The chunked form again (rescaled sums Ñ, M̃ and the clamp at eps/(1-β)), with chunks of BT = 16 tokens, small
+# enough for the [BT, BT, R] decay tensor to stay in registers, and R padded to RP = max(16, next power of two)
+# with masks. Five kernels; none stores anything of size [B, T, R, dv]:
+#
+#   forward   _prefix_mean_fwd_state  grid (dv blocks, B): scan over chunks, store S_n [B, NC, R, dv], m_n [B, NC, R]
+#             _prefix_mean_fwd_read   grid (NC, B): intra-chunk maths + read of S_n, store y and M̃_{t-1} [B, T, R]
+#   backward  _prefix_mean_bwd_read   grid (NC, B): ∂ρ, ∂M̃_{t-1} and the clamp's share of ∂β
+#             _prefix_mean_bwd_state  grid (dv blocks, B): reverse scan, store the adjoints dS_{n+1}, dm_{n+1}
+#             _prefix_mean_bwd_write  grid (NC, B): ∂w, ∂v and the decays' share of ∂β
+#
+# Backward, with g_t = ∂L/∂y_t, D_t = max(M̃_{t-1}, c), c = eps/(1-β), ρ' = ρ/D and y_t = Σ_k ρ'_{t,k} Ñ_{t-1,k}:
+#   ∂ρ'_{t,k} = g_t · Ñ_{t-1,k}     ∂ρ_{t,k} = ∂ρ'_{t,k} / D_{t,k}     ∂M̃_{t-1,k} = -ρ'_{t,k} ∂ρ_{t,k}  where M̃ ≥ c
+#   and Ñ_{t-1,k} receives ρ'_{t,k} g_t. Ñ_{t-1} and M̃_{t-1} are sums of discounted writes β^lag w_j v_j and
+#   β^lag w_j, so the write side is linear attention run backwards: inside a chunk through D[i,j,k], across
+#   chunks through the adjoints of the carried state, dS_n = β^BT dS_{n+1} + Σ_i β^i ρ'_i g_iᵀ (dm_n likewise
+#   with ∂M̃ in place of ρ' g). ∂β has two parts:
+#     decays  every factor's derivative, d(β^lag)/dβ = lag β^(lag-1), times the gradient flowing through it, per
+#             chunk, so lags stay ≤ BT (no long fp32 running sum; torch adds up the [B, NC, R] partials);
+#     clamp   where M̃ < c the read is PM = (1-β) Ñ / eps, which adds -Σ_t ρ_{t,k} ∂ρ'_{t,k} / eps.
+#   (Spec §6 gives the same gradients for the unscaled N, M as a token-by-token reverse scan.)
+
+_BT = 16  # tokens per chunk in the kernels
+
+
+@triton.jit
+def _prefix_mean_fwd_state(
+    W,  # pointer to the write gates w [B, T, R]
+    V,  # pointer to the values v [B, T, DV]
+    Beta,  # pointer to the decays β [R] (fp32)
+    S,  # pointer to the carried states [B, NC, R, DV] (fp32): S_n = Ñ_{n·BT-1}
+    Mc,  # pointer to the carried masses [B, NC, R] (fp32): m_n = M̃_{n·BT-1}
+    T,  # sequence length
+    R,  # number of prototype channels
+    DV,  # value width
+    NC,  # number of chunks, cdiv(T, BT)
+    BT: tl.constexpr,  # tokens per chunk
+    RP: tl.constexpr,  # R padded to a power of two >= 16
+    BD: tl.constexpr,  # block of value columns handled by this program
+):
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    j = tl.arange(0, BT)
+    k = tl.arange(0, RP)
+    d = pid_d * BD + tl.arange(0, BD)
+    k_ok = k < R
+    d_ok = d < DV
+    beta = tl.load(Beta + k, mask=k_ok, other=0.5)  # padded channels get a harmless β; their w is 0
+    log_beta = tl.log(beta)
+    decay_chunk = tl.exp(BT * log_beta)  # β^BT
+    decay_out = tl.exp((BT - 1 - j).to(tl.float32)[:, None] * log_beta[None, :])  # [BT, RP]: β^(BT-1-j)
+    state = tl.zeros([RP, BD], dtype=tl.float32)
+    mass = tl.zeros([RP], dtype=tl.float32)
+    for n in range(NC):
+        # Store the state entering chunk n
+        chunk = b * NC + n
+        tl.store(S + (chunk * R + k[:, None]) * DV + d[None, :], state, mask=k_ok[:, None] & d_ok[None, :])
+        if pid_d == 0:  # the masses do not depend on the value block: one program stores them
+            tl.store(Mc + chunk * R + k, mass, mask=k_ok)
+        t = n * BT + j
+        t_ok = t < T
+        w = tl.load(W + (b * T + t[:, None]) * R + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        v = tl.load(V + (b * T + t[:, None]) * DV + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        written = w.to(tl.float32) * decay_out  # [BT, RP]
+        # S_{n+1} = β^BT S_n + Σ_j β^(BT-1-j) w_j v_jᵀ,   m_{n+1} = β^BT m_n + Σ_j β^(BT-1-j) w_j
+        state = decay_chunk[:, None] * state + tl.dot(tl.trans(written), v.to(tl.float32), input_precision="ieee")
+        mass = decay_chunk * mass + tl.sum(written, axis=0)
+
+
+@triton.jit
+def _prefix_mean_fwd_read(
+    W,  # pointer to the write gates w [B, T, R]
+    V,  # pointer to the values v [B, T, DV]
+    Rho,  # pointer to the read gates ρ [B, T, R]
+    Beta,  # pointer to the decays β [R] (fp32)
+    S,  # pointer to the carried states [B, NC, R, DV] (fp32)
+    Mc,  # pointer to the carried masses [B, NC, R] (fp32)
+    Y,  # pointer to the output y [B, T, DV]
+    Mp,  # pointer to the mass before each token M̃_{t-1} [B, T, R] (fp32), saved for the backward
+    T,  # sequence length
+    R,  # number of prototype channels
+    DV,  # value width
+    NC,  # number of chunks
+    eps,  # MASS_EPS
+    BT: tl.constexpr,  # tokens per chunk
+    RP: tl.constexpr,  # R padded to a power of two >= 16
+    BDV: tl.constexpr,  # DV padded to a power of two >= 16 (a program handles whole value rows)
+):
+    n = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    i = tl.arange(0, BT)
+    k = tl.arange(0, RP)
+    d = tl.arange(0, BDV)
+    t = n * BT + i
+    t_ok, k_ok, d_ok = t < T, k < R, d < DV
+    tk = (b * T + t[:, None]) * R + k[None, :]
+    tk_ok = t_ok[:, None] & k_ok[None, :]
+    w = tl.load(W + tk, mask=tk_ok, other=0.0).to(tl.float32)
+    rho = tl.load(Rho + tk, mask=tk_ok, other=0.0).to(tl.float32)
+    v = tl.load(V + (b * T + t[:, None]) * DV + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    chunk = b * NC + n
+    state = tl.load(S + (chunk * R + k[:, None]) * DV + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    mass = tl.load(Mc + chunk * R + k, mask=k_ok, other=0.0)
+    beta = tl.load(Beta + k, mask=k_ok, other=0.5)
+    log_beta = tl.log(beta)
+    mass_floor = eps / (1 - beta)  # the clamp on M, rescaled like M̃
+    # Decays: β^i for the carried state, D[i,j,k] = β^(i-1-j) for j < i inside the chunk
+    decay_in = tl.exp(i.to(tl.float32)[:, None] * log_beta[None, :])  # [BT, RP]
+    lag = i[:, None] - 1 - i[None, :]  # [BT, BT]
+    decay = tl.where((lag >= 0)[:, :, None],
+                     tl.exp(tl.maximum(lag, 0).to(tl.float32)[:, :, None] * log_beta[None, None, :]), 0.0)
+    written = decay * w[None, :, :]  # [BT, BT, RP]: row j's discounted write as seen from row i
+    # M̃_{t-1} = β^i m_n + Σ_{j<i} D[i,j] w_j, then ρ' = ρ / max(M̃_{t-1}, eps/(1-β))
+    mass_prev = decay_in * mass[None, :] + tl.sum(written, axis=1)
+    rho_s = rho / tl.maximum(mass_prev, mass_floor[None, :])
+    # y_t = (ρ'_t ⊙ β^i) · S_n + Σ_j A[i,j] v_j with A[i,j] = Σ_k ρ'_{i,k} D[i,j,k] w_{j,k}
+    scores = tl.sum(rho_s[:, None, :] * written, axis=2)  # [BT, BT]
+    y = tl.dot(rho_s * decay_in, state, input_precision="ieee")
+    y += tl.dot(scores, v.to(tl.float32), input_precision="ieee")
+    tl.store(Y + (b * T + t[:, None]) * DV + d[None, :], y.to(Y.dtype.element_ty), mask=t_ok[:, None] & d_ok[None, :])
+    tl.store(Mp + tk, mass_prev, mask=tk_ok)
+
+
+@triton.jit
+def _prefix_mean_bwd_read(
+    W,  # pointer to the write gates w [B, T, R]
+    V,  # pointer to the values v [B, T, DV]
+    Rho,  # pointer to the read gates ρ [B, T, R]
+    Beta,  # pointer to the decays β [R] (fp32)
+    S,  # pointer to the carried states [B, NC, R, DV] (fp32)
+    Mp,  # pointer to the mass before each token M̃_{t-1} [B, T, R] (fp32)
+    DY,  # pointer to the output gradient g [B, T, DV]
+    DRho,  # pointer to the read-gate gradient ∂ρ [B, T, R]
+    DMp,  # pointer to the mass gradient ∂M̃_{t-1} [B, T, R] (fp32)
+    DBeta,  # pointer to the per-chunk partial decay gradients [B, NC, R] (fp32): this kernel writes the clamp part
+    T,  # sequence length
+    R,  # number of prototype channels
+    DV,  # value width
+    NC,  # number of chunks
+    eps,  # MASS_EPS
+    BT: tl.constexpr,  # tokens per chunk
+    RP: tl.constexpr,  # R padded to a power of two >= 16
+    BDV: tl.constexpr,  # DV padded to a power of two >= 16
+):
+    n = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    i = tl.arange(0, BT)
+    k = tl.arange(0, RP)
+    d = tl.arange(0, BDV)
+    t = n * BT + i
+    t_ok, k_ok, d_ok = t < T, k < R, d < DV
+    tk = (b * T + t[:, None]) * R + k[None, :]
+    tk_ok = t_ok[:, None] & k_ok[None, :]
+    td = (b * T + t[:, None]) * DV + d[None, :]
+    td_ok = t_ok[:, None] & d_ok[None, :]
+    w = tl.load(W + tk, mask=tk_ok, other=0.0).to(tl.float32)
+    rho = tl.load(Rho + tk, mask=tk_ok, other=0.0).to(tl.float32)
+    mass_prev = tl.load(Mp + tk, mask=tk_ok, other=0.0)
+    v = tl.load(V + td, mask=td_ok, other=0.0).to(tl.float32)
+    g = tl.load(DY + td, mask=td_ok, other=0.0).to(tl.float32)
+    kd = ((b * NC + n) * R + k[:, None]) * DV + d[None, :]
+    state = tl.load(S + kd, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    beta = tl.load(Beta + k, mask=k_ok, other=0.5)
+    log_beta = tl.log(beta)
+    mass_floor = eps / (1 - beta)
+    decay_in = tl.exp(i.to(tl.float32)[:, None] * log_beta[None, :])
+    lag = i[:, None] - 1 - i[None, :]
+    decay = tl.where((lag >= 0)[:, :, None],
+                     tl.exp(tl.maximum(lag, 0).to(tl.float32)[:, :, None] * log_beta[None, None, :]), 0.0)
+    written = decay * w[None, :, :]  # [BT, BT, RP]
+    clamped = tl.maximum(mass_prev, mass_floor[None, :])
+    rho_s = rho / clamped
+    # ∂ρ'_{i,k} = g_i · Ñ_{t-1,k} = β^i (g_i · S_{n,k}) + Σ_{j<i} D[i,j,k] w_{j,k} (g_i · v_j)
+    g_dot_v = tl.dot(g, tl.trans(v), input_precision="ieee")  # [BT, BT]
+    g_dot_s = tl.dot(g, tl.trans(state), input_precision="ieee")  # [BT, RP]
+    drho_s = decay_in * g_dot_s + tl.sum(written * g_dot_v[:, :, None], axis=1)
+    # ∂ρ = ∂ρ' / D;   ∂M̃_{t-1} = -ρ' ∂ρ where the clamp is not active
+    drho = drho_s / clamped
+    unclamped = mass_prev >= mass_floor[None, :]
+    tl.store(DRho + tk, drho.to(DRho.dtype.element_ty), mask=tk_ok)
+    tl.store(DMp + tk, tl.where(unclamped, -rho_s * drho, 0.0), mask=tk_ok)
+    # The clamp's part of ∂β: where clamped, PM = (1-β) Ñ / eps
+    dbeta = -tl.sum(tl.where(unclamped, 0.0, rho * drho_s), axis=0) / eps
+    tl.store(DBeta + (b * NC + n) * R + k, dbeta, mask=k_ok)
+
+
+@triton.jit
+def _prefix_mean_bwd_state(
+    Rho,  # pointer to the read gates ρ [B, T, R]
+    Mp,  # pointer to the mass before each token M̃_{t-1} [B, T, R] (fp32)
+    DMp,  # pointer to the mass gradient ∂M̃_{t-1} [B, T, R] (fp32)
+    DY,  # pointer to the output gradient g [B, T, DV]
+    Beta,  # pointer to the decays β [R] (fp32)
+    DS,  # pointer to the state adjoints [B, NC, R, DV] (fp32): entry n holds dS_{n+1}, the state leaving chunk n
+    DMc,  # pointer to the mass adjoints [B, NC, R] (fp32): entry n holds dm_{n+1}
+    T,  # sequence length
+    R,  # number of prototype channels
+    DV,  # value width
+    NC,  # number of chunks
+    eps,  # MASS_EPS
+    BT: tl.constexpr,  # tokens per chunk
+    RP: tl.constexpr,  # R padded to a power of two >= 16
+    BD: tl.constexpr,  # block of value columns handled by this program
+):
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    i = tl.arange(0, BT)
+    k = tl.arange(0, RP)
+    d = pid_d * BD + tl.arange(0, BD)
+    k_ok = k < R
+    d_ok = d < DV
+    beta = tl.load(Beta + k, mask=k_ok, other=0.5)
+    log_beta = tl.log(beta)
+    mass_floor = eps / (1 - beta)
+    decay_chunk = tl.exp(BT * log_beta)
+    decay_in = tl.exp(i.to(tl.float32)[:, None] * log_beta[None, :])  # [BT, RP]: β^i
+    dstate = tl.zeros([RP, BD], dtype=tl.float32)
+    dmass = tl.zeros([RP], dtype=tl.float32)
+    for r in range(NC):
+        n = NC - 1 - r  # walk the chunks backwards
+        # Store the adjoint of the state leaving chunk n: it collects the reads of all later chunks
+        chunk = b * NC + n
+        tl.store(DS + (chunk * R + k[:, None]) * DV + d[None, :], dstate, mask=k_ok[:, None] & d_ok[None, :])
+        if pid_d == 0:
+            tl.store(DMc + chunk * R + k, dmass, mask=k_ok)
+        t = n * BT + i
+        t_ok = t < T
+        tk = (b * T + t[:, None]) * R + k[None, :]
+        tk_ok = t_ok[:, None] & k_ok[None, :]
+        rho = tl.load(Rho + tk, mask=tk_ok, other=0.0).to(tl.float32)
+        rho_s = rho / tl.maximum(tl.load(Mp + tk, mask=tk_ok, other=0.0), mass_floor[None, :])
+        dmass_prev = tl.load(DMp + tk, mask=tk_ok, other=0.0)
+        g = tl.load(DY + (b * T + t[:, None]) * DV + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        # dS_n = β^BT dS_{n+1} + Σ_i β^i ρ'_i g_iᵀ,   dm_n = β^BT dm_{n+1} + Σ_i β^i ∂M̃_{t-1}
+        read = tl.trans(rho_s * decay_in)  # [RP, BT]
+        dstate = decay_chunk[:, None] * dstate + tl.dot(read, g.to(tl.float32), input_precision="ieee")
+        dmass = decay_chunk * dmass + tl.sum(decay_in * dmass_prev, axis=0)
+
+
+@triton.jit
+def _prefix_mean_bwd_write(
+    W,  # pointer to the write gates w [B, T, R]
+    V,  # pointer to the values v [B, T, DV]
+    Rho,  # pointer to the read gates ρ [B, T, R]
+    Beta,  # pointer to the decays β [R] (fp32)
+    S,  # pointer to the carried states [B, NC, R, DV] (fp32): S_n
+    Mc,  # pointer to the carried masses [B, NC, R] (fp32): m_n
+    Mp,  # pointer to the mass before each token M̃_{t-1} [B, T, R] (fp32)
+    DY,  # pointer to the output gradient g [B, T, DV]
+    DMp,  # pointer to the mass gradient ∂M̃_{t-1} [B, T, R] (fp32)
+    DS,  # pointer to the state adjoints [B, NC, R, DV] (fp32): dS_{n+1}
+    DMc,  # pointer to the mass adjoints [B, NC, R] (fp32): dm_{n+1}
+    DW,  # pointer to the write-gate gradient ∂w [B, T, R]
+    DVal,  # pointer to the value gradient ∂v [B, T, DV]
+    DBeta,  # pointer to the per-chunk partial decay gradients [B, NC, R] (fp32): this kernel adds the decay part
+    T,  # sequence length
+    R,  # number of prototype channels
+    DV,  # value width
+    NC,  # number of chunks
+    eps,  # MASS_EPS
+    BT: tl.constexpr,  # tokens per chunk
+    RP: tl.constexpr,  # R padded to a power of two >= 16
+    BDV: tl.constexpr,  # DV padded to a power of two >= 16
+):
+    n = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    i = tl.arange(0, BT)  # rows of the chunk: as readers they are i, as writers j
+    k = tl.arange(0, RP)
+    d = tl.arange(0, BDV)
+    t = n * BT + i
+    t_ok, k_ok, d_ok = t < T, k < R, d < DV
+    tk = (b * T + t[:, None]) * R + k[None, :]
+    tk_ok = t_ok[:, None] & k_ok[None, :]
+    td = (b * T + t[:, None]) * DV + d[None, :]
+    td_ok = t_ok[:, None] & d_ok[None, :]
+    kd = ((b * NC + n) * R + k[:, None]) * DV + d[None, :]
+    kd_ok = k_ok[:, None] & d_ok[None, :]
+    w = tl.load(W + tk, mask=tk_ok, other=0.0).to(tl.float32)
+    rho = tl.load(Rho + tk, mask=tk_ok, other=0.0).to(tl.float32)
+    dmass_prev = tl.load(DMp + tk, mask=tk_ok, other=0.0)
+    v = tl.load(V + td, mask=td_ok, other=0.0).to(tl.float32)
+    g = tl.load(DY + td, mask=td_ok, other=0.0).to(tl.float32)
+    state = tl.load(S + kd, mask=kd_ok, other=0.0)
+    dstate = tl.load(DS + kd, mask=kd_ok, other=0.0)
+    mass = tl.load(Mc + (b * NC + n) * R + k, mask=k_ok, other=0.0)
+    dmass = tl.load(DMc + (b * NC + n) * R + k, mask=k_ok, other=0.0)
+    beta = tl.load(Beta + k, mask=k_ok, other=0.5)
+    log_beta = tl.log(beta)
+    rho_s = rho / tl.maximum(tl.load(Mp + tk, mask=tk_ok, other=0.0), eps / (1 - beta)[None, :])
+    # The decays of the forward, and their derivatives in β: d(β^x)/dβ = x β^(x-1)
+    fi = i.to(tl.float32)[:, None]  # [BT, 1]
+    ddecay_in = tl.where(fi > 0, fi * tl.exp(tl.maximum(fi - 1, 0.0) * log_beta[None, :]), 0.0)  # of β^i
+    out_lag = BT - 1 - fi  # [BT, 1]: steps from row j to the end of the chunk
+    decay_out = tl.exp(out_lag * log_beta[None, :])  # β^(BT-1-j)
+    ddecay_out = tl.where(out_lag > 0, out_lag * tl.exp(tl.maximum(out_lag - 1, 0.0) * log_beta[None, :]), 0.0)
+    lag = (i[:, None] - 1 - i[None, :]).to(tl.float32)[:, :, None]  # [BT, BT, 1]
+    decay = tl.where(lag >= 0, tl.exp(tl.maximum(lag, 0.0) * log_beta[None, None, :]), 0.0)  # D[i,j,k]
+    ddecay = tl.where(lag > 0, lag * tl.exp((tl.maximum(lag, 1.0) - 1) * log_beta[None, None, :]), 0.0)
+    # q[i,j,k]: the gradient reaching the discounted write D[i,j,k] w_{j,k} from reader row i, through
+    # Ñ_{t-1} (ρ'_{i,k} g_i · v_j) and through M̃_{t-1} (∂M̃_{t-1})
+    g_dot_v = tl.dot(g, tl.trans(v), input_precision="ieee")  # [BT(i), BT(j)]
+    q = rho_s[:, None, :] * g_dot_v[:, :, None] + dmass_prev[:, None, :]  # [BT, BT, RP]
+    v_dot_ds = tl.dot(v, tl.trans(dstate), input_precision="ieee")  # [BT(j), RP]: v_j · dS_{n+1,k}
+    into_next = v_dot_ds + dmass[None, :]  # what row j's write into the next chunk's state receives
+    # ∂w_{j,k} = Σ_i D[i,j,k] q[i,j,k] + β^(BT-1-j) (v_j · dS_{n+1,k} + dm_{n+1,k})
+    dw = tl.sum(decay * q, axis=0) + decay_out * into_next
+    tl.store(DW + tk, dw.to(DW.dtype.element_ty), mask=tk_ok)
+    # ∂v_j = Σ_i A[i,j] g_i + Σ_k β^(BT-1-j) w_{j,k} dS_{n+1,k}
+    scores = tl.sum(rho_s[:, None, :] * decay * w[None, :, :], axis=2)  # [BT(i), BT(j)]: A[i, j]
+    dv = tl.dot(tl.trans(scores), g, input_precision="ieee")
+    dv += tl.dot(decay_out * w, dstate, input_precision="ieee")
+    tl.store(DVal + td, dv.to(DVal.dtype.element_ty), mask=td_ok)
+    # The decays' part of ∂β, added to the clamp part left by _prefix_mean_bwd_read
+    g_dot_s = tl.dot(g, tl.trans(state), input_precision="ieee")  # [BT, RP]: g_i · S_{n,k}
+    dbeta = tl.load(DBeta + (b * NC + n) * R + k, mask=k_ok, other=0.0)
+    dbeta += tl.sum(tl.sum(ddecay * w[None, :, :] * q, axis=0), axis=0)  # writes read inside the chunk
+    dbeta += tl.sum(ddecay_in * (rho_s * g_dot_s + dmass_prev * mass[None, :]), axis=0)  # reads of S_n, m_n
+    dbeta += BT * tl.exp((BT - 1) * log_beta) * (tl.sum(state * dstate, axis=1) + mass * dmass)  # S_n, m_n carried on
+    dbeta += tl.sum(ddecay_out * w * into_next, axis=0)  # writes into the next chunk's state
+    tl.store(DBeta + (b * NC + n) * R + k, dbeta, mask=k_ok)
+
+
+def _prefix_mean_empty(shape, dtype, device):
+    """Kernel output buffers: torch.empty, or NaN-filled under GLASSBOX_POISON=1 (tests) so an unwritten tile shows."""
+    if os.environ.get("GLASSBOX_POISON") == "1":
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _prefix_mean_blocks(R, dv):
+    """Padded sizes: RP (channels), BDV (a whole value row), BD (value block of the two scans)."""
+    RP = max(16, 1 << (R - 1).bit_length())  # tl.dot needs every dimension >= 16
+    BDV = max(16, 1 << (dv - 1).bit_length())
+    return RP, BDV, min(BDV, 32)
+
+
+class PrefixMeanRead(torch.autograd.Function):
+    """Triton prefix-mean read. Saves w, v, ρ, β, the carried states [B, T/16, R, dv] and masses, and M_{t-1}
+    [B, T, R]; nothing of size [B, T, R, dv] exists in the forward or the backward."""
+
+    @staticmethod
+    def forward(ctx, w, v, rho, beta):
+        B, T, R = w.shape
+        dv = v.shape[-1]
+        w, v, rho = w.contiguous(), v.contiguous(), rho.contiguous()
+        beta32 = beta.detach().float().contiguous()
+        NC = triton.cdiv(T, _BT)
+        RP, BDV, BD = _prefix_mean_blocks(R, dv)
+        states = _prefix_mean_empty((B, NC, R, dv), torch.float32, v.device)
+        masses = _prefix_mean_empty((B, NC, R), torch.float32, v.device)
+        _prefix_mean_fwd_state[(triton.cdiv(dv, BD), B)](
+            w, v, beta32, states, masses, T, R, dv, NC, BT=_BT, RP=RP, BD=BD, num_warps=4)
+        y = _prefix_mean_empty((B, T, dv), v.dtype, v.device)
+        mass_prev = _prefix_mean_empty((B, T, R), torch.float32, v.device)
+        _prefix_mean_fwd_read[(NC, B)](
+            w, v, rho, beta32, states, masses, y, mass_prev, T, R, dv, NC, MASS_EPS,
+            BT=_BT, RP=RP, BDV=BDV, num_warps=4)
+        ctx.save_for_backward(w, v, rho, beta32, states, masses, mass_prev)
+        ctx.beta_dtype = beta.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        w, v, rho, beta32, states, masses, mass_prev = ctx.saved_tensors
+        B, T, R = w.shape
+        dv = v.shape[-1]
+        dy = dy.contiguous()
+        NC = states.shape[1]
+        RP, BDV, BD = _prefix_mean_blocks(R, dv)
+        drho = _prefix_mean_empty((B, T, R), rho.dtype, v.device)
+        dmass_prev = _prefix_mean_empty((B, T, R), torch.float32, v.device)
+        dbeta = _prefix_mean_empty((B, NC, R), torch.float32, v.device)
+        _prefix_mean_bwd_read[(NC, B)](
+            w, v, rho, beta32, states, mass_prev, dy, drho, dmass_prev, dbeta, T, R, dv, NC, MASS_EPS,
+            BT=_BT, RP=RP, BDV=BDV, num_warps=4)
+        dstates = _prefix_mean_empty((B, NC, R, dv), torch.float32, v.device)
+        dmasses = _prefix_mean_empty((B, NC, R), torch.float32, v.device)
+        _prefix_mean_bwd_state[(triton.cdiv(dv, BD), B)](
+            rho, mass_prev, dmass_prev, dy, beta32, dstates, dmasses, T, R, dv, NC, MASS_EPS,
+            BT=_BT, RP=RP, BD=BD, num_warps=4)
+        dw = _prefix_mean_empty((B, T, R), w.dtype, v.device)
+        dval = _prefix_mean_empty((B, T, dv), v.dtype, v.device)
+        _prefix_mean_bwd_write[(NC, B)](
+            w, v, rho, beta32, states, masses, mass_prev, dy, dmass_prev, dstates, dmasses, dw, dval, dbeta,
+            T, R, dv, NC, MASS_EPS, BT=_BT, RP=RP, BDV=BDV, num_warps=4)
+        return dw, dval, drho, dbeta.sum((0, 1)).to(ctx.beta_dtype)
+
+
+# Triton launches stay out of torch.compile graphs: torch.compiler.disable makes dynamo graph-break here.
+@torch.compiler.disable
+def _prefix_mean_read_triton(w, v, rho, beta):
+    return PrefixMeanRead.apply(w, v, rho, beta)
+
+
+def prefix_mean_read(w, v, rho, beta, backend="auto"):
+    """y_t = Σ_k ρ_{t,k} N_{t-1,k} / max(M_{t-1,k}, eps) (module docstring); w, ρ [B, T, R], v [B, T, dv], β [R].
+    Returns y [B, T, dv] in v's dtype; differentiable in w, v, ρ and β with every backend."""
+    if backend not in PREFIX_MEAN_BACKENDS:
+        raise ValueError(f"backend must be one of {PREFIX_MEAN_BACKENDS}, got {backend!r}")
+    if w.dim() != 3 or rho.shape != w.shape or v.shape[:2] != w.shape[:2] or beta.shape != w.shape[-1:]:
+        raise ValueError(f"prefix_mean_read: expected w, rho [B, T, R], v [B, T, dv], beta [R]; got w "
+                         f"{tuple(w.shape)}, v {tuple(v.shape)}, rho {tuple(rho.shape)}, beta {tuple(beta.shape)}")
+    if backend == "recurrent":
+        return prefix_mean_read_recurrent(w, v, rho, beta)
+    if backend == "torch" or (backend == "auto" and not (HAS_TRITON and v.is_cuda)):
+        return prefix_mean_read_chunked(w, v, rho, beta)
+    if not HAS_TRITON:
+        raise RuntimeError(f"backend='triton' needs the triton package, which failed to import: {TRITON_ERROR}")
+    if not (v.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise RuntimeError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (Triton's CPU interpreter)")
+    return _prefix_mean_read_triton(w, v, rho, beta)
+
+
+# -----------------------------------------------------------------------------
+# Model
+
+
+def _fp32(t):
+    """fp32 for the routing and state maths (fp64 stays fp64, so tests can compare in double precision)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def prefix_state(w, v, beta):
+    """The EMA state (N_T, M_T) after a whole sequence, Eq. (3) summed in closed form with decays
+    β^(T-1-s) = exp((T-1-s)·ln β): what a cached generation starts from after a parallel prefill."""
+    T = w.shape[1]
+    beta = _fp32(beta)
+    age = torch.arange(T - 1, -1, -1, device=w.device, dtype=beta.dtype)
+    coef = torch.exp(age[:, None] * torch.log(beta)[None, :]) * (1 - beta)     # [T, R]: (1-β)·β^(T-1-s)
+    cw = _fp32(w) * coef                                                          # [B, T, R]
+    return torch.einsum("btr,btd->brd", cw, _fp32(v)), cw.sum(1)
+
+
+class ProtoMixer(nn.Module):
+    """The prototype mixer of one layer, Eqs. (1)-(6). Interventions set `write_mask` / `read_mask` (bool [R],
+    True = masked: logit -inf) or swap rows of P; `record = True` keeps the last gates for the analyses."""
+
+    def __init__(self, cfg: Config, layer_id: int):
+        super().__init__()
+        d, R = cfg.d_model, cfg.n_protos
+        dv = d // 2 if cfg.value_dim == "half" else d
+        self.layer_id, self.kernels, self.ema = layer_id, cfg.kernels, cfg.ema
+        self.P = nn.Parameter(F.normalize(torch.randn(R, d) / math.sqrt(d), dim=-1))  # unit rows at init only
+        self.gamma = nn.Parameter(torch.full((R,), math.log(0.9 / 0.1)))                # β = σ(γ) = 0.9
+        self.tau_w = nn.Parameter(torch.tensor(3.0 if layer_id == 0 else 1.0))          # layer 0: softer routing
+        self.shared = layer_id == 0 and cfg.shared_routing
+        if not self.shared:
+            self.W_r = nn.Linear(d, d, bias=False)
+            self.tau_r = nn.Parameter(torch.tensor(1.0))
+        self.V = nn.Linear(d, dv, bias=False)
+        self.U = nn.Linear(dv, d, bias=False)
+        self.conv = nn.Conv1d(dv, dv, 5, groups=dv, bias=False) if layer_id < cfg.conv_layers else None
+        self.alpha = nn.Parameter(torch.tensor(1.0))
+        self.write_mask = self.read_mask = None
+        self.record, self.last = False, {}
+
+    @property
+    def beta(self):
+        return torch.sigmoid(_fp32(self.gamma))
+
+    def gates(self, x):
+        """(w, ρ) of Eqs. (1) and (5), with intervention masks applied to the logits."""
+        s_w = x @ self.P.t() / (self.tau_w.abs() + 1e-6)
+        if self.write_mask is not None:
+            s_w = s_w.masked_fill(self.write_mask, float("-inf"))
+        w = torch.softmax(_fp32(s_w), -1)
+        if self.shared and self.read_mask is None:
+            return w, w  # layer 0 reads with its write gate (a write mask therefore masks the read too)
+        s_r = s_w if self.shared else self.W_r(x) @ self.P.t() / (self.tau_r.abs() + 1e-6)
+        if self.read_mask is not None:
+            s_r = s_r.masked_fill(self.read_mask, float("-inf"))
+        return w, torch.softmax(_fp32(s_r), -1)
+
+    def forward(self, x, cache=None):
+        """x: [B, T, d], the block's pre-normed input. cache None: the parallel form. cache a dict: recurrent
+        generation, the cache updated in place (an empty dict = prefill from the start; then T = 1 steps)."""
+        w, rho = self.gates(x)
+        v = self.V(x)                                                                      # [B, T, dv]
+        if self.conv is not None:  # Eq. (2): depthwise causal conv over taps t-4..t
+            past = cache.get("conv") if cache is not None else None
+            if past is None:
+                past = v.new_zeros(v.shape[0], 4, v.shape[-1])
+            seq = torch.cat([past, v], 1)
+            v = 0.5 * v + 0.5 * F.conv1d(seq.transpose(1, 2), self.conv.weight, groups=v.shape[-1]).transpose(1, 2)
+            if cache is not None:
+                cache["conv"] = seq[:, -4:].detach()
+        if self.record:
+            self.last = {"w": w.detach(), "rho": rho.detach()}
+        beta = self.beta
+        if cache is not None and "N" in cache:  # O(1) step(s) from the cached state
+            ys, state = [], (cache["N"], cache["M"])
+            for t in range(x.shape[1]):
+                y_t, state = prefix_mean_step(state, w[:, t], v[:, t], rho[:, t], beta)
+                ys.append(y_t)
+            cache["N"], cache["M"] = state
+            y = torch.stack(ys, 1)
+        else:
+            if self.ema == "official":
+                y = prefix_mean_read_official(w, v, rho, beta)
+            else:
+                y = prefix_mean_read(w, v, rho, beta, backend=self.kernels)
+            if cache is not None:
+                cache["N"], cache["M"] = prefix_state(w, v, beta)
+        return self.alpha * self.U(y.to(x.dtype))
+
+
+class RotaryAttention(nn.Module):
+    """The LLaMA baseline's mixer: multi-head causal attention (SDPA) with rotary position embeddings."""
+
+    def __init__(self, cfg: Config, layer_id: int):
+        super().__init__()
+        if cfg.d_model % cfg.heads or (cfg.d_model // cfg.heads) % 2:
+            raise ValueError(f"--d-model {cfg.d_model} must split into --heads {cfg.heads} heads of even size")
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.record, self.last = False, {}
+
+    @staticmethod
+    def rope(x, offset=0):
+        """Rotate channel pairs (i, i + hd/2) by angle t·10000^(-2i/hd) (LLaMA's layout)."""
+        T, hd = x.shape[-2], x.shape[-1]
+        inv = 10000.0 ** (-torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
+        ang = torch.arange(offset, offset + T, device=x.device, dtype=torch.float32)[:, None] * inv
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+    def forward(self, x, cache=None):
+        B, T, d = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)  # (B, H, T, hd)
+        offset = 0
+        if cache is not None:  # KV cache for generation
+            offset = cache["k"].shape[2] if "k" in cache else 0
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        if cache is not None:
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
+            cache["k"], cache["v"] = k, v
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=offset == 0)
+        return self.proj(y.transpose(1, 2).reshape(B, T, d))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d, dropout):
+        super().__init__()
+        hidden = int(2.7 * d / 16) * 16  # 688 for d = 256 (spec §2)
+        self.W_g = nn.Linear(d, hidden, bias=False)
+        self.W_u = nn.Linear(d, hidden, bias=False)
+        self.W_o = nn.Linear(hidden, d, bias=False)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.W_o(self.drop(F.silu(self.W_g(x)) * self.W_u(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config, layer_id: int):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.d_model, backend=cfg.kernels)
+        self.mixer = (ProtoMixer if cfg.mixer == "proto" else RotaryAttention)(cfg, layer_id)
+        self.norm2 = RMSNorm(cfg.d_model, backend=cfg.kernels)
+        self.ffn = SwiGLU(cfg.d_model, cfg.dropout)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, h, cache=None):
+        h = h + self.drop(self.mixer(self.norm1(h), cache))
+        return h + self.drop(self.ffn(self.norm2(h)))
+
+
+class ProtoT(nn.Module):
+    """Embedding -> dropout -> blocks -> RMSNorm -> tied head. `forward(idx)` gives logits; with targets, the
+    mean cross-entropy (fused kernel from kernels.py on CUDA)."""
+
+    def __init__(self, cfg: Config, vocab_size: int):
+        super().__init__()
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.wte = nn.Embedding(vocab_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
+        self.norm = RMSNorm(cfg.d_model, backend=cfg.kernels)
+        self.head = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self.head.weight = self.wte.weight  # tied (the reproduction command's --TIE_HEAD)
+        nn.init.normal_(self.wte.weight, std=0.02)
+
+    def forward(self, idx, targets=None, caches=None):
+        h = self.drop(self.wte(idx))
+        for i, block in enumerate(self.blocks):
+            h = block(h, None if caches is None else caches[i])
+        logits = self.head(self.norm(h))
+        if targets is None:
+            return logits
+        return cross_entropy(logits.flatten(0, 1), targets.flatten(), backend=self.cfg.kernels).float()
+
+    def mixers(self):
+        return [b.mixer for b in self.blocks]
+
+    def n_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    @torch.no_grad()
+    def generate(self, idx, new_tokens, temperature=0.8, top_k=40, generator=None):
+        """Sample with the recurrent cache: one parallel prefill, then O(1) per token for ProtoT
+        (the attention baseline uses a KV cache, whose cost grows with the position)."""
+        caches = [{} for _ in self.blocks]
+        logits = self(idx, caches=caches)[:, -1]
+        out = [idx]
+        for _ in range(new_tokens):
+            logits = logits.float() / max(temperature, 1e-6)
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+            out.append(nxt)
+            logits = self(nxt, caches=caches)[:, -1]
+        return torch.cat(out, 1)
+
+
+# -----------------------------------------------------------------------------
+# Training
+
+
+class RunError(Exception):
+    """A user-fixable problem (bad checkpoint, bad flag combination, NaN loss): one line, non-zero exit."""
+
+
+def setup_device(cfg: Config):
+    """-> (device, autocast context, DDP info). torchrun sets RANK/LOCAL_RANK/WORLD_SIZE (nanoGPT's detection)."""
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    rank, local_rank, world = 0, 0, 1
+    if cfg.device == "auto":
+        device = "cuda" if torch.cuda.is_available() else ("mps" if torch.backends.mps.is_available() else "cpu")
+    else:
+        device = cfg.device
+    if ddp:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+        rank, local_rank, world = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_world_size()
+        if device.startswith("cuda"):
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RunError(f"--device {device}: CUDA is not available")
+    device_type = "cuda" if device.startswith("cuda") else ("mps" if device == "mps" else "cpu")
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    if dtype == "bfloat16" and device_type == "cuda":
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    else:  # no autocast off CUDA (nanoGPT PR #698: MPS is treated as CPU here)
+        autocast = contextlib.nullcontext()
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return torch.device(device), autocast, dict(ddp=ddp, rank=rank, local_rank=local_rank, world=world)
+
+
+def get_lr(cfg: Config, it: int) -> float:
+    """Linear warmup over warmup_frac of the steps, then cosine from lr to min_lr_ratio·lr (spec §3.2)."""
+    warmup = max(1, int(cfg.warmup_frac * cfg.max_iters))
+    if it < warmup:
+        return cfg.lr * (it + 1) / warmup
+    progress = min(1.0, (it - warmup) / max(1, cfg.max_iters - warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+NO_DECAY = ("P", "gamma", "tau_w", "tau_r", "alpha")
+
+
+def make_optimizer(model: nn.Module, cfg: Config, device_type: str):
+    """AdamW, weight decay on matrices (embedding, projections, conv) but not on P, γ, τ, α or norms."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.dim() < 2 or name.split(".")[-1] in NO_DECAY else decay).append(p)
+    groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, fused=device_type == "cuda")
+
+
+def flops_per_token(model: ProtoT, cfg: Config, ctx: int) -> float:
+    """Training FLOPs per token: 6·N for the matmuls (PaLM appendix B; the tied head counted once as a matmul),
+    plus the mixer's non-parameter work: attention 12·L·d·T, the prototype scan ~6·L·3·R·d_v."""
+    n = model.n_params()
+    if cfg.mixer == "attention":
+        return 6 * n + 12 * cfg.layers * cfg.d_model * ctx
+    dv = cfg.d_model // 2 if cfg.value_dim == "half" else cfg.d_model
+    return 6 * n + 6 * cfg.layers * 3 * cfg.n_protos * dv
+
+
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "4090": 165e12}
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def log_line(step, max_iters, loss, lr, ms, tok_s, mfu) -> str:
+    """The one log format of every glassbox script."""
+    mfu_s = f"{100 * mfu:.1f}%" if mfu is not None else "-"
+    return f"step {step}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | {ms:.1f} ms | {tok_s / 1e3:.1f}k tok/s | mfu {mfu_s}"
+
+
+@torch.no_grad()
+def estimate_loss(model, data, cfg: Config, autocast, batch_size) -> float:
+    """Mean loss over eval_iters random val batches (the val generator, saved in checkpoints)."""
+    model.eval()
+    losses = []
+    for _ in range(cfg.eval_iters):
+        x, y = data.get_batch("val", batch_size, cfg.ctx)
+        with autocast:
+            losses.append(model(x, y).item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windows: Optional[int] = None) -> dict:
+    """Exact token-weighted perplexity over the val split: every token predicted once (common.iter_eval)."""
+    model.eval()
+    total, count = 0.0, 0
+    for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):
+        if max_windows is not None and i * batch_size >= max_windows:
+            break
+        with autocast:
+            logits = model(x)
+        total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+        count += y.numel()
+    if dist_ready():
+        import torch.distributed as dist
+
+        t = torch.tensor([total, count], dtype=torch.float64, device=x.device)
+        dist.all_reduce(t)
+        total, count = t.tolist()
+    return {"loss": total / count, "ppl": math.exp(total / count), "tokens": int(count)}
+
+
+def dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def ckpt_path(cfg: Config) -> Path:
+    return Path(cfg.out_dir) / f"ckpt-{cfg.mixer}.pt"
+
+
+def nan_message(step: int, path: Path) -> str:
+    keep = f"the last good checkpoint is {path}" if path.exists() else "no checkpoint was written"
+    return f"non-finite loss before step {step}; stopping ({keep})"
+
+
+def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: float, data_rng, data,
+                    history) -> None:
+    """One file: written to a temporary name, then renamed (a crash never leaves half a checkpoint)."""
+    state = {
+        "format": "glassbox-checkpoint/1", "script": "protot", "config": asdict(cfg),
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "best_val_loss": best,
+        "tokenizer": data.tokenizer.state_dict(), "history": history,
+        "rng": {"torch": torch.get_rng_state(), "data": data_rng,
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]:
+    """Load with weights_only=True; the architecture comes from the checkpoint, and an architecture flag given
+    on the command line that disagrees with it is an error (one line) rather than a silent mismatch."""
+    if not path.exists():
+        raise RunError(f"no checkpoint at {path} (train first, or point --out-dir at one)")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+        saved = ck["config"]
+        ok = ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "protot"
+    except Exception as e:  # truncated file, not a checkpoint, unpickling refused
+        raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None
+    if not ok:
+        raise RunError(f"{path} is not a protot.py checkpoint")
+    bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k)]
+    if bad:
+        diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
+        raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
+    merged = Config(**{**asdict(cfg), **{k: saved[k] for k in ARCH_KEYS if k in saved}})
+    return ck, merged
+
+
+def build_model(cfg: Config, vocab_size: int, device) -> ProtoT:
+    torch.manual_seed(cfg.seed)
+    return ProtoT(cfg, vocab_size).to(device)
+
+
+def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print) -> tuple[ProtoT, dict]:
+    """The nanoGPT-shaped loop. Returns the trained (unwrapped) model and its history."""
+    rank, world = dist_info["rank"], dist_info["world"]
+    if cfg.batch_size % world:
+        raise RunError(f"--batch-size {cfg.batch_size} must be divisible by the {world} ranks")
+    micro = cfg.batch_size // world
+    path = ckpt_path(cfg)
+    model = build_model(cfg, data.vocab_size, device)
+    optimizer = make_optimizer(model, cfg, device.type)
+    step, best, history = 0, float("inf"), {"step": [], "train": [], "val": []}
+    if cfg.resume:
+        ck, _ = load_checkpoint(path, cfg, explicit=set(ARCH_KEYS))
+        try:
+            model.load_state_dict(ck["model"])
+            optimizer.load_state_dict(ck["optimizer"])
+        except (RuntimeError, ValueError) as e:
+            raise RunError(f"{path} does not fit this model: {str(e).splitlines()[0]}") from None
+        step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
+        torch.set_rng_state(ck["rng"]["torch"])
+        data.set_rng_state(ck["rng"]["data"])
+        if ck["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(ck["rng"]["cuda"])
+        log(f"resumed from {path} at step {step}")
+    raw = model
+    if cfg.compile:
+        model = torch.compile(model)
+    if dist_info["ddp"]:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[dist_info["local_rank"]] if device.type == "cuda" else None)
+    fpt, peak = flops_per_token(raw, cfg, cfg.ctx), peak_flops(device)
+    tokens_per_step = cfg.batch_size * cfg.ctx
+    log(f"{cfg.mixer}: {raw.n_params() / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
+        f"{tokens_per_step:,} tokens per step, {cfg.max_iters} steps")
+    # The data generator's state is taken before each prefetch, so a checkpoint resumes with the batch that the
+    # uninterrupted run would have used next (bit-exact resume on CPU).
+    data_rng = data.rng_state()
+    x, y = data.get_batch("train", micro, cfg.ctx)
+    t0, mfu_ema, start = time.time(), None, step
+    bad = torch.zeros((), dtype=torch.bool, device=device)  # any non-finite loss since the last check
+    while True:
+        if step > start and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
+            if bad.item():
+                raise RunError(nan_message(step, path))
+            val = estimate_loss(model, data, cfg, autocast, micro)
+            if dist_ready():
+                t = torch.tensor([val], device=device)
+                torch.distributed.all_reduce(t)
+                val = t.item() / world
+            history["step"].append(step)
+            history["val"].append(val)
+            log(f"step {step}: val loss {val:.4f} (ppl {math.exp(val):.1f})")
+            best = min(best, val)
+            if rank == 0:
+                save_checkpoint(path, raw, optimizer, cfg, step, best, data_rng, data, history)
+            t0 = time.time()  # evaluation time is not training time
+        if step >= cfg.max_iters:
+            break
+        lr = get_lr(cfg, step)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        with autocast:
+            loss = model(x, y)
+        data_rng = data.rng_state()
+        x, y = data.get_batch("train", micro, cfg.ctx)  # prefetch while the backward runs (async on CUDA)
+        loss.backward()
+        bad |= ~torch.isfinite(loss.detach())
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if step % cfg.log_interval == 0 or step == cfg.max_iters:
+            lossf = loss.item()  # syncs the device, so the timing below is real
+            if bad.item():
+                raise RunError(nan_message(step, path))
+            dt = (time.time() - t0) / (cfg.log_interval if step % cfg.log_interval == 0 else step % cfg.log_interval)
+            tok_s = tokens_per_step / dt
+            if peak and step > 5 * cfg.log_interval:  # skip warm-up/compile steps, smooth like nanoGPT
+                m = fpt * tok_s / (peak * world)
+                mfu_ema = m if mfu_ema is None else 0.9 * mfu_ema + 0.1 * m
+            history["train"].append([step, lossf])
+            log(log_line(step, cfg.max_iters, lossf, lr, dt * 1000, tok_s, mfu_ema))
+            t0 = time.time()
+    return raw, history
+
+
+# -----------------------------------------------------------------------------
+# Analyses: prototype labelling, interventions, robustness, samples, benchmarks, report
+
+
+def half_lives(model: ProtoT) -> list[list[float]]:
+    """t_1/2 = ln 0.5 / ln β_k per (layer, prototype), in tokens."""
+    return [(math.log(0.5) / torch.log(m.beta)).tolist() for m in model.mixers()]
+
+
+def token_pieces(tok, ids) -> list[str]:
+    return [tok.decode([int(i)]) for i in ids]
+
+
+def words_of(pieces: list[str], acts: list[float]) -> list[tuple[str, float]]:
+    """Join subword pieces into words (a piece starting with whitespace starts a new word); a word's
+    activation is the mean of its pieces'."""
+    words: list[tuple[str, list[float]]] = []
+    for p, a in zip(pieces, acts):
+        if not words or p[:1].isspace():
+            words.append((p, [a]))
+        else:
+            words[-1] = (words[-1][0] + p, words[-1][1] + [a])
+    return [(w, sum(a) / len(a)) for w, a in words]
+
+
+@torch.no_grad()
+def label_prototypes(model: ProtoT, data, cfg: Config, out_dir: Path, top: int = 10, width: int = 32) -> dict:
+    """Spec §5.1: for every (layer, prototype), the val contexts of `width` tokens with the highest mean
+    write-gate probability, words coloured by activation (HTML) and listed (JSON), with the half-life."""
+    model.eval()
+    tokens = data.tokens("val")
+    n = min(cfg.label_windows, (len(tokens) - 1) // width)
+    windows = torch.from_numpy(tokens[: n * width].astype("int64")).view(n, width)
+    for m in model.mixers():
+        m.record = True
+    acts = [[] for _ in model.blocks]
+    for i in range(0, n, 64):
+        model(windows[i:i + 64].to(data.device))
+        for l, m in enumerate(model.mixers()):
+            acts[l].append(m.last["w"].float().cpu())
+    for m in model.mixers():
+        m.record, m.last = False, {}
+    hl = half_lives(model)
+    cards = []
+    for l in range(len(model.blocks)):
+        w = torch.cat(acts[l])                                # [n, width, R]
+        score = w.mean(1)                                     # [n, R]: mean activation per context
+        for k in range(w.shape[-1]):
+            best = torch.topk(score[:, k], min(top, n)).indices.tolist()
+            contexts = [{"score": score[j, k].item(),
+                         "words": words_of(token_pieces(data.tokenizer, windows[j]), w[j, :, k].tolist())}
+                        for j in best]
+            cards.append({"layer": l, "proto": k, "half_life": hl[l][k], "contexts": contexts})
+    (out_dir / "prototypes.json").write_text(json.dumps(cards))
+    (out_dir / "prototypes.html").write_text(prototype_html(cards))
+    return {"cards": cards, "windows": n}
+
+
+def prototype_html(cards: list[dict]) -> str:
+    rows = []
+    for c in cards:
+        ctx_html = []
+        for ctx in c["contexts"]:
+            peak = max(a for _, a in ctx["words"]) or 1.0
+            spans = "".join(f'<span style="background:rgba(255,140,0,{a / peak:.2f})">{html.escape(wd)}</span>'
+                            for wd, a in ctx["words"])
+            ctx_html.append(f'<div class="ctx">{spans}</div>')
+        rows.append(f'<div class="card"><h3>L{c["layer"]} P{c["proto"]} '
+                    f'<small>half-life {c["half_life"]:.1f} tokens</small></h3>{"".join(ctx_html)}</div>')
+    return ("<!doctype html><meta charset=utf-8><title>ProtoT prototypes</title><style>body{font-family:sans-serif}"
+            ".card{border:1px solid #ccc;margin:8px;padding:6px}.ctx{font-family:monospace;white-space:pre-wrap;"
+            "margin:2px 0;border-bottom:1px dotted #eee}</style><h1>Prototypes: top write-gate contexts</h1>"
+            + "".join(rows))
+
+
+# Built-in prompt sentences for the embedded corpus (written for this file, in the plays' register).
+PROMPTS = {
+    "woman": ["Frailty, thy name is woman", "I am a woman, and when I think I must speak",
+              "Do you not know I am a woman", "She is a woman, therefore may be woo'd",
+              "There was never yet fair woman but she made mouths in a glass",
+              "Let still the woman take an elder than herself", "I have a woman's longing",
+              "He that is more than a youth is not for me, and he that is less than a man, I am not for him; give me a woman"],
+    "lady": ["The lady doth protest too much", "Good morrow, gentle lady", "My gracious lady, you are welcome home",
+             "Is this the lady", "I know the lady well", "Speak to the lady, sir", "Fair lady, a word with you",
+             "Here comes the lady"],
+    "queen": ["Long live the queen", "God save the queen", "The king and queen are coming",
+              "Madam, the queen", "Where is the queen", "I would I were a queen",
+              "Go tell the queen", "The queen, my lord, is dead"],
+    "daughter": ["I have a daughter", "My daughter is not yet of age", "Your daughter, sir, is here",
+                 "Where is my daughter", "Thy daughter and thy crown", "She is my only daughter",
+                 "Give me my daughter", "O my daughter"],
+}
+
+
+def load_prompts(cfg: Config, data, target: str) -> list[str]:
+    """--prompts FILE, else the built-in set for the target, else val lines that contain the target word."""
+    if cfg.prompts:
+        try:
+            lines = [ln.strip() for ln in Path(cfg.prompts).read_text(encoding="utf-8").splitlines() if ln.strip()]
+        except OSError as e:
+            raise RunError(f"--prompts {cfg.prompts}: {e.strerror}") from None
+    elif target.lower() in PROMPTS:
+        lines = PROMPTS[target.lower()]
+    else:
+        text = data.tokenizer.decode(data.tokens("val")[:200_000].tolist())
+        lines = [ln for ln in text.splitlines() if "\ufffd" not in ln and find_word(ln, target) > 0][:16]
+    lines = [ln for ln in lines if find_word(ln, target) > 0]
+    if not lines:
+        raise RunError(f"no prompt contains the word {target!r} after some context; pass --prompts FILE")
+    return lines
+
+
+def find_word(text: str, word: str) -> int:
+    """Index of the last whole-word, case-insensitive occurrence of `word` in `text` (-1 if none)."""
+    low, w = text.lower(), word.lower()
+    i = len(low)
+    while True:
+        i = low.rfind(w, 0, i)
+        if i < 0:
+            return -1
+        before = low[i - 1] if i else " "
+        after = low[i + len(w)] if i + len(w) < len(low) else " "
+        if not before.isalnum() and not after.isalnum():
+            return i
+
+
+def prompt_batch(tok, prompts: list[str], target: str, device):
+    """Right-padded prefixes (text before the target's last occurrence), their lengths, and the id of the
+    target's first token as it would follow that prefix (spec §5.3: first BPE token, last occurrence)."""
+    seqs, tids = [], []
+    for p in prompts:
+        i = find_word(p, target)
+        prefix, piece = p[:i], p[i:i + len(target)]
+        if prefix.endswith(" "):
+            prefix, piece = prefix[:-1], " " + piece
+        ids = tok.encode(prefix)
+        tid = tok.encode(piece)[0]
+        if ids and tid != tok.unk:
+            seqs.append(ids)
+            tids.append(tid)
+    if not seqs:
+        raise RunError(f"the target {target!r} or its prompts are out of the model's vocabulary")
+    T = max(map(len, seqs))
+    x = torch.full((len(seqs), T), tok.eot, dtype=torch.long)
+    for r, s in enumerate(seqs):
+        x[r, : len(s)] = torch.tensor(s)
+    return x.to(device), torch.tensor([len(s) - 1 for s in seqs], device=device), torch.tensor(tids, device=device)
+
+
+@torch.no_grad()
+def target_probs(model, batch) -> torch.Tensor:
+    x, last, tid = batch
+    probs = torch.softmax(model(x).float(), -1)
+    return probs[torch.arange(len(x), device=x.device), last, tid]
+
+
+@contextlib.contextmanager
+def intervention(model: ProtoT, units: list[tuple[int, int]], mode: str, seed: int = 0):
+    """Apply an intervention to (layer, prototype) units inside the block, undo it on exit (spec §5.3):
+    write-mask: write logit -inf (no writes, mass 0, prefix mean 0); read-mask: read logit -inf;
+    reinit: P_k <- randn/sqrt(d), not renormalised."""
+    mixers = model.mixers()
+    saved = []
+    g = torch.Generator().manual_seed(seed)
+    for l, k in units:
+        m = mixers[l]
+        if mode == "reinit":
+            saved.append((m, m.P.data[k].clone(), k))
+            m.P.data[k] = (torch.randn(m.P.shape[1], generator=g) / math.sqrt(m.P.shape[1])).to(m.P)
+        else:
+            attr = "write_mask" if mode == "write-mask" else "read_mask"
+            if getattr(m, attr) is None:
+                setattr(m, attr, torch.zeros(m.P.shape[0], dtype=torch.bool, device=m.P.device))
+            getattr(m, attr)[k] = True
+    try:
+        yield
+    finally:
+        for m, row, k in saved:
+            m.P.data[k] = row
+        for m in mixers:
+            m.write_mask = m.read_mask = None
+
+
+def parse_units(spec: str, model: ProtoT) -> list[tuple[int, int]]:
+    units = []
+    for part in spec.split(","):
+        try:
+            l, k = (int(s) for s in part.split(":"))
+        except ValueError:
+            raise RunError(f"--intervene expects LAYER:PROTO[,LAYER:PROTO...], got {part!r}") from None
+        if not (0 <= l < len(model.blocks) and 0 <= k < model.cfg.n_protos):
+            raise RunError(f"--intervene {part}: layer must be in 0..{len(model.blocks) - 1}, "
+                           f"prototype in 0..{model.cfg.n_protos - 1}")
+        units.append((l, k))
+    return units
+
+
+def relative(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    keep = base >= 1e-6  # the official script skips sentences whose baseline probability is below 1e-6
+    return (new[keep] - base[keep]) / base[keep]
+
+
+def run_intervention(model, data, cfg, units, mode, target, autocast, ppl_windows=64) -> dict:
+    prompts = load_prompts(cfg, data, target)
+    batch = prompt_batch(data.tokenizer, prompts, target, data.device)
+    base = target_probs(model, batch)
+    ppl0 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows)["ppl"]
+    with intervention(model, units, mode, cfg.seed):
+        new = target_probs(model, batch)
+        ppl1 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows)["ppl"]
+    rel = relative(new, base)
+    return {"units": [f"L{l} P{k}" for l, k in units], "mode": mode, "target": target, "prompts": len(base),
+            "max_drop": rel.min().item(), "mean": rel.mean().item(), "ppl": ppl0, "ppl_change": ppl1 / ppl0 - 1}
+
+
+def find_prototype(model, data, cfg, target, autocast, top: int = 10) -> dict:
+    """Rank every (layer, prototype) by the mean relative change of the target's probability when its write
+    gate is masked; the perplexity change is measured for the top three."""
+    prompts = load_prompts(cfg, data, target)
+    batch = prompt_batch(data.tokenizer, prompts, target, data.device)
+    base = target_probs(model, batch)
+    ranking = []
+    for l in range(len(model.blocks)):
+        for k in range(cfg.n_protos):
+            with intervention(model, [(l, k)], "write-mask"):
+                rel = relative(target_probs(model, batch), base)
+            ranking.append({"unit": f"L{l} P{k}", "layer": l, "proto": k, "mean": rel.mean().item(),
+                            "max_drop": rel.min().item()})
+    ranking.sort(key=lambda r: r["mean"])
+    for r in ranking[:3]:
+        r.update(run_intervention(model, data, cfg, [(r["layer"], r["proto"])], "write-mask", target, autocast))
+    return {"target": target, "prompts": len(base), "ranking": ranking[:top]}
+
+
+# Perturbations of val lines that keep the meaning (spec §5.4), each a function line -> line (or None).
+SYNONYMS = {"good": "fine", "lord": "master", "speak": "talk", "love": "adore", "great": "mighty",
+            "little": "small", "fair": "lovely", "dead": "slain", "leave": "quit", "sweet": "dear",
+            "friend": "comrade", "fear": "dread", "kill": "slay", "tell": "say", "king": "monarch",
+            "happy": "glad", "poor": "wretched", "true": "honest", "man": "fellow", "night": "evening"}
+CONTRACTIONS = {"it is": "'tis", "do not": "don't", "I am": "I'm", "I will": "I'll", "is not": "isn't",
+                "over": "o'er", "never": "ne'er", "even": "e'en", "it was": "'twas", "will not": "won't"}
+
+
+def _typo(line, rng):
+    words = [i for i, w in enumerate(line.split(" ")) if len(w) >= 4 and w.isalpha()]
+    if not words:
+        return None
+    ws = line.split(" ")
+    i = words[int(rng.integers(len(words)))]
+    j = int(rng.integers(1, len(ws[i]) - 2))
+    ws[i] = ws[i][:j] + ws[i][j + 1] + ws[i][j] + ws[i][j + 2:]
+    return " ".join(ws)
+
+
+def _table(table):
+    def apply(line, rng):
+        for a, b in table.items():
+            i = find_word(line, a)
+            if i >= 0:
+                return line[:i] + b + line[i + len(a):]
+        return None
+    return apply
+
+
+PERTURBATIONS = {
+    "typo": _typo,
+    "synonym": _table(SYNONYMS),
+    "punctuation": lambda line, rng: (s if (s := line.translate(str.maketrans("", "", ",;:.!?"))) != line else None),
+    "contraction": _table(CONTRACTIONS),
+    "casing": lambda line, rng: line.lower() if line.lower() != line else None,
+}
+
+
+def js_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    m = 0.5 * (p + q)
+    kl = lambda a, b: (a * (a.clamp_min(1e-12).log() - b.clamp_min(1e-12).log())).sum(-1)
+    return 0.5 * kl(p, m) + 0.5 * kl(q, m)
+
+
+@torch.no_grad()
+def robustness(models: dict, data, pairs: int = 48, topk: int = 10, seed: int = 0) -> dict:
+    """Next-token Jensen-Shannon divergence, top-k overlap and top-1 agreement between clean and perturbed
+    val lines, per perturbation and model; for ProtoT also how far each layer's write gate moves (JS of the
+    last token's routing). Lines are model inputs of up to 48 tokens."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tok = data.tokenizer
+    text = tok.decode(data.tokens("val")[:100_000].tolist())
+    lines = [ln.strip() for ln in text.splitlines() if len(ln.split()) >= 6 and "\ufffd" not in ln]
+    out = {}
+    for name, fn in PERTURBATIONS.items():
+        clean, pert = [], []
+        for ln in lines:
+            p = fn(ln, rng)
+            if p and p != ln:
+                clean.append(ln)
+                pert.append(p)
+            if len(clean) == pairs:
+                break
+        if not clean:
+            continue
+        row = {"pairs": len(clean)}
+        for label, model in models.items():
+            model.eval()
+            stats = {"js": [], "topk": [], "top1": [], "route": []}
+            for a, b in zip(clean, pert):
+                ids = [torch.tensor([tok.encode(s)[-48:]], device=data.device) for s in (a, b)]
+                for m in model.mixers():
+                    m.record = True
+                routes, probs = [], []
+                for x in ids:
+                    probs.append(torch.softmax(model(x)[0, -1].float(), -1))
+                    routes.append([m.last["w"][0, -1] for m in model.mixers() if "w" in m.last])
+                for m in model.mixers():
+                    m.record, m.last = False, {}
+                stats["js"].append(js_divergence(*probs).item())
+                ta, tb = (set(torch.topk(p, topk).indices.tolist()) for p in probs)
+                stats["topk"].append(len(ta & tb) / topk)
+                stats["top1"].append(float(probs[0].argmax() == probs[1].argmax()))
+                if routes[0]:
+                    stats["route"].append([js_divergence(ra, rb).item() for ra, rb in zip(*routes)])
+            row[label] = {"js": sum(stats["js"]) / len(clean), f"top{topk}": sum(stats["topk"]) / len(clean),
+                          "top1": sum(stats["top1"]) / len(clean)}
+            if stats["route"]:
+                row[label]["route_js_per_layer"] = [sum(c) / len(c) for c in zip(*stats["route"])]
+        out[name] = row
+    return out
+
+
+def sample_text(model, tok, prompt: str, n: int, device, seed: int) -> str:
+    ids = tok.encode(prompt.encode().decode("unicode_escape")) or [tok.eot]
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(torch.tensor([ids], device=device), n, generator=g)
+    return tok.decode(out[0].tolist())
+
+
+def bench_time(fn, device, reps=3) -> float:
+    """Median seconds of fn() after one warm-up call; triton.testing.do_bench on CUDA."""
+    if device.type == "cuda" and HAS_TRITON:
+        return triton.testing.do_bench(fn, quantiles=[0.5]) / 1e3
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.no_grad()
+def bench(cfg: Config, vocab_size: int, device, log=print) -> dict:
+    """Forward tokens/s against context (ProtoT torch and Triton paths, attention), the crossover, decode
+    ms/token at positions 256 and 16k, and the scan kernel vs the chunked reference. Batch 1, model dims of
+    this run, measured side by side in one process."""
+    gpu = device.type == "cuda"
+    ctxs = [1024, 2048, 4096, 8192, 16384, 32768] if gpu else [256, 512, 1024, 2048, 4096, 8192]
+    variants = {"protot-torch": dict(mixer="proto", kernels="torch"), "attention": dict(mixer="attention")}
+    if gpu and HAS_TRITON:
+        variants["protot-triton"] = dict(mixer="proto", kernels="triton")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    res = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "ctx": ctxs, "tok_s": {}}
+    log(f"bench: {cfg.layers} layers, d={cfg.d_model}, R={cfg.n_protos}, vocab {vocab_size}, batch 1, {dtype}")
+    log(f"{'ctx':>7} " + " ".join(f"{v:>15}" for v in variants) + "   (forward tokens/s)")
+    models = {k: ProtoT(Config(**{**asdict(cfg), **v, "dropout": 0.0}), vocab_size).to(device, dtype).eval()
+              for k, v in variants.items()}
+    for k in variants:
+        res["tok_s"][k] = []
+    for T in ctxs:
+        x = torch.randint(0, vocab_size, (1, T), device=device)
+        row = []
+        for k, m in models.items():
+            s = bench_time(lambda: m(x), device, reps=1 if T >= 4096 and not gpu else 3)
+            res["tok_s"][k].append(T / s)
+            row.append(f"{T / s:>15,.0f}")
+        log(f"{T:>7} " + " ".join(row))
+    p, a = res["tok_s"]["protot-torch"], res["tok_s"]["attention"]
+    i1k = ctxs.index(1024)
+    res["protot_time_ratio_8k_1k"] = (8192 / p[ctxs.index(8192)]) / (1024 / p[i1k])
+    res["attention_time_ratio_8k_1k"] = (8192 / a[ctxs.index(8192)]) / (1024 / a[i1k])
+    best = res["tok_s"].get("protot-triton", p)
+    res["crossover_ctx"] = next((T for T, pt, at in zip(ctxs, best, a) if pt > at), None)
+    log(f"time(8k)/time(1k): protot {res['protot_time_ratio_8k_1k']:.1f}, attention "
+        f"{res['attention_time_ratio_8k_1k']:.1f} (linear = 8); ProtoT faster from ctx "
+        f"{res['crossover_ctx'] or '> ' + str(ctxs[-1])}")
+    # decode: the O(1) step at position 256 and at 16k
+    m = models["protot-triton" if "protot-triton" in models else "protot-torch"]
+    res["decode_ms"] = {}
+    for pos in (256, 16384):
+        caches = [{} for _ in m.blocks]
+        m(torch.randint(0, vocab_size, (1, pos), device=device), caches=caches)
+        nxt = torch.randint(0, vocab_size, (1, 1), device=device)
+        snap = [{k: v.clone() for k, v in c.items()} for c in caches]
+
+        def step():
+            for c, s in zip(caches, snap):
+                c.update({k: v.clone() for k, v in s.items()})
+            m(nxt, caches=caches)
+        res["decode_ms"][pos] = 1e3 * bench_time(step, device, reps=20)
+    log(f"decode ms/token: position 256 {res['decode_ms'][256]:.2f}, position 16384 {res['decode_ms'][16384]:.2f} "
+        f"(ratio {res['decode_ms'][16384] / res['decode_ms'][256]:.2f})")
+    res["kernel"] = bench_kernel(device, log)
+    return res
+
+
+def bench_kernel(device, log=print) -> dict:
+    """prefix_mean_read, Triton scan vs the chunked torch form, forward and forward+backward."""
+    if device.type != "cuda" or not HAS_TRITON:
+        log("kernel: the Triton scan needs a CUDA GPU; skipped")
+        return {}
+    out = {}
+    for B, T, R, dv in [(8, 2048, 32, 128), (8, 4096, 32, 128), (4, 8192, 32, 64)]:
+        args = [torch.softmax(torch.randn(B, T, R, device=device), -1).requires_grad_(),
+                torch.randn(B, T, dv, device=device, dtype=torch.bfloat16).requires_grad_(),
+                torch.softmax(torch.randn(B, T, R, device=device), -1).requires_grad_(),
+                torch.sigmoid(torch.randn(R, device=device)).requires_grad_()]
+        row = {}
+        for name in ("torch", "triton"):
+            fwd = lambda: prefix_mean_read(*args, backend=name)
+            with torch.enable_grad():
+                fb = lambda: prefix_mean_read(*args, backend=name).float().sum().backward()
+                row[name] = (bench_time(fwd, device), bench_time(fb, device))
+        key = f"B{B} T{T} R{R} dv{dv}"
+        out[key] = {"fwd_speedup": row["torch"][0] / row["triton"][0], "fwdbwd_speedup": row["torch"][1] / row["triton"][1],
+                    "ms": {k: [1e3 * t for t in v] for k, v in row.items()}}
+        log(f"kernel {key}: triton fwd {1e3 * row['triton'][0]:.2f} ms ({out[key]['fwd_speedup']:.1f}x chunked), "
+            f"fwd+bwd {1e3 * row['triton'][1]:.2f} ms ({out[key]['fwdbwd_speedup']:.1f}x)")
+    return out
+
+
+def loss_figure(histories: dict) -> str:
+    """Training and val loss curves as a base64 PNG (matplotlib, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, h in histories.items():
+        if h["train"]:
+            ax.plot(*zip(*h["train"]), label=f"{name} train", alpha=0.7)
+        if h["val"]:
+            ax.plot(h["step"], h["val"], "o-", label=f"{name} val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def table_html(rows: list[dict], cols: list[str]) -> str:
+    fmt = lambda v: f"{v:+.2%}" if isinstance(v, float) and abs(v) < 10 else (f"{v:.2f}" if isinstance(v, float) else html.escape(str(v)))
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{fmt(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict) -> Path:
+    parts = [f"<h1>ProtoT report</h1><p>{html.escape(time.strftime('%Y-%m-%d %H:%M'))}, preset "
+             f"{html.escape(results.get('preset', ''))}, device {html.escape(results.get('device', ''))}</p>",
+             "<h2>Configuration</h2>" + table_html([asdict(cfg)], list(asdict(cfg)))]
+    if histories:
+        parts.append(f'<h2>Training</h2><img src="data:image/png;base64,{loss_figure(histories)}">')
+    if "ppl" in results:
+        parts.append("<h2>Perplexity (val, every token once)</h2>" + table_html(
+            [{"model": k, "ppl": f"{v['ppl']:.2f}", "tokens": v["tokens"]} for k, v in results["ppl"].items()],
+            ["model", "ppl", "tokens"]))
+        if "ratio" in results:
+            parts.append(f"<p>ProtoT / attention perplexity ratio: {results['ratio']:.3f} (paper: 90.5 / 78.7 = 1.150)</p>")
+    if "labels" in results:
+        hl = [c["half_life"] for c in results["labels"]["cards"]]
+        parts.append(f'<h2>Prototypes</h2><p>{len(hl)} prototypes labelled from {results["labels"]["windows"]} '
+                     f'val contexts: <a href="prototypes.html">prototypes.html</a>, prototypes.json. Half-lives: '
+                     f'min {min(hl):.1f}, median {sorted(hl)[len(hl) // 2]:.1f}, max {max(hl):.1f} tokens '
+                     f'(init ln 0.5 / ln 0.9 = 6.6).</p>')
+    if "find_prototype" in results:
+        fp = results["find_prototype"]
+        parts.append(f"<h2>Which prototype carries '{html.escape(fp['target'])}'?</h2><p>write-mask of each "
+                     f"(layer, prototype), {fp['prompts']} prompts, ranked by mean change of the target's "
+                     "probability (paper: -16.6% max for 'women' with &lt;1% perplexity change)</p>"
+                     + table_html(fp["ranking"], ["unit", "mean", "max_drop", "ppl_change"]))
+    if "intervention" in results:
+        parts.append("<h2>Intervention</h2>" + table_html([results["intervention"]],
+                     ["units", "mode", "target", "prompts", "max_drop", "mean", "ppl_change"]))
+    if "robustness" in results:
+        rows = []
+        for name, r in results["robustness"].items():
+            for model in (k for k in r if k != "pairs"):
+                rows.append({"perturbation": name, "model": model, "pairs": r["pairs"], "JS": f"{r[model]['js']:.4f}",
+                             "top-10 overlap": f"{r[model]['top10']:.3f}", "top-1 agreement": f"{r[model]['top1']:.3f}",
+                             "routing JS per layer": " ".join(f"{v:.3f}" for v in r[model].get("route_js_per_layer", []))})
+        parts.append("<h2>Robustness (next-token distribution, clean vs perturbed)</h2>" + table_html(
+            rows, ["perturbation", "model", "pairs", "JS", "top-10 overlap", "top-1 agreement", "routing JS per layer"]))
+    if "samples" in results:
+        parts.append("<h2>Samples (O(1) cached generation)</h2>" + "".join(
+            f"<pre>{html.escape(s)}</pre>" for s in results["samples"]))
+    path = out_dir / "report.html"
+    path.write_text("<!doctype html><meta charset=utf-8><title>ProtoT report</title><style>body{font-family:"
+                    "sans-serif;max-width:1100px}table{border-collapse:collapse;font-size:12px}td,th{border:1px "
+                    "solid #ccc;padding:2px 6px}pre{background:#f6f6f6;padding:6px;white-space:pre-wrap}</style>"
+                    + "".join(parts))
+    return path
+
+
+# -----------------------------------------------------------------------------
+# main
+
+
+class Logger:
+    """print() on rank 0, and the same lines appended to out_dir/log-<mixer>.txt."""
+
+    def __init__(self, path: Optional[Path], rank: int):
+        self.path, self.rank = path, rank
+        if path is not None and rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, msg: str) -> None:
+        if self.rank != 0:
+            return
+        print(msg, flush=True)
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(msg + "\n")
+
+
+def apply_preset(cfg: Config, explicit) -> str:
+    preset = cfg.preset if cfg.preset != "auto" else ("paper" if torch.cuda.is_available() else "cpu")
+    if preset == "cpu":
+        for k, v in CPU_PRESET.items():
+            if k not in explicit:
+                setattr(cfg, k, v)
+    return preset
+
+
+def validate(cfg: Config) -> None:
+    checks = [(cfg.layers >= 1, "--layers must be >= 1"), (cfg.d_model >= 2 and cfg.d_model % 2 == 0, "--d-model must be even"),
+              (cfg.n_protos >= 1, "--n-protos must be >= 1"), (cfg.ctx >= 1, "--ctx must be >= 1"),
+              (cfg.batch_size >= 1, "--batch-size must be >= 1"), (cfg.max_iters >= 1, "--max-iters must be >= 1"),
+              (cfg.eval_interval >= 1 and cfg.log_interval >= 1 and cfg.eval_iters >= 1, "intervals must be >= 1"),
+              (cfg.lr > 0, "--lr must be > 0"), (0 <= cfg.dropout < 1, "--dropout must be in [0, 1)"),
+              (0 <= cfg.conv_layers, "--conv-layers must be >= 0")]
+    if cfg.mixer == "attention":
+        checks.append((cfg.d_model % cfg.heads == 0 and (cfg.d_model // cfg.heads) % 2 == 0,
+                       f"--d-model {cfg.d_model} must split into --heads {cfg.heads} heads of even size"))
+    for ok, msg in checks:
+        if not ok:
+            raise RunError(msg)
+    if (cfg.intervene or cfg.find_prototype) and cfg.mixer != "proto":
+        raise RunError("--intervene and --find-prototype need --mixer proto")
+
+
+def run(cfg: Config, explicit) -> int:
+    from common import load_data
+
+    preset = apply_preset(cfg, explicit)
+    validate(cfg)
+    device, autocast, dist_info = setup_device(cfg)
+    if cfg.kernels == "triton" and not HAS_TRITON:
+        raise RunError(f"--kernels triton needs the triton package, which failed to import ({TRITON_ERROR})")
+    if cfg.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RunError("--kernels triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
+    rank = dist_info["rank"]
+    out_dir = Path(cfg.out_dir)
+    log = Logger(None if cfg.bench else out_dir / f"log-{cfg.mixer}.txt", rank)
+    if preset == "cpu":
+        log("no GPU: running the CPU preset (" + ", ".join(f"{k}={getattr(cfg, k)}" for k in CPU_PRESET)
+            + "), about 5 minutes; --preset paper runs the paper's configuration")
+    log("config: " + json.dumps(asdict(cfg)))
+    log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
+        f"{getattr(triton, '__version__', 'absent')}, device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    torch.manual_seed(cfg.seed + rank)
+    if rank == 0 or not dist_info["ddp"]:  # rank 0 builds the token cache, the others wait and reuse it
+        data = load_data(cfg.dataset, cfg.tokenizer, cfg.compact, cfg.max_tokens, cfg.cache_dir, device,
+                         cfg.seed, rank, dist_info["world"])
+    if dist_info["ddp"]:
+        torch.distributed.barrier()
+        if rank != 0:
+            data = load_data(cfg.dataset, cfg.tokenizer, cfg.compact, cfg.max_tokens, cfg.cache_dir, device,
+                             cfg.seed, rank, dist_info["world"])
+    if cfg.bench:
+        res = bench(cfg, data.vocab_size, device, log)
+        print(json.dumps(res, indent=1, default=str))
+        return 0
+    results = {"preset": preset, "device": str(device)}
+    histories, models = {}, {}
+    mixers = ("proto", "attention") if cfg.compare else (cfg.mixer,)
+    for mixer in mixers:
+        c = Config(**{**asdict(cfg), "mixer": mixer})
+        if cfg.train:
+            t0 = time.time()
+            models[mixer], histories[mixer] = train(c, data, device, autocast, dist_info, explicit, log)
+            log(f"{mixer}: trained in {time.time() - t0:.0f}s; checkpoint {ckpt_path(c)}")
+        else:
+            ck, c = load_checkpoint(ckpt_path(c), c, explicit)
+            models[mixer] = ProtoT(c, data.vocab_size).to(device)
+            try:
+                models[mixer].load_state_dict(ck["model"])
+            except RuntimeError as e:
+                raise RunError(f"{ckpt_path(c)} does not fit this data/model: {str(e).splitlines()[0]}") from None
+            histories[mixer] = ck["history"]
+    if dist_info["ddp"]:
+        torch.distributed.destroy_process_group()
+    if rank != 0:
+        return 0
+    results["ppl"] = {}
+    for mixer, m in models.items():
+        results["ppl"][mixer] = evaluate_ppl(m, data, cfg.ctx, autocast)
+        log(f"{mixer}: val perplexity {results['ppl'][mixer]['ppl']:.2f} over {results['ppl'][mixer]['tokens']:,} tokens")
+    if cfg.compare:
+        results["ratio"] = results["ppl"]["proto"]["ppl"] / results["ppl"]["attention"]["ppl"]
+        log(f"perplexity ProtoT {results['ppl']['proto']['ppl']:.2f} vs attention "
+            f"{results['ppl']['attention']['ppl']:.2f}: ratio {results['ratio']:.3f} (paper 90.5 / 78.7 = 1.150)")
+    model = models.get("proto")
+    if model is not None:
+        model.eval()
+        if cfg.labels:
+            results["labels"] = label_prototypes(model, data, cfg, out_dir)
+            log(f"prototype labels: {out_dir / 'prototypes.html'}, {out_dir / 'prototypes.json'}")
+        target = cfg.find_prototype or (cfg.target if not cfg.intervene and cfg.train else "")
+        if target:
+            fp = find_prototype(model, data, cfg, target, autocast)
+            results["find_prototype"] = fp
+            log(f"find-prototype {target!r} ({fp['prompts']} prompts): " + ", ".join(
+                f"{r['unit']} {r['mean']:+.1%}" for r in fp["ranking"][:5]))
+            best = fp["ranking"][0]
+            log(f"  best {best['unit']}: target probability max {best['max_drop']:+.1%} / mean {best['mean']:+.1%}, "
+                f"val perplexity {best['ppl_change']:+.2%}")
+        if cfg.intervene:
+            r = run_intervention(model, data, cfg, parse_units(cfg.intervene, model), cfg.mode, cfg.target, autocast)
+            results["intervention"] = r
+            log(f"{cfg.mode} {','.join(r['units'])} on {cfg.target!r} ({r['prompts']} prompts): target probability "
+                f"max {r['max_drop']:+.2%} / mean {r['mean']:+.2%}; val perplexity {r['ppl']:.2f} {r['ppl_change']:+.2%}")
+    if cfg.robustness:
+        rob_models = dict(models)
+        other = "attention" if "attention" not in rob_models else "proto"
+        other_path = ckpt_path(Config(**{**asdict(cfg), "mixer": other}))
+        if other_path.exists():
+            try:
+                ck, c = load_checkpoint(other_path, Config(**{**asdict(cfg), "mixer": other}))
+                rob_models[other] = ProtoT(c, data.vocab_size).to(device)
+                rob_models[other].load_state_dict(ck["model"])
+            except (RunError, RuntimeError):
+                rob_models.pop(other, None)  # a stale checkpoint of the other mixer: skip the comparison
+        results["robustness"] = robustness(rob_models, data, seed=cfg.seed)
+        for name, r in results["robustness"].items():
+            log(f"robustness {name:12s} " + "  ".join(f"{k}: JS {v['js']:.4f} top1 {v['top1']:.2f}"
+                                                     for k, v in r.items() if k != "pairs"))
+    if cfg.sample is not None or cfg.train:
+        prompts = [cfg.sample] if cfg.sample is not None else ["HAMLET:\n", "KING:\nMy lords,"]
+        m = next(iter(models.values()))
+        m.eval()
+        results["samples"] = [sample_text(m, data.tokenizer, p, cfg.sample_tokens, device, cfg.seed) for p in prompts]
+        for s in results["samples"]:
+            log("sample: " + s.replace("\n", "\n        "))
+    (out_dir / "results.json").write_text(json.dumps(results, default=str))
+    if cfg.report:
+        log(f"report: {write_report(out_dir, cfg, results, histories)}")
+    return 0
+
+
+def main(argv=None) -> int:
+    from common import DataError, parse_config
+
+    cfg, args = parse_config(Config, argv, "ProtoT, the Prototype Transformer (arXiv 2602.11852).")
+    try:
+        return run(cfg, args.explicit)
+    except (RunError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""protot.py beyond the core op: the model and its O(1) cache, training (resume, NaN, DDP), checkpoints,
+the command line, interventions, and that the script works when copied alone."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import common
+import protot
+from protot import Config, ProtoT
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--layers", "2", "--d-model", "64", "--max-iters", "30", "--log-interval", "10", "--eval-interval", "15",
+        "--label-windows", "64"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def data(cache_dir):
+    return common.load_data(cache_dir=cache_dir)
+
+
+def run_script(*args, cwd=ROOT, env=None, timeout=600):
+    """Run a command the way a user would: offline, and without the tests' Triton interpreter."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+# ---------------------------------------------------------------- model
+
+@pytest.mark.parametrize("mixer", ["proto", "attention"])
+def test_cached_generation_matches_parallel_forward(mixer):
+    """300 tokens fed one at a time through the per-layer cache give the parallel forward's logits."""
+    cfg = Config(mixer=mixer, layers=3, d_model=32, n_protos=5, heads=2, dropout=0.0, kernels="torch")
+    model = ProtoT(cfg, 50).double().eval()
+    x = torch.randint(0, 50, (2, 300))
+    with torch.no_grad():
+        full = model(x)
+        caches = [{} for _ in model.blocks]
+        steps = [model(x[:, :1], caches=caches)] + [model(x[:, t:t + 1], caches=caches) for t in range(1, 300)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-9, atol=1e-9)
+    if mixer == "proto":  # the cache is O(1): N [B, R, dv], M [B, R] and 4 conv values, whatever the position
+        assert {k: tuple(v.shape) for k, v in caches[0].items()} == {"conv": (2, 4, 16), "N": (2, 5, 16), "M": (2, 5)}
+        assert "conv" not in caches[2]
+
+
+def test_prefill_then_steps_match_parallel_forward():
+    cfg = Config(layers=2, d_model=32, n_protos=4, dropout=0.0, kernels="torch")
+    model = ProtoT(cfg, 40).double().eval()
+    x = torch.randint(0, 40, (1, 64))
+    with torch.no_grad():
+        caches = [{} for _ in model.blocks]
+        out = [model(x[:, :50], caches=caches)] + [model(x[:, t:t + 1], caches=caches) for t in range(50, 64)]
+        torch.testing.assert_close(torch.cat(out, 1), model(x), rtol=1e-9, atol=1e-9)
+
+
+def test_model_structure_follows_the_spec():
+    cfg = Config(layers=3, d_model=256, n_protos=32)
+    model = ProtoT(cfg, 1000)
+    m0, m1, m2 = model.mixers()
+    assert m0.shared and not hasattr(m0, "W_r") and m0.tau_w.item() == 3.0  # layer 0: shared routing, τ_w = 3
+    assert m1.tau_w.item() == 1.0 and m1.W_r.weight.shape == (256, 256)
+    assert m0.conv is not None and m1.conv is not None and m2.conv is None   # conv in layers 0 and 1
+    assert m2.V.weight.shape == (128, 256) and m2.U.weight.shape == (256, 128)  # d_v = d/2
+    torch.testing.assert_close(m2.beta, torch.full((32,), 0.9))
+    torch.testing.assert_close(m2.P.norm(dim=-1), torch.ones(32))
+    assert m2.alpha.item() == 1.0
+    assert model.blocks[0].ffn.W_g.weight.shape == (688, 256)               # floor(2.7·256/16)·16
+    assert model.head.weight is model.wte.weight
+    opt = protot.make_optimizer(model, cfg, "cpu")
+    no_decay = {id(p) for p in opt.param_groups[1]["params"]}
+    for name, p in model.named_parameters():
+        leaf = name.split(".")[-1]
+        assert (id(p) in no_decay) == (leaf in ("P", "gamma", "tau_w", "tau_r", "alpha") or "norm" in name), name
+
+
+def test_interventions_mask_and_restore():
+    cfg = Config(layers=2, d_model=32, n_protos=6, dropout=0.0, kernels="torch")
+    model = ProtoT(cfg, 30).eval()
+    x = torch.randint(0, 30, (2, 20))
+    before = model(x)
+    for m in model.mixers():
+        m.record = True
+    with protot.intervention(model, [(1, 2)], "write-mask"):
+        model(x)
+        assert model.mixers()[1].last["w"][..., 2].abs().max() == 0      # no writes into prototype 2
+        assert model.mixers()[1].last["rho"][..., 2].abs().min() > 0     # its read gate is untouched
+    with protot.intervention(model, [(0, 1)], "read-mask"):
+        model(x)
+        assert model.mixers()[0].last["rho"][..., 1].abs().max() == 0
+        assert model.mixers()[0].last["w"][..., 1].abs().min() > 0
+    P = model.mixers()[1].P.detach().clone()
+    with protot.intervention(model, [(1, 3)], "reinit"):
+        assert not torch.equal(model.mixers()[1].P[3], P[3]) and torch.equal(model.mixers()[1].P[4], P[4])
+    torch.testing.assert_close(model(x), before)  # everything restored
+    with pytest.raises(protot.RunError, match="LAYER:PROTO"):
+        protot.parse_units("3-1", model)
+    with pytest.raises(protot.RunError, match="prototype in 0..5"):
+        protot.parse_units("1:6", model)
+
+
+def test_prompt_batch_targets_first_token_of_last_occurrence(data):
+    tok = data.tokenizer
+    x, last, tid = protot.prompt_batch(tok, ["The lady and the lady doth protest", "Good morrow, gentle lady"], "lady",
+                                       "cpu")
+    assert tok.decode(x[0, : last[0] + 1].tolist()) == "The lady and the"
+    assert tok.decode(x[1, : last[1] + 1].tolist()) == "Good morrow, gentle"
+    assert tid.tolist() == [tok.encode(" lady")[0]] * 2
+    assert protot.find_word("Ladyship, no lady here", "lady") == 13 and protot.find_word("ladyship", "lady") == -1
+
+
+def test_words_of_joins_subwords():
+    words = protot.words_of([" Fr", "ail", "ty", ",", " thy", "\n", "name"], [1, 2, 3, 4, 5, 6, 7])
+    assert words == [(" Frailty,", 2.5), (" thy", 5.0), ("\nname", 6.5)]
+
+
+# ---------------------------------------------------------------- training
+
+def tiny_cfg(tmp_path, cache_dir, **kw):
+    base = dict(layers=2, d_model=32, n_protos=8, ctx=32, batch_size=4, max_iters=20, eval_interval=10,
+                eval_iters=2, log_interval=5, out_dir=str(tmp_path), cache_dir=str(cache_dir), kernels="torch")
+    return Config(**{**base, **kw})
+
+
+def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch):
+    dist = dict(ddp=False, rank=0, local_rank=0, world=1)
+    dev, auto = torch.device("cpu"), torch.autocast("cpu", enabled=False)
+
+    def fresh_data():
+        return common.load_data(cache_dir=cache_dir, seed=3)
+    straight, _ = protot.train(tiny_cfg(tmp_path / "a", cache_dir), fresh_data(), dev, auto, dist, log=lambda m: None)
+
+    real_save = protot.save_checkpoint
+
+    def save_and_keep(path, *a, **k):  # keep a copy of the step-10 checkpoint
+        real_save(path, *a, **k)
+        if a[3] == 10:
+            (tmp_path / "b10").mkdir()
+            shutil.copy(path, tmp_path / "b10" / path.name)
+    monkeypatch.setattr(protot, "save_checkpoint", save_and_keep)
+    protot.train(tiny_cfg(tmp_path / "b", cache_dir), fresh_data(), dev, auto, dist, log=lambda m: None)
+    monkeypatch.setattr(protot, "save_checkpoint", real_save)
+    resumed, hist = protot.train(tiny_cfg(tmp_path / "b10", cache_dir, resume=True), fresh_data(), dev, auto, dist,
+                                 log=lambda m: None)
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert hist["step"] == [10, 20]
+    ck = torch.load(tmp_path / "b10" / "ckpt-proto.pt", weights_only=True)
+    assert ck["step"] == 20 and ck["config"]["resume"] is True and ck["tokenizer"]["name"] == "cl100k"
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache_dir, monkeypatch):
+    real_forward, calls = ProtoT.forward, []
+
+    def forward(self, idx, targets=None, caches=None):
+        out = real_forward(self, idx, targets, caches)
+        if targets is not None and self.training:
+            calls.append(1)
+            if len(calls) > 12:
+                return out * float("nan")
+        return out
+    monkeypatch.setattr(ProtoT, "forward", forward)
+    cfg = tiny_cfg(tmp_path, cache_dir)
+    with pytest.raises(protot.RunError, match="non-finite loss before step 15; stopping \\(the last good checkpoint is"):
+        protot.train(cfg, common.load_data(cache_dir=cache_dir), torch.device("cpu"), torch.autocast("cpu", enabled=False),
+                     dict(ddp=False, rank=0, local_rank=0, world=1), log=lambda m: None)
+    ck = torch.load(protot.ckpt_path(cfg), weights_only=True)
+    assert ck["step"] == 10 and all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
+
+
+def test_tiny_run_end_to_end(tmp_path, cache_dir):
+    """The issue's tiny run: falling loss, a checkpoint, samples, the prototype labels and the HTML report."""
+    r = run_script("protot.py", *TINY, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "no GPU: running the CPU preset" in out
+    losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if line.startswith("step ") and "| loss" in line]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.5
+    line = next(ln for ln in out.splitlines() if ln.startswith("step 10/30"))
+    assert " ms | " in line and "tok/s | mfu -" in line
+    for f in ("ckpt-proto.pt", "report.html", "prototypes.html", "prototypes.json", "results.json", "log-proto.txt"):
+        assert (tmp_path / f).is_file(), f
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert len(res["labels"]["cards"]) == 2 * 32 and res["ppl"]["proto"]["tokens"] > 100_000
+    assert len(res["find_prototype"]["ranking"]) == 10 and "ppl_change" in res["find_prototype"]["ranking"][0]
+    assert set(res["robustness"]) == set(protot.PERTURBATIONS)
+    assert res["samples"][0].startswith("HAMLET:\n") and len(res["samples"][0]) > 100
+    report = (tmp_path / "report.html").read_text()
+    assert "data:image/png;base64" in report and "Robustness" in report
+
+    # analyses on the saved checkpoint, without training: an intervention, then a mismatched architecture
+    r = run_script("protot.py", "--no-train", "--intervene", "1:3,0:2", "--mode", "read-mask", "--target", "queen",
+                   "--no-labels", "--no-robustness", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "read-mask L1 P3,L0 P2 on 'queen' (8 prompts): target probability max" in r.stdout
+    r = run_script("protot.py", "--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert "was trained with layers=2 (asked 3); drop those flags or use another --out-dir" in r.stderr
+
+
+@pytest.mark.parametrize("args,code,needle", [
+    (["--mixer", "mamba"], 2, "invalid choice: 'mamba'"),
+    (["--layerz", "6"], 2, "unrecognized arguments: --layerz"),
+    (["--layers", "0"], 1, "error: --layers must be >= 1"),
+    (["--mixer", "attention", "--d-model", "30", "--heads", "4"], 1, "must split into --heads 4 heads"),
+    (["--no-train", "--intervene", "x"], 1, "error: no checkpoint at"),
+    (["--dataset", "fineweb-edu"], 1, "needs the Hugging Face hub, which is unreachable"),
+    (["--kernels", "triton"], 1, "--kernels triton needs a CUDA device"),
+    (["--mixer", "attention", "--find-prototype", "queen"], 1, "need --mixer proto"),
+])
+def test_bad_input_is_one_line_and_nonzero(tmp_path, cache_dir, args, code, needle):
+    r = run_script("protot.py", *args, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    assert r.returncode == code and needle in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_corrupt_checkpoint_is_one_line(tmp_path, cache_dir):
+    (tmp_path / "ckpt-proto.pt").write_bytes(b"not a checkpoint")
+    r = run_script("protot.py", "--no-train", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    assert r.returncode == 1 and "is not a readable checkpoint" in r.stderr and r.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
+    """torchrun with 2 gloo processes: each rank takes half of the global batch, so the result equals the
+    single-process run up to float summation order."""
+    args = ["--layers", "1", "--d-model", "32", "--ctx", "32", "--batch-size", "8", "--max-iters", "6",
+            "--eval-interval", "3", "--eval-iters", "2", "--log-interval", "3", "--dropout", "0", "--no-labels",
+            "--no-robustness", "--no-report", "--target", "", "--sample-tokens", "5", "--cache-dir", str(cache_dir)]
+    common.load_data(cache_dir=cache_dir)  # the cache exists before the ranks start
+    one = run_script("protot.py", *args, "--out-dir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "protot.py", *args,
+                     "--out-dir", str(tmp_path / "two"), env={"OMP_NUM_THREADS": "1"})
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = torch.load(tmp_path / "one" / "ckpt-proto.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "two" / "ckpt-proto.pt", weights_only=True)["model"]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+def test_script_copied_alone_runs_its_model(tmp_path):
+    """The model and its core op need neither common.py nor kernels.py (fallback to plain torch)."""
+    shutil.copy(ROOT / "protot.py", tmp_path / "protot.py")
+    code = ("import sys, torch, protot; assert 'common' not in sys.modules; "
+            "m = protot.ProtoT(protot.Config(layers=2, d_model=32, n_protos=4), 50); "
+            "x = torch.randint(0, 50, (2, 17)); loss = m(x, x); loss.backward(); "
+            "print(type(m.norm).__module__, round(loss.item(), 1))")
+    r = run_script("-c", code, cwd=tmp_path, env={"PYTHONPATH": ""})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == "protot"  # the fallback RMSNorm, defined in protot.py itself

@@ -1,0 +1,222 @@
+"""protot.py's core op, prefix_mean_read: the recurrence (in float64) is the ground truth; the chunked torch form
+and the Triton kernels (under Triton's interpreter without a GPU, see conftest.py) must match it on y and on every
+gradient (w, v, ρ, β), driven by a random cotangent. Kernel outputs are NaN-poisoned (GLASSBOX_POISON=1)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import protot as op
+from conftest import RATIO, check_close as assert_close
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+BETAS = {  # β = σ(γ) per channel, in (0, 1)
+    "sigmoid": lambda R: torch.randn(R).sigmoid(),
+    "near0": lambda R: torch.logspace(-4, -2, R),  # 1e-4 .. 1e-2: the prefix mean is ~the previous value
+    "near1": lambda R: 1 - torch.logspace(-4, -3, R),  # 1-1e-4 .. 0.999: long memory, tiny (1-β) writes
+}
+
+
+def make_inputs(B, T, R, dv, beta="sigmoid", dtype=torch.float32, sharpness=2.0, seed=42):
+    """w and ρ are softmaxes over R of random logits (larger `sharpness`: more near-empty channels)."""
+    torch.manual_seed(seed)
+    w = (sharpness * torch.randn(B, T, R)).softmax(-1)
+    rho = (sharpness * torch.randn(B, T, R)).softmax(-1)
+    v = torch.randn(B, T, dv)
+    dy = torch.randn(B, T, dv)
+    xs = [x.to(DEVICE, dtype) for x in (w, v, rho)] + [BETAS[beta](R).to(DEVICE)]
+    return xs, dy.to(DEVICE, dtype)
+
+
+def forward_backward(fn, inputs, dy):
+    """y and the gradients of (y · dy).sum() for w, v, ρ, β (zeros where y does not depend on an input)."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    y = fn(*leaves)
+    (y * dy).sum().backward()
+    return [y] + [torch.zeros_like(x) if x.grad is None else x.grad for x in leaves]
+
+
+def reference(inputs, dy):
+    """The float64 recurrence on the same (possibly bf16-rounded) inputs."""
+    return forward_backward(op.prefix_mean_read_recurrent, [x.double() for x in inputs], dy.double())
+
+
+def triton_form(w, v, rho, beta):
+    return op.prefix_mean_read(w, v, rho, beta, backend="triton")
+
+
+FORMS = {
+    "chunked": op.prefix_mean_read_chunked,
+    "chunked-C8": lambda w, v, rho, beta: op.prefix_mean_read_chunked(w, v, rho, beta, chunk=8),
+    "triton": triton_form,
+}
+NAMES = ("y", "dw", "dv", "drho", "dbeta")
+
+
+def check_against_reference(forms, inputs, dy, ratio):
+    ref = reference(inputs, dy)
+    for form in forms:
+        for name, r, o in zip(NAMES, ref, forward_backward(FORMS[form], inputs, dy)):
+            assert_close(f"{form} {name}", r, o, ratio)
+
+
+SHAPES = [(1, 1, 5, 24), (2, 17, 5, 24), (2, 17, 32, 128), (1, 37, 5, 100), (1, 100, 32, 24), (2, 100, 5, 128),
+          (2, 100, 32, 128)]
+
+
+@pytest.mark.parametrize("beta", list(BETAS))
+@pytest.mark.parametrize("B,T,R,dv", [pytest.param(*s, id="B{}-T{}-R{}-D{}".format(*s)) for s in SHAPES])
+def test_forms_agree(B, T, R, dv, beta):
+    inputs, dy = make_inputs(B, T, R, dv, beta)
+    check_against_reference(FORMS, inputs, dy, RATIO[torch.float32])
+
+
+def test_forms_agree_where_the_clamp_bites():
+    """Sharp write gates and long memory leave many channels with M_{t-1} < eps: the clamp's own gradient
+    (∂β through eps/(1-β), zero ∂M there) must match too."""
+    inputs, dy = make_inputs(2, 100, 32, 24, "near1", sharpness=8.0)
+    w, _, _, beta = inputs
+    mass = torch.zeros(2, 32, device=DEVICE)
+    clamped = 0
+    for t in range(1, 100):
+        mass = beta * mass + (1 - beta) * w[:, t - 1]
+        clamped += (mass < op.MASS_EPS).sum().item()
+    assert clamped > 100, f"only {clamped} clamped (t, channel) pairs: the test would not exercise the clamp"
+    check_against_reference(FORMS, inputs, dy, RATIO[torch.float32])
+
+
+@pytest.mark.slow
+def test_long_sequence():
+    """T > 2048 with decays from 1e-3 to 1-1e-4 side by side, chunked and Triton against the float64 recurrence."""
+    inputs, dy = make_inputs(1, 2050, 8, 16)
+    inputs[3] = torch.tensor([1e-3, 0.3, 0.5, 0.8, 0.9, 0.99, 0.999, 0.9999], device=DEVICE)
+    check_against_reference(["chunked", "triton"], inputs, dy, RATIO[torch.float32])
+
+
+def test_official_shortcut_collapses():
+    """Spec §1.3: at β = 0.9 the official β^s-cumsum matches early on but reads ~0 past a few hundred tokens;
+    the exact forms match the recurrence everywhere."""
+    (w, v, rho, _), _ = make_inputs(1, 1024, 4, 8)
+    beta = torch.full((4,), 0.9, device=DEVICE)
+    with torch.no_grad():
+        ref = op.prefix_mean_read_recurrent(w.double(), v.double(), rho.double(), beta.double())
+        official = op.prefix_mean_read_official(w, v, rho, beta)
+        assert_close("official, t < 200", ref[:, :200], official[:, :200], ratio=1e-3)
+        late_err = (official[:, 600:] - ref[:, 600:]).norm() / ref[:, 600:].norm()
+        assert late_err > 0.99, f"official shortcut at t > 600: rel err {late_err:.3f}, expected ~1 (collapse)"
+        assert official[:, 600:].abs().max() < 1e-6 * ref[:, 600:].abs().max()
+        for form in ("chunked", "triton"):
+            assert_close(f"{form}, all t", ref, FORMS[form](w, v, rho, beta), RATIO[torch.float32])
+
+
+def test_decode_steps_reproduce_the_parallel_output():
+    """Spec §4: 300 O(1) decode steps give the same y as the parallel forms."""
+    (w, v, rho, beta), _ = make_inputs(2, 300, 5, 24)
+    with torch.no_grad():
+        state = op.prefix_mean_init_state(2, 5, 24, DEVICE)
+        steps = []
+        for t in range(300):
+            y_t, state = op.prefix_mean_step(state, w[:, t], v[:, t], rho[:, t], beta)
+            steps.append(y_t)
+        stepped = torch.stack(steps, 1)
+        ref = op.prefix_mean_read_recurrent(w.double(), v.double(), rho.double(), beta.double())
+        assert_close("decode", ref, stepped, RATIO[torch.float32])
+        for form in ("chunked", "triton"):
+            assert_close(f"decode vs {form}", FORMS[form](w, v, rho, beta), stepped, RATIO[torch.float32])
+    assert state[0].shape == (2, 5, 24) and state[1].shape == (2, 5) and state[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("beta", ["sigmoid", "near1"])
+def test_bf16_inputs(beta):
+    """bf16 w, v, ρ (β fp32): fp32 state maths inside, y and gradients in bf16, judged with bf16 thresholds."""
+    inputs, dy = make_inputs(2, 100, 32, 128, beta, dtype=torch.bfloat16)
+    ref = reference(inputs, dy)
+    for form in ("chunked", "triton"):
+        out = forward_backward(FORMS[form], inputs, dy)
+        assert [o.dtype for o in out] == [torch.bfloat16] * 4 + [torch.float32]
+        for name, r, o in zip(NAMES, ref, out):
+            assert_close(f"{form} {name}", r, o, RATIO[torch.bfloat16], atol=1e-3)
+
+
+def test_dispatch(monkeypatch):
+    (w, v, rho, beta), _ = make_inputs(1, 20, 5, 24)
+    with pytest.raises(ValueError, match="backend"):
+        op.prefix_mean_read(w, v, rho, beta, backend="cuda")
+    with pytest.raises(ValueError, match="expected"):
+        op.prefix_mean_read(w, v[:, :-1], rho, beta)
+    assert torch.equal(op.prefix_mean_read(w, v, rho, beta, backend="recurrent"),
+                       op.prefix_mean_read_recurrent(w, v, rho, beta))
+    y = op.prefix_mean_read(w.requires_grad_(), v, rho, beta, backend="triton")
+    assert type(y.grad_fn).__name__ == "PrefixMeanReadBackward", "backend='triton' must run the Triton kernels"
+    if DEVICE == "cpu":
+        calls = []
+        chunked = op.prefix_mean_read_chunked
+        monkeypatch.setattr(op, "prefix_mean_read_chunked", lambda *a: calls.append(1) or chunked(*a))
+        assert torch.equal(op.prefix_mean_read(w, v, rho, beta), chunked(w, v, rho, beta))
+        assert calls == [1], "backend='auto' on CPU must take the chunked torch form"
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            op.prefix_mean_read(w, v, rho, beta, backend="triton")
+
+
+def test_nan_poisoning_catches_a_skipped_tile():
+    """Kernel outputs start as NaN in tests: launching the read kernel on all chunks but the last leaves NaN."""
+    assert op._prefix_mean_empty((3,), torch.float32, DEVICE).isnan().all()
+    (w, v, rho, beta), _ = make_inputs(1, 40, 5, 24)
+    B, T, R = w.shape
+    NC = -(-T // op._BT)
+    RP, BDV, BD = op._prefix_mean_blocks(R, 24)
+    states = op._prefix_mean_empty((B, NC, R, 24), torch.float32, DEVICE)
+    masses = op._prefix_mean_empty((B, NC, R), torch.float32, DEVICE)
+    op._prefix_mean_fwd_state[(1, B)](w, v, beta, states, masses, T, R, 24, NC, BT=op._BT, RP=RP, BD=BD)
+    y = op._prefix_mean_empty((B, T, 24), torch.float32, DEVICE)
+    mass_prev = op._prefix_mean_empty((B, T, R), torch.float32, DEVICE)
+    op._prefix_mean_fwd_read[(NC - 1, B)](w, v, rho, beta, states, masses, y, mass_prev, T, R, 24, NC, op.MASS_EPS,
+                                          BT=op._BT, RP=RP, BDV=BDV)
+    done = (NC - 1) * op._BT
+    assert not y[:, :done].isnan().any() and y[:, done:].isnan().all()
+
+
+def test_no_saved_tensor_of_size_B_T_R_dv():
+    """What autograd keeps for the backward: nothing of size [B, T, R, dv] (the chunked form keeps its
+    [B, T/C, C, C, R] scores inputs, smaller while C < dv)."""
+    (w, v, rho, beta), _ = make_inputs(2, 100, 32, 128)
+    full = 2 * 100 * 32 * 128
+    for form in ("chunked", "triton"):
+        sizes = []
+        leaves = [x.clone().requires_grad_() for x in (w, v, rho, beta)]
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: sizes.append(x.numel()) or x, lambda x: x):
+            FORMS[form](*leaves)
+        assert 0 < max(sizes) < full, f"{form}: saved a tensor of {max(sizes)} elements (B·T·R·dv = {full})"
+
+
+def test_torch_compile_graph_breaks_around_triton():
+    (w, v, rho, beta), _ = make_inputs(1, 20, 5, 24)
+    compiled = torch.compile(triton_form, backend="eager")
+    assert_close("compiled", triton_form(w, v, rho, beta), compiled(w, v, rho, beta), RATIO[torch.float32], atol=0)
+
+
+def test_imports_and_runs_without_triton():
+    """With `import triton` failing, protot.py still imports, the torch forms run and 'triton' says why it cannot."""
+    script = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+        "import torch, protot as op\n"
+        "w = torch.rand(1, 20, 5).softmax(-1); v = torch.randn(1, 20, 8); beta = torch.rand(5)\n"
+        "assert not op.HAS_TRITON and op.prefix_mean_read(w, v, w, beta).shape == (1, 20, 8)\n"
+        "try:\n"
+        "    op.prefix_mean_read(w, v, w, beta, backend='triton')\n"
+        "except RuntimeError as err:\n"
+        "    assert 'needs the triton package' in str(err)\n"
+        "else:\n"
+        "    raise AssertionError('no RuntimeError')\n"
+    )
+    env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
