@@ -48,6 +48,9 @@ Commands
     python protot.py --bench                     # tokens/s vs context, decode ms/token, scan kernel vs chunked
     python protot.py --dataset fineweb-edu --max-tokens 250000000 # the paper's data (online)
     torchrun --standalone --nproc_per_node=8 protot.py           # DDP
+
+Expected (CPU preset, 2 cores, 2026-11-30): `python protot.py --layers 6` takes about 5 minutes, the loss falls
+from ~7.2 to ~5.7 and val perplexity ends near 436 (cl100k compacted to 19,447 ids, 655k training tokens).
 """
 from __future__ import annotations
 
@@ -1589,7 +1592,7 @@ def bench(cfg: Config, vocab_size: int, device, log=print) -> dict:
         x = torch.randint(0, vocab_size, (1, T), device=device)
         row = []
         for k, m in models.items():
-            s = bench_time(lambda: m(x), device, reps=1 if T >= 4096 and not gpu else 3)
+            s = bench_time(lambda: m(x), device, reps=3)
             res["tok_s"][k].append(T / s)
             row.append(f"{T / s:>15,.0f}")
         log(f"{T:>7} " + " ".join(row))
@@ -1784,7 +1787,7 @@ def run(cfg: Config, explicit) -> int:
     rank = dist_info["rank"]
     out_dir = Path(cfg.out_dir)
     log = Logger(None if cfg.bench else out_dir / f"log-{cfg.mixer}.txt", rank)
-    if preset == "cpu":
+    if preset == "cpu" and not cfg.bench:
         log("no GPU: running the CPU preset (" + ", ".join(f"{k}={getattr(cfg, k)}" for k in CPU_PRESET)
             + "), about 5 minutes; --preset paper runs the paper's configuration")
     log("config: " + json.dumps(asdict(cfg)))
