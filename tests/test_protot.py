@@ -8,6 +8,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -259,3 +260,28 @@ def test_script_copied_alone_runs_its_model(tmp_path):
     r = run_script("-c", code, cwd=tmp_path, env={"PYTHONPATH": ""})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[0] == "protot"  # the fallback RMSNorm, defined in protot.py itself
+
+
+def test_robustness_compares_both_mixers_and_routing(data):
+    models = {m: ProtoT(Config(mixer=m, layers=2, d_model=32, n_protos=4, heads=2, dropout=0.0), data.vocab_size).eval()
+              for m in ("proto", "attention")}
+    res = protot.robustness(models, data, pairs=3)
+    assert set(res) == set(protot.PERTURBATIONS)
+    for row in res.values():
+        assert row["pairs"] == 3 and set(row) == {"pairs", "proto", "attention"}
+        assert 0 <= row["proto"]["js"] <= np.log(2) + 1e-6 and 0 <= row["attention"]["top1"] <= 1
+        assert len(row["proto"]["route_js_per_layer"]) == 2 and "route_js_per_layer" not in row["attention"]
+    assert protot.PERTURBATIONS["contraction"]("And it is not so", None) == "And 'tis not so"
+    assert protot.PERTURBATIONS["punctuation"]("No, sir.", None) == "No sir"
+
+
+def test_prompts_from_a_user_file(tmp_path, data):
+    f = tmp_path / "prompts.txt"
+    f.write_text("Mermaid, sing\n\nno target here\nI saw a mermaid on a dolphin's back\n")
+    cfg = Config(prompts=str(f))
+    assert protot.load_prompts(cfg, data, "mermaid") == ["I saw a mermaid on a dolphin's back"]  # needs context
+    with pytest.raises(protot.RunError, match="no prompt contains the word 'kraken'"):
+        protot.load_prompts(cfg, data, "kraken")
+    with pytest.raises(protot.RunError, match="--prompts .*missing.txt"):
+        protot.load_prompts(Config(prompts=str(tmp_path / "missing.txt")), data, "mermaid")
+    assert len(protot.load_prompts(Config(), data, "queen")) == 8  # the built-in set
