@@ -536,8 +536,8 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", inplace_g
     logits. (An autograd node that saved the logits raises at backward instead of reading gradients.)
     The backward of the Triton path rescales its stored gradient in place, so it runs once per forward.
 
-    Targets outside [0, V) other than ignore_index make the reference raise (torch's gather, a RuntimeError on
-    CPU, a device-side assert on CUDA); the Triton path does not check them (that would cost a device sync),
+    Targets outside [0, V) other than ignore_index make the torch path raise (F.cross_entropy: IndexError on
+    CPU) and the reference too (gather: RuntimeError on CPU; both a device-side assert on CUDA); the Triton path does not check them (that would cost a device sync),
     it reads nothing out of bounds and returns a NaN loss for those rows.
     """
     if reduction not in ("mean", "sum", "none"):

@@ -1,8 +1,7 @@
 """Shared test set-up.
 
-* Without CUDA, Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1 must be set before
-  `triton` is first imported, which is why this happens at the top of conftest, before any test module
-  imports kernels.py).
+* Two modes (see pytest_configure): the CPU suite, where GPUs are hidden and the Triton kernels run in
+  Triton's interpreter, the same on a laptop, in CI and on a CUDA machine; and `-m gpu`, the CUDA tests.
 * GLASSBOX_POISON=1 makes kernels.py allocate its output buffers filled with NaN, so a kernel that forgets
   to write a tile fails the comparison instead of passing on lucky zeros (fla's conftest does the same).
 * fp32 matmuls stay IEEE (no TF32), so fp32 comparisons measure the kernel, not the tensor cores.
@@ -13,21 +12,31 @@
 import os
 import random
 
-os.environ.setdefault("GLASSBOX_POISON", "1")
-os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
-try:  # decide on the interpreter without importing torch.cuda machinery twice
+import pytest
+
+
+def pytest_configure(config):
+    """Runs before any test module is imported. The suite has two modes:
+    * the CPU suite (the default, and CI): GPUs are hidden so it behaves the same on a CUDA machine, and the
+      Triton kernels run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1 must be set before triton
+      is first imported, which is why this happens here and torch/triton are imported only afterwards);
+    * `-m gpu`: the CUDA tests at realistic sizes, with compiled kernels."""
+    markexpr = config.getoption("markexpr") or ""
+    gpu_run = "gpu" in markexpr and "not gpu" not in markexpr
+    if not gpu_run:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ.setdefault("GLASSBOX_POISON", "1")
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     import torch
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
-except ImportError:  # pragma: no cover - torch is a hard requirement
-    raise
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
-import numpy as np
-import pytest
 
-torch.backends.cuda.matmul.allow_tf32 = False
-torch.backends.cudnn.allow_tf32 = False
+import numpy as np  # noqa: E402
+import torch  # noqa: E402  (torch reads CUDA_VISIBLE_DEVICES when CUDA is first initialised, in configure)
 
 # Relative RMS thresholds per dtype of the tensor under test, measured against a float32 reference.
 # fp32: reductions in a different order differ by ~1e-7 relative; 1e-5 leaves room for long sums.

@@ -220,3 +220,34 @@ def test_imports_and_runs_without_triton():
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+@pytest.mark.gpu
+class TestOnCUDA:
+    """The compiled kernels at the benchmark's sizes (python -m pytest -m gpu on a CUDA machine)."""
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+    def test_triton_matches_chunked_at_realistic_size(self, dtype):
+        torch.manual_seed(0)
+        B, T, R, dv = 8, 2048, 32, 128
+        w = (2 * torch.randn(B, T, R, device="cuda")).softmax(-1).to(dtype)
+        rho = (2 * torch.randn(B, T, R, device="cuda")).softmax(-1).to(dtype)
+        v = torch.randn(B, T, dv, device="cuda", dtype=dtype)
+        beta = torch.rand(R, device="cuda") * 0.999
+        dy = torch.randn(B, T, dv, device="cuda", dtype=dtype)
+        inputs = [w, v, rho, beta]
+        ref = forward_backward(op.prefix_mean_read_chunked, [x.double() for x in inputs], dy.double())
+        out = forward_backward(lambda *a: op.prefix_mean_read(*a, backend="triton"), inputs, dy)
+        for name, r, o in zip(NAMES, ref, out):
+            assert_close(f"cuda {name}", r, o, RATIO[dtype] if name != "dbeta" else RATIO[torch.float32] * 100)
+
+    def test_model_triton_path_matches_torch_path(self):
+        torch.manual_seed(0)
+        cfg = op.Config(layers=2, d_model=256, dropout=0.0)
+        model = op.ProtoT(cfg, 1000).cuda()
+        x = torch.randint(0, 1000, (4, 1024), device="cuda")
+        with torch.no_grad():
+            ref = model(x)
+            for m in model.mixers():
+                m.kernels = "triton"
+            assert_close("logits", ref, model(x), RATIO[torch.float32] * 10)
