@@ -209,7 +209,7 @@ def load_local(path: str | Path) -> list[Document]:
         docs = [Document(f.read_text(encoding="utf-8", errors="replace"), f.stem) for f in files]
     elif path.suffix == ".jsonl":
         docs = []
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding="utf-8", errors="replace") as fh:
             for i, line in enumerate(fh):
                 if not line.strip():
                     continue
@@ -476,7 +476,10 @@ def prepare(dataset: str = "shakespeare", tokenizer: str = "cl100k", compact="tr
     if (final / "meta.json").exists():
         return final
     enc = get_encoding(tokenizer)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cache folder {root}: {e.strerror}") from None
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
         t0, stats = time.time(), {}
@@ -679,7 +682,7 @@ def _flag_type(tp):
 
 def config_parser(cfg_cls, description: str = "", extra=None) -> argparse.ArgumentParser:
     """An argparse parser with one flag per dataclass field: `n_layers` -> `--n-layers`; bools get
-    `--x/--no-x`; `typing.Literal[...]` fields get choices; Optional[int|float] accept 'none'. Each field's
+    `--x/--no-x`; `typing.Literal[...]` fields get choices; Optional[int|float] accept 'none' (Optional[str] does not). Each field's
     `metadata['help']` (or the comment convention `field(metadata={'help': ...})`) becomes its help text."""
     p = _OneLineParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     hints = typing.get_type_hints(cfg_cls)
@@ -692,15 +695,15 @@ def config_parser(cfg_cls, description: str = "", extra=None) -> argparse.Argume
             kw.update(choices=args, type=_flag_type(type(args[0])))
         elif tp is bool:
             kw.update(action=argparse.BooleanOptionalAction)
-        elif type(None) in args:  # Optional[X]: 'none' means None
+        elif type(None) in args and str not in args:  # Optional[int|float]: 'none' means None
             inner = _flag_type(next(a for a in args if a is not type(None)))
 
             def parse(s, inner=inner):
                 return None if s.lower() == "none" else inner(s)
             parse.__name__ = inner.__name__
             kw.update(type=parse)
-        else:
-            kw.update(type=_flag_type(tp))
+        else:  # Optional[str] stays a string ('none' is a word like any other); None only as the default
+            kw.update(type=_flag_type(str if type(None) in args else tp))
         p.add_argument(flag, **kw)
     for a, kw in (extra or {}).items():
         p.add_argument(a, **kw)

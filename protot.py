@@ -33,6 +33,10 @@ What differs from the official code, and why
     the embedded corpus is 38 long plays, for which one-document-per-example would leave 34 examples.
   * Perplexity is token-weighted over the whole val split (every token predicted once); the official metric,
     exp of the mean of per-batch means, is not reported.
+  * Smaller choices: RMSNorm eps 1e-6 (nn.RMSNorm's default is ~1.2e-7); the conv exists only in the layers
+    that use it; an intervention's perplexity change is measured on 64 val windows, not on the prompt
+    sentences; prototype cards rank contexts by mean token (not word) activation; with `--ema official` the
+    generation cache holds the exact state, so cached decoding matches the shortcut only where it is still exact.
 Everything else follows the spec: R = 32, d_v = d/2, β init 0.9, τ_w = 3 in layer 0 and 1 elsewhere, α = 1,
 SwiGLU hidden floor(2.7·d/16)·16, dropout 0.1 (embedding, FFN hidden, both residual branches), AdamW with weight
 decay 0.1 on matrices but not on P, γ, τ, α or norms, 2% warmup then cosine to 0.1x, no gradient clipping.
@@ -154,7 +158,7 @@ class Config:
     mode: Literal["write-mask", "read-mask", "reinit"] = field(default="write-mask", metadata={"help": "intervention"})
     target: str = field(default="woman", metadata={"help": "target word of --intervene"})
     prompts: Optional[str] = field(default=None, metadata={"help": "file of prompt sentences (one per line)"})
-    find_prototype: str = field(default="", metadata={"help": "WORD: rank every (layer, prototype) by masking effect"})
+    find_prototype: str = field(default="auto", metadata={"help": "WORD: rank every (layer, prototype) by masking effect; auto: --target after training; off"})
     robustness: bool = field(default=True, metadata={"help": "perturbation robustness analysis"})
     sample: Optional[str] = field(default=None, metadata={"help": "generate from this prompt"})
     sample_tokens: int = field(default=200, metadata={"help": "tokens per sample"})
@@ -166,8 +170,10 @@ class Config:
 # layer-0/1 specials) but shrinks width, context, batch and steps so the whole run takes about 5 minutes.
 CPU_PRESET = dict(d_model=128, ctx=128, batch_size=16, max_iters=320, lr=3e-3, eval_interval=80, eval_iters=5,
                   log_interval=20, label_windows=512)
+# A checkpoint fixes these (asking for other values is an error); MERGED_KEYS also come from it unless typed.
 ARCH_KEYS = ("mixer", "layers", "d_model", "n_protos", "heads", "value_dim", "ema", "shared_routing",
              "conv_layers", "dataset", "tokenizer", "compact", "max_tokens")
+MERGED_KEYS = ARCH_KEYS + ("ctx",)
 
 
 # -----------------------------------------------------------------------------
@@ -829,9 +835,14 @@ class ProtoMixer(nn.Module):
         if self.record:
             self.last = {"w": w.detach(), "rho": rho.detach()}
         beta = self.beta
+        with torch.autocast(x.device.type, enabled=False):  # the EMA runs in fp32 (spec §3.2), never in bf16
+            y = self.prefix_mean(w, v, rho, beta, cache)
+        return self.alpha * self.U(y.to(x.dtype))
+
+    def prefix_mean(self, w, v, rho, beta, cache):
         if cache is not None and "N" in cache:  # O(1) step(s) from the cached state
             ys, state = [], (cache["N"], cache["M"])
-            for t in range(x.shape[1]):
+            for t in range(w.shape[1]):
                 y_t, state = prefix_mean_step(state, w[:, t], v[:, t], rho[:, t], beta)
                 ys.append(y_t)
             cache["N"], cache["M"] = state
@@ -841,9 +852,9 @@ class ProtoMixer(nn.Module):
                 y = prefix_mean_read_official(w, v, rho, beta)
             else:
                 y = prefix_mean_read(w, v, rho, beta, backend=self.kernels)
-            if cache is not None:
+            if cache is not None:  # note: with --ema official the cache holds the exact state, not the shortcut's
                 cache["N"], cache["M"] = prefix_state(w, v, beta)
-        return self.alpha * self.U(y.to(x.dtype))
+        return y
 
 
 class RotaryAttention(nn.Module):
@@ -982,8 +993,16 @@ def setup_device(cfg: Config):
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise RunError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RunError(f"--device {device}: CUDA is not available")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise RunError("--device mps: MPS is not available on this machine")
+    if cfg.dtype == "bfloat16" and not device.startswith("cuda"):
+        raise RunError("--dtype bfloat16 is bf16 autocast on CUDA; on this device the run is float32 (drop the flag)")
     device_type = "cuda" if device.startswith("cuda") else ("mps" if device == "mps" else "cpu")
     dtype = cfg.dtype
     if dtype == "auto":
@@ -1028,7 +1047,9 @@ def flops_per_token(model: ProtoT, cfg: Config, ctx: int) -> float:
     return 6 * n + 6 * cfg.layers * 3 * cfg.n_protos * dv
 
 
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "4090": 165e12}
+# dense bf16 peaks; first match wins, so the PCIe H100 (756 TFLOP/s) is listed before the SXM one
+PEAK_BF16 = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
+             "4090": 165e12}
 
 
 def peak_flops(device: torch.device) -> Optional[float]:
@@ -1072,7 +1093,7 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
     if dist_ready():
         import torch.distributed as dist
 
-        t = torch.tensor([total, count], dtype=torch.float64, device=x.device)
+        t = torch.tensor([total, count], dtype=torch.float64, device=data.device)
         dist.all_reduce(t)
         total, count = t.tolist()
     return {"loss": total / count, "ppl": math.exp(total / count), "tokens": int(count)}
@@ -1082,13 +1103,21 @@ def dist_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+def any_rank(flag: torch.Tensor) -> bool:
+    """True if `flag` is set on any rank (all ranks must stop together, or the others hang in a collective)."""
+    if dist_ready():
+        flag = flag.float()
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def ckpt_path(cfg: Config) -> Path:
     return Path(cfg.out_dir) / f"ckpt-{cfg.mixer}.pt"
 
 
 def nan_message(step: int, path: Path) -> str:
     keep = f"the last good checkpoint is {path}" if path.exists() else "no checkpoint was written"
-    return f"non-finite loss before step {step}; stopping ({keep})"
+    return f"non-finite loss before step {step} (or non-finite weights); stopping ({keep})"
 
 
 def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: float, data_rng, data,
@@ -1124,7 +1153,7 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     if bad:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
         raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
-    merged = Config(**{**asdict(cfg), **{k: saved[k] for k in ARCH_KEYS if k in saved}})
+    merged = Config(**{**asdict(cfg), **{k: saved[k] for k in MERGED_KEYS if k in saved and k not in explicit}})
     return ck, merged
 
 
@@ -1143,8 +1172,10 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
     model = build_model(cfg, data.vocab_size, device)
     optimizer = make_optimizer(model, cfg, device.type)
     step, best, history = 0, float("inf"), {"step": [], "train": [], "val": []}
+    if rank:  # ranks other than 0 draw their own dropout masks (DDP broadcasts rank 0's initial weights)
+        torch.manual_seed(cfg.seed + rank)
     if cfg.resume:
-        ck, _ = load_checkpoint(path, cfg, explicit=set(ARCH_KEYS))
+        ck, _ = load_checkpoint(path, cfg, explicit)
         try:
             model.load_state_dict(ck["model"])
             optimizer.load_state_dict(ck["optimizer"])
@@ -1171,24 +1202,27 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
     # uninterrupted run would have used next (bit-exact resume on CPU).
     data_rng = data.rng_state()
     x, y = data.get_batch("train", micro, cfg.ctx)
-    t0, mfu_ema, start = time.time(), None, step
+    t0, t0_step, mfu_ema, start = time.time(), step, None, step
     bad = torch.zeros((), dtype=torch.bool, device=device)  # any non-finite loss since the last check
     while True:
         if step > start and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
-            if bad.item():
+            if any_rank(bad):
                 raise RunError(nan_message(step, path))
             val = estimate_loss(model, data, cfg, autocast, micro)
             if dist_ready():
                 t = torch.tensor([val], device=device)
                 torch.distributed.all_reduce(t)
                 val = t.item() / world
+            if not math.isfinite(val) or not all(torch.isfinite(p).all() for p in raw.parameters()):
+                raise RunError(nan_message(step, path))  # never save non-finite weights
             history["step"].append(step)
             history["val"].append(val)
             log(f"step {step}: val loss {val:.4f} (ppl {math.exp(val):.1f})")
             best = min(best, val)
-            if rank == 0:
-                save_checkpoint(path, raw, optimizer, cfg, step, best, data_rng, data, history)
-            t0 = time.time()  # evaluation time is not training time
+            if rank == 0:  # the train stream as it was before the prefetch, the val stream as it is now
+                rng = {**data_rng, "val": data.rng_state()["val"]}
+                save_checkpoint(path, raw, optimizer, cfg, step, best, rng, data, history)
+            t0, t0_step = time.time(), step  # evaluation time is not training time
         if step >= cfg.max_iters:
             break
         lr = get_lr(cfg, step)
@@ -1207,16 +1241,16 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         step += 1
         if step % cfg.log_interval == 0 or step == cfg.max_iters:
             lossf = loss.item()  # syncs the device, so the timing below is real
-            if bad.item():
+            if any_rank(bad):
                 raise RunError(nan_message(step, path))
-            dt = (time.time() - t0) / (cfg.log_interval if step % cfg.log_interval == 0 else step % cfg.log_interval)
+            dt = (time.time() - t0) / (step - t0_step)
             tok_s = tokens_per_step / dt
             if peak and step > 5 * cfg.log_interval:  # skip warm-up/compile steps, smooth like nanoGPT
                 m = fpt * tok_s / (peak * world)
                 mfu_ema = m if mfu_ema is None else 0.9 * mfu_ema + 0.1 * m
             history["train"].append([step, lossf])
             log(log_line(step, cfg.max_iters, lossf, lr, dt * 1000, tok_s, mfu_ema))
-            t0 = time.time()
+            t0, t0_step = time.time(), step
     return raw, history
 
 
@@ -1234,11 +1268,11 @@ def token_pieces(tok, ids) -> list[str]:
 
 
 def words_of(pieces: list[str], acts: list[float]) -> list[tuple[str, float]]:
-    """Join subword pieces into words (a piece starting with whitespace starts a new word); a word's
-    activation is the mean of its pieces'."""
+    """Join subword pieces into words (a piece starting with whitespace, or following one that ends with it,
+    starts a new word); a word's activation is the mean of its pieces'."""
     words: list[tuple[str, list[float]]] = []
     for p, a in zip(pieces, acts):
-        if not words or p[:1].isspace():
+        if not words or p[:1].isspace() or words[-1][0][-1:].isspace():
             words.append((p, [a]))
         else:
             words[-1] = (words[-1][0] + p, words[-1][1] + [a])
@@ -1321,6 +1355,8 @@ def load_prompts(cfg: Config, data, target: str) -> list[str]:
             lines = [ln.strip() for ln in Path(cfg.prompts).read_text(encoding="utf-8").splitlines() if ln.strip()]
         except OSError as e:
             raise RunError(f"--prompts {cfg.prompts}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise RunError(f"--prompts {cfg.prompts}: not a UTF-8 text file") from None
     elif target.lower() in PROMPTS:
         lines = PROMPTS[target.lower()]
     else:
@@ -1335,6 +1371,8 @@ def load_prompts(cfg: Config, data, target: str) -> list[str]:
 def find_word(text: str, word: str) -> int:
     """Index of the last whole-word, case-insensitive occurrence of `word` in `text` (-1 if none)."""
     low, w = text.lower(), word.lower()
+    if not w.strip():
+        return -1
     i = len(low)
     while True:
         i = low.rfind(w, 0, i)
@@ -1403,16 +1441,15 @@ def intervention(model: ProtoT, units: list[tuple[int, int]], mode: str, seed: i
             m.write_mask = m.read_mask = None
 
 
-def parse_units(spec: str, model: ProtoT) -> list[tuple[int, int]]:
+def parse_units(spec: str, layers: int, n_protos: int) -> list[tuple[int, int]]:
     units = []
     for part in spec.split(","):
         try:
             l, k = (int(s) for s in part.split(":"))
         except ValueError:
             raise RunError(f"--intervene expects LAYER:PROTO[,LAYER:PROTO...], got {part!r}") from None
-        if not (0 <= l < len(model.blocks) and 0 <= k < model.cfg.n_protos):
-            raise RunError(f"--intervene {part}: layer must be in 0..{len(model.blocks) - 1}, "
-                           f"prototype in 0..{model.cfg.n_protos - 1}")
+        if not (0 <= l < layers and 0 <= k < n_protos):
+            raise RunError(f"--intervene {part}: layer must be in 0..{layers - 1}, prototype in 0..{n_protos - 1}")
         units.append((l, k))
     return units
 
@@ -1422,16 +1459,24 @@ def relative(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     return (new[keep] - base[keep]) / base[keep]
 
 
+def kept_prompts(base: torch.Tensor, target: str) -> int:
+    n = int((base >= 1e-6).sum())
+    if n == 0:
+        raise RunError(f"no prompt gives {target!r} a baseline probability of at least 1e-6; try other prompts")
+    return n
+
+
 def run_intervention(model, data, cfg, units, mode, target, autocast, ppl_windows=64) -> dict:
     prompts = load_prompts(cfg, data, target)
     batch = prompt_batch(data.tokenizer, prompts, target, data.device)
     base = target_probs(model, batch)
+    n = kept_prompts(base, target)
     ppl0 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows)["ppl"]
     with intervention(model, units, mode, cfg.seed):
         new = target_probs(model, batch)
         ppl1 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows)["ppl"]
     rel = relative(new, base)
-    return {"units": [f"L{l} P{k}" for l, k in units], "mode": mode, "target": target, "prompts": len(base),
+    return {"units": [f"L{l} P{k}" for l, k in units], "mode": mode, "target": target, "prompts": n,
             "max_drop": rel.min().item(), "mean": rel.mean().item(), "ppl": ppl0, "ppl_change": ppl1 / ppl0 - 1}
 
 
@@ -1441,6 +1486,7 @@ def find_prototype(model, data, cfg, target, autocast, top: int = 10) -> dict:
     prompts = load_prompts(cfg, data, target)
     batch = prompt_batch(data.tokenizer, prompts, target, data.device)
     base = target_probs(model, batch)
+    n = kept_prompts(base, target)
     ranking = []
     for l in range(len(model.blocks)):
         for k in range(cfg.n_protos):
@@ -1451,7 +1497,7 @@ def find_prototype(model, data, cfg, target, autocast, top: int = 10) -> dict:
     ranking.sort(key=lambda r: r["mean"])
     for r in ranking[:3]:
         r.update(run_intervention(model, data, cfg, [(r["layer"], r["proto"])], "write-mask", target, autocast))
-    return {"target": target, "prompts": len(base), "ranking": ranking[:top]}
+    return {"target": target, "prompts": n, "ranking": ranking[:top]}
 
 
 # Perturbations of val lines that keep the meaning (spec §5.4), each a function line -> line (or None).
@@ -1551,7 +1597,7 @@ def robustness(models: dict, data, pairs: int = 48, topk: int = 10, seed: int = 
 
 
 def sample_text(model, tok, prompt: str, n: int, device, seed: int) -> str:
-    ids = tok.encode(prompt.encode().decode("unicode_escape")) or [tok.eot]
+    ids = tok.encode(prompt.replace("\\n", "\n").replace("\\t", "\t")) or [tok.eot]  # "\n" typed in a shell
     g = torch.Generator(device=device).manual_seed(seed)
     out = model.generate(torch.tensor([ids], device=device), n, generator=g)
     return tok.decode(out[0].tolist())
@@ -1676,10 +1722,16 @@ def loss_figure(histories: dict) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+PCT_COLUMNS = {"mean", "max_drop", "ppl_change"}  # relative changes, shown as percentages
+
+
 def table_html(rows: list[dict], cols: list[str]) -> str:
-    fmt = lambda v: f"{v:+.2%}" if isinstance(v, float) and abs(v) < 10 else (f"{v:.2f}" if isinstance(v, float) else html.escape(str(v)))
+    def fmt(c, v):
+        if isinstance(v, float):
+            return f"{v:+.2%}" if c in PCT_COLUMNS else f"{v:.4g}"
+        return html.escape(str(v))
     head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{fmt(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
+    body = "".join("<tr>" + "".join(f"<td>{fmt(c, r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
@@ -1761,24 +1813,56 @@ def apply_preset(cfg: Config, explicit) -> str:
 
 
 def validate(cfg: Config) -> None:
+    """Every bad flag value found before anything is trained, each as one line."""
     checks = [(cfg.layers >= 1, "--layers must be >= 1"), (cfg.d_model >= 2 and cfg.d_model % 2 == 0, "--d-model must be even"),
               (cfg.n_protos >= 1, "--n-protos must be >= 1"), (cfg.ctx >= 1, "--ctx must be >= 1"),
               (cfg.batch_size >= 1, "--batch-size must be >= 1"), (cfg.max_iters >= 1, "--max-iters must be >= 1"),
               (cfg.eval_interval >= 1 and cfg.log_interval >= 1 and cfg.eval_iters >= 1, "intervals must be >= 1"),
               (cfg.lr > 0, "--lr must be > 0"), (0 <= cfg.dropout < 1, "--dropout must be in [0, 1)"),
-              (0 <= cfg.conv_layers, "--conv-layers must be >= 0")]
-    if cfg.mixer == "attention":
+              (0 <= cfg.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
+              (0 <= cfg.warmup_frac <= 1, "--warmup-frac must be in [0, 1]"),
+              (cfg.weight_decay >= 0, "--weight-decay must be >= 0"), (cfg.grad_clip >= 0, "--grad-clip must be >= 0"),
+              (cfg.conv_layers >= 0, "--conv-layers must be >= 0"), (cfg.label_windows >= 1, "--label-windows must be >= 1"),
+              (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"), (cfg.heads >= 1, "--heads must be >= 1"),
+              (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file")]
+    if cfg.mixer == "attention" or cfg.compare:
         checks.append((cfg.d_model % cfg.heads == 0 and (cfg.d_model // cfg.heads) % 2 == 0,
                        f"--d-model {cfg.d_model} must split into --heads {cfg.heads} heads of even size"))
     for ok, msg in checks:
         if not ok:
             raise RunError(msg)
-    if (cfg.intervene or cfg.find_prototype) and cfg.mixer != "proto":
+    if (cfg.intervene or cfg.find_prototype not in ("auto", "off")) and cfg.mixer != "proto" and not cfg.compare:
         raise RunError("--intervene and --find-prototype need --mixer proto")
+    if cfg.intervene:
+        parse_units(cfg.intervene, 1 << 30, 1 << 30)  # the syntax now; the ranges once the model is known
+    if (cfg.intervene and not cfg.target.strip()) or not cfg.find_prototype.strip():
+        raise RunError("the target word is empty (--target, --find-prototype WORD; --find-prototype off skips it)")
+    if cfg.prompts and not Path(cfg.prompts).is_file():
+        raise RunError(f"--prompts {cfg.prompts}: no such file")
+
+
+def check_tokenizer(ck: dict, data, path: Path) -> None:
+    """A checkpoint only makes sense with the token map it was trained with."""
+    saved, current = ck["tokenizer"], data.tokenizer.state_dict()
+    if saved["name"] != current["name"] or saved["compacted"] != current["compacted"] or \
+            not torch.equal(saved["kept"], current["kept"]):
+        raise RunError(f"{path} was trained with another token map ({saved['name']}, "
+                       f"{len(saved['kept']) + 1 if saved['compacted'] else 'full'} ids) than this data's "
+                       f"({current['name']}, {data.vocab_size} ids); the corpus or its cache changed")
+
+
+def load_model(ck: dict, c: Config, data, device, path: Path) -> ProtoT:
+    check_tokenizer(ck, data, path)
+    model = ProtoT(c, data.vocab_size).to(device)
+    try:
+        model.load_state_dict(ck["model"])
+    except RuntimeError as e:
+        raise RunError(f"{path} does not fit this model ({str(e).splitlines()[-1].strip()})") from None
+    return model
 
 
 def run(cfg: Config, explicit) -> int:
-    from common import load_data
+    from common import DataError, load_data
 
     preset = apply_preset(cfg, explicit)
     validate(cfg)
@@ -1788,9 +1872,19 @@ def run(cfg: Config, explicit) -> int:
     if cfg.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RunError("--kernels triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
     rank = dist_info["rank"]
+    mixers = ("proto", "attention") if cfg.compare else (cfg.mixer,)
+    loaded = {}  # --no-train / --resume: the architecture and the data come from the checkpoint
+    if not cfg.train or cfg.resume:
+        for mixer in mixers:
+            path = ckpt_path(Config(**{**asdict(cfg), "mixer": mixer}))
+            loaded[mixer] = (path, *load_checkpoint(path, Config(**{**asdict(cfg), "mixer": mixer}), explicit))
+        saved = loaded[mixers[0]][2]
+        cfg = Config(**{**asdict(cfg), **{k: getattr(saved, k) for k in MERGED_KEYS if k != "mixer"}})
+    if cfg.intervene:
+        parse_units(cfg.intervene, cfg.layers, cfg.n_protos)
     out_dir = Path(cfg.out_dir)
     log = Logger(None if cfg.bench else out_dir / f"log-{cfg.mixer}.txt", rank)
-    if preset == "cpu" and not cfg.bench:
+    if preset == "cpu" and not cfg.bench and cfg.train:
         log("no GPU: running the CPU preset (" + ", ".join(f"{k}={getattr(cfg, k)}" for k in CPU_PRESET)
             + "), about 5 minutes; --preset paper runs the paper's configuration")
     log("config: " + json.dumps(asdict(cfg)))
@@ -1800,35 +1894,41 @@ def run(cfg: Config, explicit) -> int:
     torch.manual_seed(cfg.seed + rank)
     if cfg.bench:  # random tokens over the paper's 16k vocabulary: no corpus needed
         res = bench(cfg, BENCH_VOCAB, device, log)
-        print(json.dumps(res, indent=1, default=str))
+        if rank == 0:
+            print(json.dumps(res, indent=1, default=str))
         return 0
-    if rank == 0 or not dist_info["ddp"]:  # rank 0 builds the token cache, the others wait and reuse it
-        data = load_data(cfg.dataset, cfg.tokenizer, cfg.compact, cfg.max_tokens, cfg.cache_dir, device,
-                         cfg.seed, rank, dist_info["world"])
+
+    def get_data():
+        return load_data(cfg.dataset, cfg.tokenizer, cfg.compact, cfg.max_tokens, cfg.cache_dir, device, cfg.seed,
+                         rank, dist_info["world"])
+    error = None
+    if rank == 0:  # rank 0 builds the token cache; the others wait, then reuse it (or meet the same error)
+        try:
+            data = get_data()
+        except DataError as e:
+            error = e
     if dist_info["ddp"]:
         torch.distributed.barrier()
-        if rank != 0:
-            data = load_data(cfg.dataset, cfg.tokenizer, cfg.compact, cfg.max_tokens, cfg.cache_dir, device,
-                             cfg.seed, rank, dist_info["world"])
+    if error is not None:
+        raise error
+    if rank != 0:
+        data = get_data()
     results = {"preset": preset, "device": str(device)}
     histories, models = {}, {}
-    mixers = ("proto", "attention") if cfg.compare else (cfg.mixer,)
     for mixer in mixers:
         c = Config(**{**asdict(cfg), "mixer": mixer})
+        if mixer in loaded:
+            check_tokenizer(loaded[mixer][1], data, loaded[mixer][0])
         if cfg.train:
             t0 = time.time()
             models[mixer], histories[mixer] = train(c, data, device, autocast, dist_info, explicit, log)
             log(f"{mixer}: trained in {time.time() - t0:.0f}s; checkpoint {ckpt_path(c)}")
         else:
-            ck, c = load_checkpoint(ckpt_path(c), c, explicit)
-            models[mixer] = ProtoT(c, data.vocab_size).to(device)
-            try:
-                models[mixer].load_state_dict(ck["model"])
-            except RuntimeError as e:
-                raise RunError(f"{ckpt_path(c)} does not fit this data/model: {str(e).splitlines()[0]}") from None
-            histories[mixer] = ck["history"]
-    if dist_info["ddp"]:
+            path, ck, c = loaded[mixer]
+            models[mixer], histories[mixer] = load_model(ck, c, data, device, path), ck["history"]
+    if dist_info["ddp"]:  # the analyses run on rank 0 alone, over the whole val split
         torch.distributed.destroy_process_group()
+        data.rank, data.world_size = 0, 1
     if rank != 0:
         return 0
     results["ppl"] = {}
@@ -1845,31 +1945,39 @@ def run(cfg: Config, explicit) -> int:
         if cfg.labels:
             results["labels"] = label_prototypes(model, data, cfg, out_dir)
             log(f"prototype labels: {out_dir / 'prototypes.html'}, {out_dir / 'prototypes.json'}")
-        target = cfg.find_prototype or (cfg.target if not cfg.intervene and cfg.train else "")
+        auto = cfg.find_prototype == "auto"
+        target = cfg.target if auto and cfg.train and not cfg.intervene else \
+            ("" if cfg.find_prototype in ("auto", "off") else cfg.find_prototype)
         if target:
-            fp = find_prototype(model, data, cfg, target, autocast)
-            results["find_prototype"] = fp
-            log(f"find-prototype {target!r} ({fp['prompts']} prompts): " + ", ".join(
-                f"{r['unit']} {r['mean']:+.1%}" for r in fp["ranking"][:5]))
-            best = fp["ranking"][0]
-            log(f"  best {best['unit']}: target probability max {best['max_drop']:+.1%} / mean {best['mean']:+.1%}, "
-                f"val perplexity {best['ppl_change']:+.2%}")
+            try:
+                fp = find_prototype(model, data, cfg, target, autocast)
+            except RunError as e:
+                if not auto:
+                    raise
+                log(f"find-prototype skipped: {e}")  # the default analysis does not fail a finished run
+            else:
+                results["find_prototype"] = fp
+                log(f"find-prototype {target!r} ({fp['prompts']} prompts): " + ", ".join(
+                    f"{r['unit']} {r['mean']:+.1%}" for r in fp["ranking"][:5]))
+                best = fp["ranking"][0]
+                log(f"  best {best['unit']}: target probability max {best['max_drop']:+.1%} / mean "
+                    f"{best['mean']:+.1%}, val perplexity {best['ppl_change']:+.2%}")
         if cfg.intervene:
-            r = run_intervention(model, data, cfg, parse_units(cfg.intervene, model), cfg.mode, cfg.target, autocast)
+            r = run_intervention(model, data, cfg, parse_units(cfg.intervene, cfg.layers, cfg.n_protos), cfg.mode,
+                                 cfg.target, autocast)
             results["intervention"] = r
             log(f"{cfg.mode} {','.join(r['units'])} on {cfg.target!r} ({r['prompts']} prompts): target probability "
                 f"max {r['max_drop']:+.2%} / mean {r['mean']:+.2%}; val perplexity {r['ppl']:.2f} {r['ppl_change']:+.2%}")
     if cfg.robustness:
         rob_models = dict(models)
         other = "attention" if "attention" not in rob_models else "proto"
-        other_path = ckpt_path(Config(**{**asdict(cfg), "mixer": other}))
-        if other_path.exists():
+        oc = Config(**{**asdict(cfg), "mixer": other})
+        if ckpt_path(oc).exists():
             try:
-                ck, c = load_checkpoint(other_path, Config(**{**asdict(cfg), "mixer": other}))
-                rob_models[other] = ProtoT(c, data.vocab_size).to(device)
-                rob_models[other].load_state_dict(ck["model"])
-            except (RunError, RuntimeError):
-                rob_models.pop(other, None)  # a stale checkpoint of the other mixer: skip the comparison
+                ck, oc = load_checkpoint(ckpt_path(oc), oc)
+                rob_models[other] = load_model(ck, oc, data, device, ckpt_path(oc))
+            except RunError as e:
+                log(f"robustness: not comparing with {other} ({e})")
         results["robustness"] = robustness(rob_models, data, seed=cfg.seed)
         for name, r in results["robustness"].items():
             log(f"robustness {name:12s} " + "  ".join(f"{k}: JS {v['js']:.4f} top1 {v['top1']:.2f}"
@@ -1899,6 +2007,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if dist_ready():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -409,6 +409,7 @@ class DemoConfig:
     mixer: typing.Literal["proto", "attention"] = "proto"
     compile: bool = False
     max_tokens: typing.Optional[int] = None
+    prompt: typing.Optional[str] = None
 
 
 def test_parse_config_flags_from_dataclass():
@@ -417,10 +418,11 @@ def test_parse_config_flags_from_dataclass():
     cfg, args = common.parse_config(DemoConfig, ["--n-layers", "2", "--lr", "1e-3", "--mixer", "attention",
                                                  "--compile", "--max-tokens", "100"],
                                     extra={"--bench": dict(action="store_true")})
-    assert cfg == DemoConfig(2, 1e-3, "attention", True, 100) and args.bench is False
+    assert cfg == DemoConfig(2, 1e-3, "attention", True, 100, None) and args.bench is False
     assert args.explicit == {"n_layers", "lr", "mixer", "compile", "max_tokens"}
     assert common.parse_config(DemoConfig, ["--lr", "0.1"])[1].explicit == {"lr"}
     assert common.parse_config(DemoConfig, ["--max-tokens", "none", "--no-compile"])[0].max_tokens is None
+    assert common.parse_config(DemoConfig, ["--prompt", "none"])[0].prompt == "none"  # a string stays a string
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -456,8 +458,9 @@ def test_cli_prints_statistics(tmp_path):
     (["--tokenizer", "sentencepiece"], 2, "invalid choice: 'sentencepiece'"),
     (["--compact", "-3"], 1, "error: --compact must be none, train or an integer >= 2"),
     (["--frobnicate"], 2, "unrecognized arguments: --frobnicate"),
+    (["--cache-dir", "README.md"], 1, "error: cache folder README.md: File exists"),
 ])
 def test_cli_bad_input_one_line_nonzero_exit(tmp_path, args, code, needle):
-    r = run_cli(*args, "--cache-dir", str(tmp_path), env={"HF_HUB_OFFLINE": "1"})
+    r = run_cli("--cache-dir", str(tmp_path), *args, env={"HF_HUB_OFFLINE": "1"})
     assert r.returncode == code and needle in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr

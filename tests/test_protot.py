@@ -105,9 +105,9 @@ def test_interventions_mask_and_restore():
         assert not torch.equal(model.mixers()[1].P[3], P[3]) and torch.equal(model.mixers()[1].P[4], P[4])
     torch.testing.assert_close(model(x), before)  # everything restored
     with pytest.raises(protot.RunError, match="LAYER:PROTO"):
-        protot.parse_units("3-1", model)
+        protot.parse_units("3-1", 2, 6)
     with pytest.raises(protot.RunError, match="prototype in 0..5"):
-        protot.parse_units("1:6", model)
+        protot.parse_units("1:6", 2, 6)
 
 
 def test_prompt_batch_targets_first_token_of_last_occurrence(data):
@@ -122,7 +122,7 @@ def test_prompt_batch_targets_first_token_of_last_occurrence(data):
 
 def test_words_of_joins_subwords():
     words = protot.words_of([" Fr", "ail", "ty", ",", " thy", "\n", "name"], [1, 2, 3, 4, 5, 6, 7])
-    assert words == [(" Frailty,", 2.5), (" thy", 5.0), ("\nname", 6.5)]
+    assert words == [(" Frailty,", 2.5), (" thy", 5.0), ("\n", 6.0), ("name", 7.0)]
 
 
 # ---------------------------------------------------------------- training
@@ -139,7 +139,8 @@ def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch):
 
     def fresh_data():
         return common.load_data(cache_dir=cache_dir, seed=3)
-    straight, _ = protot.train(tiny_cfg(tmp_path / "a", cache_dir), fresh_data(), dev, auto, dist, log=lambda m: None)
+    straight, hist_a = protot.train(tiny_cfg(tmp_path / "a", cache_dir), fresh_data(), dev, auto, dist,
+                                    log=lambda m: None)
 
     real_save = protot.save_checkpoint
 
@@ -155,7 +156,7 @@ def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch):
                                  log=lambda m: None)
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
-    assert hist["step"] == [10, 20]
+    assert hist["step"] == [10, 20] and hist["val"] == hist_a["val"]  # the val stream resumes exactly too
     ck = torch.load(tmp_path / "b10" / "ckpt-proto.pt", weights_only=True)
     assert ck["step"] == 20 and ck["config"]["resume"] is True and ck["tokenizer"]["name"] == "cl100k"
 
@@ -172,7 +173,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache_dir, 
         return out
     monkeypatch.setattr(ProtoT, "forward", forward)
     cfg = tiny_cfg(tmp_path, cache_dir)
-    with pytest.raises(protot.RunError, match="non-finite loss before step 15; stopping \\(the last good checkpoint is"):
+    with pytest.raises(protot.RunError, match="non-finite loss before step 15 \\(or non-finite weights\\); stopping \\(the last good checkpoint is"):
         protot.train(cfg, common.load_data(cache_dir=cache_dir), torch.device("cpu"), torch.autocast("cpu", enabled=False),
                      dict(ddp=False, rank=0, local_rank=0, world=1), log=lambda m: None)
     ck = torch.load(protot.ckpt_path(cfg), weights_only=True)
@@ -214,7 +215,15 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
     (["--layerz", "6"], 2, "unrecognized arguments: --layerz"),
     (["--layers", "0"], 1, "error: --layers must be >= 1"),
     (["--mixer", "attention", "--d-model", "30", "--heads", "4"], 1, "must split into --heads 4 heads"),
-    (["--no-train", "--intervene", "x"], 1, "error: no checkpoint at"),
+    (["--no-train", "--intervene", "0:1"], 1, "error: no checkpoint at"),
+    (["--intervene", "x"], 1, "--intervene expects LAYER:PROTO"),
+    (["--intervene", "0:1", "--target", " "], 1, "the target word is empty"),
+    (["--prompts", "no/such/file.txt"], 1, "--prompts no/such/file.txt: no such file"),
+    (["--compare", "--heads", "3", "--d-model", "32"], 1, "must split into --heads 3 heads"),
+    (["--heads", "0"], 1, "--heads must be >= 1"),
+    (["--device", "tpu"], 1, "--device tpu: expected auto, cpu, cuda, cuda:N or mps"),
+    (["--dtype", "bfloat16"], 1, "--dtype bfloat16 is bf16 autocast on CUDA"),
+    (["--warmup-frac", "2"], 1, "--warmup-frac must be in [0, 1]"),
     (["--dataset", "fineweb-edu"], 1, "needs the Hugging Face hub, which is unreachable"),
     (["--kernels", "triton"], 1, "--kernels triton needs a CUDA device"),
     (["--mixer", "attention", "--find-prototype", "queen"], 1, "need --mixer proto"),
@@ -237,7 +246,7 @@ def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
     single-process run up to float summation order."""
     args = ["--layers", "1", "--d-model", "32", "--ctx", "32", "--batch-size", "8", "--max-iters", "6",
             "--eval-interval", "3", "--eval-iters", "2", "--log-interval", "3", "--dropout", "0", "--no-labels",
-            "--no-robustness", "--no-report", "--target", "", "--sample-tokens", "5", "--cache-dir", str(cache_dir)]
+            "--no-robustness", "--no-report", "--find-prototype", "off", "--sample-tokens", "5", "--cache-dir", str(cache_dir)]
     common.load_data(cache_dir=cache_dir)  # the cache exists before the ranks start
     one = run_script("protot.py", *args, "--out-dir", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr[-2000:]
@@ -285,3 +294,21 @@ def test_prompts_from_a_user_file(tmp_path, data):
     with pytest.raises(protot.RunError, match="--prompts .*missing.txt"):
         protot.load_prompts(Config(prompts=str(tmp_path / "missing.txt")), data, "mermaid")
     assert len(protot.load_prompts(Config(), data, "queen")) == 8  # the built-in set
+
+
+def test_non_finite_weights_are_never_saved(tmp_path, cache_dir, monkeypatch):
+    real, evals = protot.estimate_loss, []
+
+    def poisoning_estimate(model, *a, **k):  # weights turn NaN while the loss still looks fine
+        evals.append(1)
+        if len(evals) == 2:
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))
+        return 5.0
+    monkeypatch.setattr(protot, "estimate_loss", poisoning_estimate)
+    cfg = tiny_cfg(tmp_path, cache_dir)
+    with pytest.raises(protot.RunError, match="non-finite loss before step 20"):
+        protot.train(cfg, common.load_data(cache_dir=cache_dir), torch.device("cpu"),
+                     torch.autocast("cpu", enabled=False), dict(ddp=False, rank=0, local_rank=0, world=1),
+                     log=lambda m: None)
+    assert torch.load(protot.ckpt_path(cfg), weights_only=True)["step"] == 10
