@@ -67,7 +67,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -1153,7 +1153,7 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     if bad:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
         raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
-    merged = Config(**{**asdict(cfg), **{k: saved[k] for k in MERGED_KEYS if k in saved and k not in explicit}})
+    merged = replace(cfg, **{k: saved[k] for k in MERGED_KEYS if k in saved and k not in explicit})
     return ck, merged
 
 
@@ -1633,7 +1633,7 @@ def bench(cfg: Config, vocab_size: int, device, log=print) -> dict:
     res = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "ctx": ctxs, "tok_s": {}}
     log(f"bench: {cfg.layers} layers, d={cfg.d_model}, R={cfg.n_protos}, vocab {vocab_size}, batch 1, {dtype}")
     log(f"{'ctx':>7} " + " ".join(f"{v:>15}" for v in variants) + "   (forward tokens/s)")
-    models = {k: ProtoT(Config(**{**asdict(cfg), **v, "dropout": 0.0}), vocab_size).to(device, dtype).eval()
+    models = {k: ProtoT(replace(cfg, **v, dropout=0.0), vocab_size).to(device, dtype).eval()
               for k, v in variants.items()}
     for k in variants:
         res["tok_s"][k] = []
@@ -1876,10 +1876,10 @@ def run(cfg: Config, explicit) -> int:
     loaded = {}  # --no-train / --resume: the architecture and the data come from the checkpoint
     if not cfg.train or cfg.resume:
         for mixer in mixers:
-            path = ckpt_path(Config(**{**asdict(cfg), "mixer": mixer}))
-            loaded[mixer] = (path, *load_checkpoint(path, Config(**{**asdict(cfg), "mixer": mixer}), explicit))
+            path = ckpt_path(replace(cfg, mixer=mixer))
+            loaded[mixer] = (path, *load_checkpoint(path, replace(cfg, mixer=mixer), explicit))
         saved = loaded[mixers[0]][2]
-        cfg = Config(**{**asdict(cfg), **{k: getattr(saved, k) for k in MERGED_KEYS if k != "mixer"}})
+        cfg = replace(cfg, **{k: getattr(saved, k) for k in MERGED_KEYS if k != "mixer"})
     if cfg.intervene:
         parse_units(cfg.intervene, cfg.layers, cfg.n_protos)
     out_dir = Path(cfg.out_dir)
@@ -1916,7 +1916,7 @@ def run(cfg: Config, explicit) -> int:
     results = {"preset": preset, "device": str(device)}
     histories, models = {}, {}
     for mixer in mixers:
-        c = Config(**{**asdict(cfg), "mixer": mixer})
+        c = replace(cfg, mixer=mixer)
         if mixer in loaded:
             check_tokenizer(loaded[mixer][1], data, loaded[mixer][0])
         if cfg.train:
@@ -1971,7 +1971,7 @@ def run(cfg: Config, explicit) -> int:
     if cfg.robustness:
         rob_models = dict(models)
         other = "attention" if "attention" not in rob_models else "proto"
-        oc = Config(**{**asdict(cfg), "mixer": other})
+        oc = replace(cfg, mixer=other)
         if ckpt_path(oc).exists():
             try:
                 ck, oc = load_checkpoint(ckpt_path(oc), oc)

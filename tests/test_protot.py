@@ -5,7 +5,6 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -297,7 +296,7 @@ def test_prompts_from_a_user_file(tmp_path, data):
 
 
 def test_non_finite_weights_are_never_saved(tmp_path, cache_dir, monkeypatch):
-    real, evals = protot.estimate_loss, []
+    evals = []
 
     def poisoning_estimate(model, *a, **k):  # weights turn NaN while the loss still looks fine
         evals.append(1)
