@@ -438,7 +438,6 @@ def _tokenize_split(docs, enc, out: Path, budget: int | None, batch: int = 256):
     n_tok = n_doc = n_chr = 0
     threads = max(1, os.cpu_count() or 1)
     with open(out, "wb") as fh:
-        buf = []
         docs = iter(docs)
         while budget is None or n_tok < budget:
             buf = [d.text for _, d in zip(range(batch), docs)]

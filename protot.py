@@ -1162,8 +1162,9 @@ def build_model(cfg: Config, vocab_size: int, device) -> ProtoT:
     return ProtoT(cfg, vocab_size).to(device)
 
 
-def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print) -> tuple[ProtoT, dict]:
-    """The nanoGPT-shaped loop. Returns the trained (unwrapped) model and its history."""
+def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print, ck=None) -> tuple[ProtoT, dict]:
+    """The nanoGPT-shaped loop. Returns the trained (unwrapped) model and its history. With cfg.resume it
+    continues from `ck`, the checkpoint already loaded by the caller (read from out_dir when not given)."""
     rank, world = dist_info["rank"], dist_info["world"]
     if cfg.batch_size % world:
         raise RunError(f"--batch-size {cfg.batch_size} must be divisible by the {world} ranks")
@@ -1175,7 +1176,8 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
     if rank:  # ranks other than 0 draw their own dropout masks (DDP broadcasts rank 0's initial weights)
         torch.manual_seed(cfg.seed + rank)
     if cfg.resume:
-        ck, _ = load_checkpoint(path, cfg, explicit)
+        if ck is None:
+            ck, _ = load_checkpoint(path, cfg, explicit)
         try:
             model.load_state_dict(ck["model"])
             optimizer.load_state_dict(ck["optimizer"])
@@ -1917,11 +1919,13 @@ def run(cfg: Config, explicit) -> int:
     histories, models = {}, {}
     for mixer in mixers:
         c = replace(cfg, mixer=mixer)
-        if mixer in loaded:
-            check_tokenizer(loaded[mixer][1], data, loaded[mixer][0])
         if cfg.train:
+            ck = None
+            if mixer in loaded:  # --resume
+                path, ck, _ = loaded[mixer]
+                check_tokenizer(ck, data, path)
             t0 = time.time()
-            models[mixer], histories[mixer] = train(c, data, device, autocast, dist_info, explicit, log)
+            models[mixer], histories[mixer] = train(c, data, device, autocast, dist_info, explicit, log, ck)
             log(f"{mixer}: trained in {time.time() - t0:.0f}s; checkpoint {ckpt_path(c)}")
         else:
             path, ck, c = loaded[mixer]
