@@ -1,0 +1,1671 @@
+"""prism.py — DOCSTRING TODO"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import html
+import io
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON, TRITON_ERROR = True, None
+except ImportError as err:  # no Triton (e.g. macOS): the module still imports and the torch forms work
+
+    class _NoTriton:  # stand-ins so the kernel definitions below still parse; they are never launched
+        jit = staticmethod(lambda fn: fn)
+        constexpr = None
+
+    HAS_TRITON, TRITON_ERROR = False, err
+    triton = tl = _NoTriton
+
+try:  # generic Triton kernels (kernels.py beside this file); a copied-out script falls back to plain torch
+    from kernels import BACKENDS, LayerNorm, cross_entropy
+except ImportError:
+    BACKENDS = ("auto", "triton", "torch")
+
+    class LayerNorm(nn.Module):
+        def __init__(self, dim, groups=1, eps=1e-5, bias=True, backend="auto"):
+            super().__init__()
+            self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+            self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+        def forward(self, x):
+            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+    def cross_entropy(logits, target, ignore_index=-100, reduction="mean", inplace_grad=False, backend="auto"):
+        loss = F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), ignore_index=ignore_index,
+                               reduction=reduction)
+        return loss.view(target.shape) if reduction == "none" else loss
+
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class Config:
+    # model: a GPT-2-style backbone and the prototype head (spec §2)
+    head: Literal["prism", "dense"] = field(default="prism", metadata={"help": "prototype head, or the dense twin"})
+    layers: int = field(default=12, metadata={"help": "transformer blocks"})
+    d_model: int = field(default=768, metadata={"help": "model width d"})
+    heads: int = field(default=12, metadata={"help": "attention heads"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout (embedding, attention, residual branches)"})
+    n_protos: int = field(default=8192, metadata={"help": "prototypes K"})
+    topk: int = field(default=16, metadata={"help": "active prototypes k per token"})
+    act: Literal["relu_cos", "relu_cos_znorm", "relu_cos_sum1"] = field(
+        default="relu_cos", metadata={"help": "activation a: ReLU(cos), times |z|, or renormalised to sum 1"})
+    resid_grad: Literal["full", "detach-zhat", "detach-r"] = field(
+        default="detach-zhat", metadata={"help": "gradient routing of r = z - ẑ (spec §2.3)"})
+    lambda_rec: float = field(default=1.0, metadata={"help": "weight of the reconstruction loss REC"})
+    lambda_r1: float = field(default=0.1, metadata={"help": "weight of R1 (each prototype to its nearest token)"})
+    lambda_r2: float = field(default=0.1, metadata={"help": "weight of R2 (each token to its nearest prototype)"})
+    rec: Literal["relative", "absolute"] = field(default="relative", metadata={"help": "REC = |r|²/|z]² or |r|²/d"})
+    dist: Literal["l2", "cosine"] = field(default="l2", metadata={"help": "R1/R2 distance: squared L2 per dim, or 1-cos"})
+    r1_detach_z: bool = field(default=False, metadata={"help": "R1 moves only the prototypes (stop-grad on z)"})
+    init: Literal["kmeans++", "random"] = field(default="kmeans++", metadata={"help": "prototype initialisation"})
+    init_steps: int = field(default=200, metadata={"help": "dense warm-up steps before k-means++ seeding of P"})
+    # data (common.py)
+    dataset: str = field(default="shakespeare", metadata={"help": "shakespeare | tinystories | fineweb-edu | PATH"})
+    tokenizer: Literal["cl100k", "gpt2", "bytes"] = field(default="cl100k", metadata={"help": "tokenizer"})
+    compact: str = field(default="train", metadata={"help": "vocabulary compaction: none | train | N"})
+    max_tokens: Optional[int] = field(default=None, metadata={"help": "training-token budget of the corpus"})
+    cache_dir: Optional[str] = field(default=None, metadata={"help": "token cache folder"})
+    # training (nanoGPT's GPT-2 recipe)
+    preset: Literal["auto", "cpu", "paper"] = field(default="auto", metadata={"help": "auto: paper on a GPU, cpu otherwise"})
+    batch_size: int = field(default=32, metadata={"help": "global batch (sequences per step, all ranks)"})
+    ctx: int = field(default=1024, metadata={"help": "training context length"})
+    lr: float = field(default=6e-4, metadata={"help": "peak learning rate"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of lr"})
+    warmup_frac: float = field(default=0.02, metadata={"help": "warmup as a fraction of max_iters"})
+    max_iters: int = field(default=20000, metadata={"help": "optimizer steps"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on matrices"})
+    grad_clip: float = field(default=1.0, metadata={"help": "max gradient norm (0: off)"})
+    eval_interval: int = field(default=1000, metadata={"help": "steps between evaluations and checkpoints"})
+    eval_iters: int = field(default=20, metadata={"help": "val batches per evaluation"})
+    log_interval: int = field(default=50, metadata={"help": "steps between log lines"})
+    seed: int = field(default=1337, metadata={"help": "random seed"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
+    dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata={"help": "auto: bf16 autocast on CUDA"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
+    kernels: Literal["auto", "triton", "torch"] = field(default="auto", metadata={"help": "Triton kernels on CUDA (auto)"})
+    out_dir: str = field(default="out/prism", metadata={"help": "checkpoints, logs and reports"})
+    resume: bool = field(default=False, metadata={"help": "continue from out_dir's checkpoint"})
+    train: bool = field(default=True, metadata={"help": "train (--no-train: load out_dir's checkpoints)"})
+    twin: bool = field(default=True, metadata={"help": "also train the dense twin on the same budget (gap, SAE controller)"})
+    # analyses (the default run does all that apply)
+    cards: bool = field(default=True, metadata={"help": "prototype cards and a logit decomposition"})
+    card_windows: int = field(default=2048, metadata={"help": "training windows scanned for the cards"})
+    attribution: bool = field(default=True, metadata={"help": "training-data attribution and its baselines"})
+    attr_seqs: int = field(default=4096, metadata={"help": "training sequences in the attribution set"})
+    attr_queries: int = field(default=32, metadata={"help": "query tokens (val predictions) to attribute"})
+    attr_damping: float = field(default=1e-3, metadata={"help": "curvature damping λ, relative to the mean eigenvalue"})
+    attr_curvature: Literal["block", "kfac"] = field(default="block", metadata={"help": "cached curvature: per-prototype blocks or with co-usage"})
+    ekfac: bool = field(default=False, metadata={"help": "also rank with EK-FAC through kronfluence (if installed)"})
+    suppress_keywords: str = field(default="love", metadata={"help": "WORD[,WORD..]: suppress prototypes whose cards match ('' off)"})
+    suppress: str = field(default="", metadata={"help": "ID[,ID..]: suppress these prototypes"})
+    suppress_factor: float = field(default=0.0, metadata={"help": "kept fraction of suppressed terms (0 drops, <0 pushes away)"})
+    controller: bool = field(default=True, metadata={"help": "sparse prototype controller vs SAE controller (4-way cloze)"})
+    controller_l1: float = field(default=1e-3, metadata={"help": "L1 penalty on the controller gains"})
+    sample: Optional[str] = field(default=None, metadata={"help": "generate from this prompt"})
+    sample_tokens: int = field(default=100, metadata={"help": "tokens per sample"})
+    bench: bool = field(default=False, metadata={"help": "benchmarks only (training tok/s vs dense, top-k kernel)"})
+    report: bool = field(default=True, metadata={"help": "write out_dir/report.html"})
+
+
+# A CPU has ~1/1000 of a GPU's FLOPs: the preset shrinks the backbone, the bank and the steps so that the dense
+# twin, PRISM and every analysis finish in about 5 minutes.
+CPU_PRESET = dict(layers=4, d_model=128, heads=4, n_protos=512, topk=8, ctx=128, batch_size=16, lr=2e-3,
+                  max_iters=300, init_steps=30, eval_interval=100, eval_iters=5, log_interval=20,
+                  card_windows=512, attr_seqs=512, attr_queries=16)
+# A checkpoint fixes these (asking for other values is an error); MERGED_KEYS also come from it unless typed.
+ARCH_KEYS = ("head", "layers", "d_model", "heads", "n_protos", "topk", "act", "resid_grad", "ctx", "dataset",
+             "tokenizer", "compact", "max_tokens")
+MERGED_KEYS = ARCH_KEYS + ("lambda_rec", "lambda_r1", "lambda_r2", "rec", "dist", "r1_detach_z", "init")
+# -----------------------------------------------------------------------------
+# Core op: proto_topk(z, P, k) -> (idx, a),   a_{n,j} = relu(cos(z_n, P_{idx_{n,j}})) for the k best prototypes
+
+# Every final hidden state z_n is explained by its k most similar prototypes. With z̄ = z/max(|z|, eps),
+# P̄ = P/max(|P|, eps) (F.normalize, eps = 1e-12) and all scores in fp32 (the spec; z may be bf16 under autocast):
+#
+#     s_{n,i} = relu(z̄_n · P̄_i)                                       [N, K], never stored by the fast forms
+#     idx_n   = the k prototypes with the largest s_{n,i}, ordered by (score descending, index ascending)
+#     a_{n,j} = s_{n, idx_{n,j}}                                      [N, k], differentiable in z and P
+#
+# Ties are broken by the lower prototype index, deterministically. They are common: the ReLU leaves many exact zeros
+# (a token with fewer than k positive cosines fills its remaining slots with the lowest-index zero-score
+# prototypes), and duplicated prototypes or prototypes equal up to a positive scale have identical cosines.
+# Top-k before or after the ReLU selects the same set of non-zero activations (the ReLU is monotone and keeps
+# every positive score); only which zero-activation slots are listed differs, and those contribute nothing to
+# a, to its gradient, or to the reconstruction. So there is no switch: the ReLU comes first.
+#
+# Shapes: z [N, d], P [K, d], 1 <= k <= K. idx [N, k] int64 (not differentiable); a [N, k] fp32.
+#
+# The op in three forms:
+#   1. proto_topk_ref            normalise, one [N, K] GEMM, ReLU, stable sort, first k: the readable truth
+#   2. _proto_topk_select_torch  row chunks of z, an exact two-key top-k per chunk (the CPU path)
+#   3. _proto_topk_fwd           Triton: tiles over prototypes, a running top-k per token in registers
+# Forms 2 and 3 only select (no autograd); WinnerCosine then attaches the gradient of the k winners:
+#
+#     ∂z̄_n = Σ_j g_{n,j} P̄_{idx_{n,j}}         g_{n,j} = ∂L/∂a_{n,j} · [z̄_n · P̄_{idx_{n,j}} > 0]  (ReLU)
+#     ∂P̄_i = Σ_{(n,j): idx_{n,j} = i} g_{n,j} z̄_n
+#
+# O((N + K)·d) memory: an embedding_bag for ∂z̄ and a sparse [K, N] @ z̄ product for ∂P̄. The selection holds at
+# most a [chunk, K] block of scores (torch, <= _TOPK_CHUNK_ELEMS) or a [BLOCK_N, BLOCK_K] tile (Triton), and
+# autograd saves nothing of size N×K or N×k×d. The normalisations stay outside, in plain autograd, so the
+# gradients reaching z and P are exact.
+#
+# Dispatch (`backend` in PROTO_TOPK_BACKENDS): "auto" = Triton when the tensors are on CUDA and triton imports,
+# else the chunked torch form; "triton" = the kernel (on CPU only under TRITON_INTERPRET=1); "torch" = chunked.
+
+PROTO_TOPK_BACKENDS = ("auto", "triton", "torch")
+_TOPK_CHUNK_ELEMS = 1 << 22  # score entries per row chunk of the torch form (16 MiB of fp32 scores)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. The reference (materialises the [N, K] scores; the ground truth for the other forms)
+
+def proto_topk_ref(z, P, k):
+    """normalise, GEMM, ReLU, stable sort, first k. Scores in fp32, or fp64 when z or P is fp64 (tests build a
+    float64 truth). A stable descending sort keeps equal scores in index order: lower index first on ties.
+    Returns (idx [N, k] int64, a [N, k]); a is differentiable in z and P through plain autograd."""
+    dt = torch.float64 if torch.float64 in (z.dtype, P.dtype) else torch.float32
+    with torch.autocast(z.device.type, enabled=False):  # the spec's fp32 scores, even inside an autocast region
+        scores = (F.normalize(z.to(dt), dim=-1) @ F.normalize(P.to(dt), dim=-1).T).relu()  # [N, K]
+    idx = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+    return idx, scores.gather(1, idx)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. The chunked torch selection (no autograd: it runs on detached z̄, P̄)
+
+# Selection only (no autograd), with a data-dependent nonzero and a Python loop over chunks: kept out of
+# torch.compile graphs too, so dynamo neither unrolls the loop nor breaks the graph inside it.
+@torch.compiler.disable
+def _proto_topk_select_torch(zn, Pn, k):
+    """Exact top-k under (score desc, index asc), a row chunk of z at a time: at most _TOPK_CHUNK_ELEMS scores.
+
+    torch.topk's order among equal scores is unspecified, so it only supplies the k-th largest score t_n (an
+    element of s, exact). Then the winners are every score > t_n plus, of the scores == t_n, the lowest-index
+    ones until there are k; a stable sort of those k by score (they are gathered in index order) gives the
+    output order."""
+    N, K = zn.shape[0], Pn.shape[0]
+    idx = torch.empty(N, k, dtype=torch.long, device=zn.device)
+    act = torch.empty(N, k, dtype=zn.dtype, device=zn.device)
+    rows = max(1, _TOPK_CHUNK_ELEMS // K)
+    for r0 in range(0, N, rows):
+        s = (zn[r0:r0 + rows] @ Pn.T).relu_()  # [C, K]
+        C = s.shape[0]
+        kth = s.topk(k, dim=1, sorted=False).values.amin(1, keepdim=True)  # [C, 1]: t_n
+        above = s > kth
+        at = s == kth
+        need = k - above.sum(1, keepdim=True)  # >= 1: fewer than k scores lie strictly above the k-th largest
+        take = above | (at & (at.cumsum(1) <= need))  # exactly k per row
+        chosen = take.nonzero()[:, 1].view(C, k)  # row-major: ascending prototype index within each row
+        vals = s.gather(1, chosen)
+        order = torch.sort(vals, dim=1, descending=True, stable=True).indices  # stable: index order kept on ties
+        idx[r0:r0 + rows] = chosen.gather(1, order)
+        act[r0:r0 + rows] = vals.gather(1, order)
+    return idx, act
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. The Triton forward kernel
+#
+# One program owns BLOCK_N tokens and walks over the prototypes in tiles of BLOCK_K, keeping a running top-k per
+# token in registers: KP = max(2, next power of two >= k) slots of (score, index). Slots j < k start as
+# placeholders (-inf, K + j) that any real prototype beats (scores are >= 0 after the ReLU) and that are unique,
+# so "the worst slot" is always one slot; slots j >= k are padding, (+inf, -1), never the worst and never output.
+#
+# Order: (s, i) beats (s', i') iff s > s' or (s == s' and i < i'). Per tile:
+#   scores   S = relu(z̄_blk · P̄_tileᵀ) [BLOCK_N, BLOCK_K] by tl.dot (fp32, IEEE), over d chunks when d is large;
+#            padded d columns load as 0 and add nothing, padded prototypes (i >= K) are masked out of `alive`
+#            (their score would be 0 with an index above every real one, so they could never win anyway);
+#   merge    alive = the tile's candidates that beat the row's current worst slot. While any row has one:
+#            take each row's best alive candidate, put it in place of that row's worst slot, recompute the worst,
+#            and drop from `alive` the candidate and everything that no longer beats the new worst.
+# Each pass fills one slot per row, and after k passes a row's list holds the tile's k best, so nothing alive
+# remains: at most k passes per tile, and in practice far fewer: once the lists are good a tile rarely holds more
+# than one or two entrants for any row of the block (for random scores a row sees about k·(1 + ln(K/k)) entrants in
+# all), so the merge costs a few reductions per tile next to a BLOCK_N·BLOCK_K·d GEMM.
+# At the end the k slots are written out best-first (k selection passes over KP registers). Stores: idx [N, k]
+# int64 and the winners' fp32 scores [N, k]; the [N, K] score matrix never leaves a tile.
+
+
+@triton.jit
+def _topk_beats(s, i, s_ref, i_ref):
+    """(s, i) beats (s_ref, i_ref) under (score descending, index ascending)."""
+    return (s > s_ref) | ((s == s_ref) & (i < i_ref))
+
+
+@triton.jit
+def _topk_worst(run_s, run_i):
+    """The worst slot per row: lowest score, highest index among equal scores (indices in a row are unique)."""
+    worst_s = tl.min(run_s, axis=1)
+    worst_i = tl.max(tl.where(run_s == worst_s[:, None], run_i, -1), axis=1)
+    return worst_s, worst_i
+
+
+@triton.jit
+def _proto_topk_fwd(
+    Z,  # pointer to the normalised tokens z̄ [N, D] (fp32)
+    P,  # pointer to the normalised prototypes P̄ [K, D] (fp32)
+    Idx,  # pointer to the winners' indices [N, KTOP] (int64)
+    A,  # pointer to the winners' scores a [N, KTOP] (fp32)
+    N,  # tokens
+    K,  # prototypes
+    D,  # width
+    KTOP,  # k
+    BLOCK_N: tl.constexpr,  # tokens per program
+    BLOCK_K: tl.constexpr,  # prototypes per tile
+    BLOCK_D: tl.constexpr,  # width per chunk (the whole padded row when ONE_D)
+    KP: tl.constexpr,  # slots of the running list: a power of two >= k
+    ONE_D: tl.constexpr,  # BLOCK_D >= D: load the token rows once, one tl.dot per tile
+):
+    BIG: tl.constexpr = 2147483647  # an index above every real and placeholder index
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    cols = tl.arange(0, BLOCK_D)
+    z_ptrs = Z + rows.to(tl.int64)[:, None] * D + cols[None, :]
+    if ONE_D:
+        z = tl.load(z_ptrs, mask=row_ok[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
+    slot = tl.arange(0, KP)
+    real = slot < KTOP
+    run_s = tl.broadcast_to(tl.where(real, float("-inf"), float("inf"))[None, :], (BLOCK_N, KP))
+    run_i = tl.broadcast_to(tl.where(real, K + slot, -1)[None, :], (BLOCK_N, KP))
+    worst_s, worst_i = _topk_worst(run_s, run_i)
+    for k0 in range(0, K, BLOCK_K):
+        protos = k0 + tl.arange(0, BLOCK_K)
+        proto_ok = protos < K
+        p_ptrs = P + protos.to(tl.int64)[:, None] * D + cols[None, :]
+        if ONE_D:
+            p = tl.load(p_ptrs, mask=proto_ok[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
+            s = tl.dot(z, tl.trans(p), input_precision="ieee")  # [BLOCK_N, BLOCK_K]
+        else:
+            s = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                col_ok = (d0 + cols) < D
+                zc = tl.load(z_ptrs + d0, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                pc = tl.load(p_ptrs + d0, mask=proto_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                s += tl.dot(zc, tl.trans(pc), input_precision="ieee")
+        s = tl.maximum(s, 0.0)  # the ReLU
+        ids = protos[None, :]  # [1, BLOCK_K]
+        alive = proto_ok[None, :] & _topk_beats(s, ids, worst_s[:, None], worst_i[:, None])
+        while tl.max(tl.sum(alive.to(tl.int32), axis=1), axis=0) > 0:
+            cand = tl.where(alive, s, float("-inf"))
+            best_s = tl.max(cand, axis=1)
+            best_i = tl.min(tl.where(alive & (cand == best_s[:, None]), ids, BIG), axis=1)
+            put = (best_i < BIG)[:, None] & (run_i == worst_i[:, None])  # rows with a candidate: its worst slot
+            run_s = tl.where(put, best_s[:, None], run_s)
+            run_i = tl.where(put, best_i[:, None], run_i)
+            worst_s, worst_i = _topk_worst(run_s, run_i)
+            alive = alive & (ids != best_i[:, None]) & _topk_beats(s, ids, worst_s[:, None], worst_i[:, None])
+    # Write the k real slots best-first
+    left = tl.broadcast_to(real[None, :], (BLOCK_N, KP))
+    out = rows.to(tl.int64) * KTOP
+    for j in range(KTOP):
+        cand = tl.where(left, run_s, float("-inf"))
+        best_s = tl.max(cand, axis=1)
+        best_i = tl.min(tl.where(left & (cand == best_s[:, None]), run_i, BIG), axis=1)
+        tl.store(Idx + out + j, best_i.to(tl.int64), mask=row_ok)
+        tl.store(A + out + j, best_s, mask=row_ok)
+        left = left & (run_i != best_i[:, None])
+
+
+def _proto_topk_empty(shape, dtype, device):
+    """Kernel output buffers: torch.empty, or NaN-filled under GLASSBOX_POISON=1 (tests) so an unwritten row shows
+    (integer buffers get -1, which no index takes)."""
+    if os.environ.get("GLASSBOX_POISON") == "1":
+        fill = float("nan") if dtype.is_floating_point else -1
+        return torch.full(shape, fill, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _proto_topk_blocks(d, k):
+    """KP (slots), BLOCK_D, ONE_D. Rows up to 64 wide are loaded once per program; wider ones are streamed in
+    chunks of 64 columns per prototype tile (whole fp32 rows of a [64, 128+] token block plus the prototype tile
+    would not fit in registers). tl.dot needs every dimension >= 16."""
+    KP = max(2, 1 << (k - 1).bit_length())
+    DP = max(16, 1 << (d - 1).bit_length())
+    BLOCK_D = min(DP, 64)
+    return KP, BLOCK_D, BLOCK_D >= d
+
+
+# Triton launches stay out of torch.compile graphs: torch.compiler.disable makes dynamo graph-break here.
+@torch.compiler.disable
+def _proto_topk_select_triton(zn, Pn, k, BLOCK_N=64, BLOCK_K=64, BLOCK_D=None):
+    """Launch _proto_topk_fwd on fp32 z̄ [N, d], P̄ [K, d]: (idx [N, k] int64, a [N, k] fp32). BLOCK_D forces the
+    width chunking (tests); the default is _proto_topk_blocks'."""
+    N, d = zn.shape
+    K = Pn.shape[0]
+    KP, block_d, one_d = _proto_topk_blocks(d, k)
+    if BLOCK_D is not None:
+        block_d, one_d = BLOCK_D, BLOCK_D >= d
+    zn, Pn = zn.float().contiguous(), Pn.float().contiguous()
+    idx = _proto_topk_empty((N, k), torch.long, zn.device)
+    act = _proto_topk_empty((N, k), torch.float32, zn.device)
+    _proto_topk_fwd[(triton.cdiv(N, BLOCK_N),)](
+        zn, Pn, idx, act, N, K, d, k,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_D=block_d, KP=KP, ONE_D=one_d, num_warps=4)
+    return idx, act
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The backward through the k winners only
+
+def _gathered_rows_sum(idx, Y, w):
+    """out_n = Σ_j w_{n,j} Y_{idx_{n,j}}  [N, d]: an embedding_bag, no [N, k, d] gather."""
+    return F.embedding_bag(idx, Y, per_sample_weights=w.to(Y.dtype), mode="sum")
+
+
+def _scatter_rows(idx, w, X, rows):
+    """out_i = Σ_{(n,j): idx_{n,j} = i} w_{n,j} X_n  [rows, d]: a sparse [rows, N] @ X, no [N, k, d] tensor."""
+    N, k = idx.shape
+    tokens = torch.arange(N, device=idx.device).repeat_interleave(k)
+    coo = torch.sparse_coo_tensor(torch.stack([idx.reshape(-1), tokens]), w.reshape(-1).to(X.dtype), (rows, N),
+                                  check_invariants=False)
+    return torch.sparse.mm(coo, X)
+
+
+class WinnerCosine(torch.autograd.Function):
+    """a = relu(z̄_n · P̄_{idx_{n,j}}) for the k winners, with the selection's scores passed in (no recomputation).
+    Saves z̄ [N, d], P̄ [K, d], idx and a [N, k]; the backward is the formula in the section header."""
+
+    @staticmethod
+    def forward(ctx, zn, Pn, idx, act):
+        ctx.save_for_backward(zn, Pn, idx, act)
+        return act.clone()  # a new tensor: returning an input would re-parent the caller's buffer
+
+    @staticmethod
+    def backward(ctx, grad_a):
+        zn, Pn, idx, act = ctx.saved_tensors
+        g = torch.where(act > 0, grad_a, 0.0)  # the ReLU: no gradient where cos <= 0
+        grad_zn = _gathered_rows_sum(idx, Pn, g) if ctx.needs_input_grad[0] else None
+        grad_Pn = _scatter_rows(idx, g, zn, Pn.shape[0]) if ctx.needs_input_grad[1] else None
+        return grad_zn, grad_Pn, None, None
+
+
+def proto_topk(z, P, k, backend="auto"):
+    """The k most similar prototypes per token (section header): z [N, d], P [K, d], 1 <= k <= K.
+    Returns idx [N, k] int64, sorted by (score desc, index asc), and a [N, k] fp32 = relu(cos), differentiable
+    in z and P with every backend. Scores are fp32 whatever the inputs' dtype (bf16 z is cast)."""
+    if backend not in PROTO_TOPK_BACKENDS:
+        raise ValueError(f"backend must be one of {PROTO_TOPK_BACKENDS}, got {backend!r}")
+    if z.dim() != 2 or P.dim() != 2 or z.shape[1] != P.shape[1]:
+        raise ValueError(f"proto_topk: expected z [N, d], P [K, d]; got z {tuple(z.shape)}, P {tuple(P.shape)}")
+    if not 1 <= k <= P.shape[0]:
+        raise ValueError(f"proto_topk: need 1 <= k <= K = {P.shape[0]}, got k = {k}")
+    use_triton = backend == "triton" or (backend == "auto" and HAS_TRITON and z.is_cuda)
+    if use_triton and not HAS_TRITON:
+        raise RuntimeError(f"backend='triton' needs the triton package, which failed to import: {TRITON_ERROR}")
+    if use_triton and not (z.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise RuntimeError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (Triton's CPU interpreter)")
+    with torch.autocast(z.device.type, enabled=False):
+        zn = F.normalize(z.float(), dim=-1)  # plain autograd: exact gradients into z and P
+        Pn = F.normalize(P.float(), dim=-1)
+        with torch.no_grad():
+            select = _proto_topk_select_triton if use_triton else _proto_topk_select_torch
+            # non-finite rows (a diverged run) select like zero vectors, so the loss, not the index maths, reports them
+            idx, act = select(zn.detach().nan_to_num(0.0, 0.0, 0.0), Pn.detach().nan_to_num(0.0, 0.0, 0.0), k)
+        return idx, WinnerCosine.apply(zn, Pn, idx, act)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Uses of the winners: the reconstruction and the per-prototype logit contributions
+
+def reconstruct(idx, a, P):
+    """The reconstruction ẑ_n = Σ_j a_{n,j} P_{idx_{n,j}}  [N, d] (an embedding_bag: no [N, k, d] gather), in the
+    promoted dtype of a and P; differentiable in a and P."""
+    dt = torch.promote_types(a.dtype, P.dtype)
+    return F.embedding_bag(idx, P.to(dt), per_sample_weights=a.to(dt), mode="sum")
+
+
+class _GatheredDot(torch.autograd.Function):
+    """out_{n,j} = x_n · Y_{idx_{n,j}}  [N, k], computed slot by slot (O(N·d) at a time); saves x, Y and idx only.
+    ∂x_n = Σ_j g_{n,j} Y_{idx_{n,j}},  ∂Y_i = Σ_{idx_{n,j} = i} g_{n,j} x_n (as in WinnerCosine)."""
+
+    @staticmethod
+    def forward(ctx, x, Y, idx):
+        ctx.save_for_backward(x, Y, idx)
+        return torch.stack([(Y[idx[:, j]] * x).sum(-1) for j in range(idx.shape[1])], 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, Y, idx = ctx.saved_tensors
+        grad_x = _gathered_rows_sum(idx, Y, grad) if ctx.needs_input_grad[0] else None
+        grad_Y = _scatter_rows(idx, grad, x, Y.shape[0]) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_Y, None
+
+
+def proto_logit_slices(idx, a, P, W, y):
+    """The share of each winner in token n's logit for class y_n (a linear head W [V, d] applied to the
+    reconstruction): out_{n,j} = a_{n,j} · <W_{y_n}, P_{idx_{n,j}}>  [N, k]; Σ_j out_{n,j} = <W_{y_n}, ẑ_n>.
+    k dot products per token: no [K, V] or [N, k, d] tensor. Differentiable in a, P and W."""
+    dt = torch.promote_types(torch.promote_types(a.dtype, P.dtype), W.dtype)
+    w_y = F.embedding(y, W.to(dt))  # [N, d]: the target class's head row per token
+    return a.to(dt) * _GatheredDot.apply(w_y, P.to(dt), idx)
+
+
+# -----------------------------------------------------------------------------
+# Model: a GPT-2 backbone (nanoGPT) and the prototype head
+
+
+@torch.no_grad()
+def nearest_pairs(z, P, dist="l2", chunk=4096):
+    """R1/R2's nearest neighbours (spec §3.3): for each token its nearest prototype, for each prototype its nearest
+    token, in row chunks so the N×K distance matrix is never whole. Selection only; the losses recompute the
+    winners' distances with autograd. -> (proto_of_token [N], token_of_proto [K])."""
+    z, P = z.detach().float(), P.detach().float()
+    if dist == "cosine":
+        z, P = F.normalize(z, dim=-1), F.normalize(P, dim=-1)
+    pp, zz = P.pow(2).sum(-1), z.pow(2).sum(-1)
+    proto_of_token = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
+    best = torch.full((P.shape[0],), float("-inf"), device=z.device)
+    token_of_proto = torch.zeros(P.shape[0], dtype=torch.long, device=z.device)
+    for s in range(0, z.shape[0], chunk):
+        dot = z[s:s + chunk] @ P.T  # -|z-p|² = 2 z·p - |z|² - |p|²; for unit vectors the order is the cosine's
+        proto_of_token[s:s + chunk] = (2 * dot - pp).argmax(1)
+        col, arg = (2 * dot - zz[s:s + chunk, None]).max(0)
+        better = col > best
+        best = torch.where(better, col, best)
+        token_of_proto = torch.where(better, arg + s, token_of_proto)
+    return proto_of_token, token_of_proto
+
+
+def pair_distance(a, b, dist="l2"):
+    """Squared L2 per dimension (|a-b|²/d, so λ does not grow with d), or 1 - cos."""
+    if dist == "cosine":
+        return 1 - F.cosine_similarity(a, b, dim=-1)
+    return (a - b).pow(2).mean(-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        d = cfg.d_model
+        self.heads, self.dropout = cfg.heads, cfg.dropout
+        self.c_attn = nn.Linear(d, 3 * d, bias=False)
+        self.c_proj = nn.Linear(d, d, bias=False)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.resid_drop(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False)
+        self.c_proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        norm_backend = cfg.kernels if cfg.kernels in BACKENDS else "auto"
+        self.ln_1 = LayerNorm(cfg.d_model, bias=False, backend=norm_backend)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = LayerNorm(cfg.d_model, bias=False, backend=norm_backend)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class PRISM(nn.Module):
+    """GPT-2 decoder (learned positions, pre-LayerNorm, GELU MLP, tied head, no biases) whose output layer is the
+    prototype head when cfg.head == "prism", and the plain tied head W z when "dense" (the twin)."""
+
+    def __init__(self, cfg: Config, vocab_size: int):
+        super().__init__()
+        self.cfg, self.vocab_size = cfg, vocab_size
+        d = cfg.d_model
+        self.wte = nn.Embedding(vocab_size, d)
+        self.wpe = nn.Embedding(cfg.ctx, d)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = LayerNorm(d, bias=False, backend=cfg.kernels if cfg.kernels in BACKENDS else "auto")
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2L)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.layers))
+        if cfg.head == "prism":  # made last, so the backbone's initial weights equal the dense twin's
+            # N(0, 1) rows have the norm of post-LayerNorm states (~sqrt(d)); k-means++ replaces them after warm-up
+            self.P = nn.Parameter(torch.randn(cfg.n_protos, d))
+            self.register_buffer("proto_ready", torch.tensor(cfg.init == "random"))
+        self.ready = cfg.head == "prism" and cfg.init == "random"
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()  # nanoGPT's count
+
+    def sync_ready(self):
+        """The Python flag mirrors the `proto_ready` buffer (read once after a load, not every step)."""
+        self.ready = self.cfg.head == "prism" and bool(self.proto_ready)
+
+    def hidden(self, idx):
+        """z [B, T, d]: the final hidden state after ln_f, the tensor the LM head consumes (spec §2.2)."""
+        T = idx.shape[1]
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)
+
+    def prototypes(self, z):
+        """Active set A_t and activations a_t (spec §2.1 steps 1-3): top-k of ReLU(cos(z_t, p_i)), then the
+        --act variant. -> idx [..., k] (int64), a [..., k] (fp32)."""
+        shape = z.shape[:-1]
+        zf = z.reshape(-1, z.shape[-1])
+        idx, a = proto_topk(zf, self.P, self.cfg.topk, backend=self.cfg.kernels)
+        if self.cfg.act == "relu_cos_znorm":
+            a = a * zf.float().norm(dim=-1, keepdim=True)
+        elif self.cfg.act == "relu_cos_sum1":
+            a = a / a.sum(-1, keepdim=True).clamp_min(1e-6)
+        return idx.view(*shape, -1), a.view(*shape, -1)
+
+    def head(self, z, suppress=None, factor=0.0, gain=None) -> dict:
+        """The prototype head (spec §2.1): ẑ = Σ a_i p_i, r = z - ẑ, logits = W r + Σ a_i W p_i (= W z).
+
+        One matmul with W, of the routed sum below; --resid-grad decides which way CE's gradient flows (§2.3):
+          full         W r + W ẑ: the prototype terms cancel in the gradient (P gets no CE gradient)
+          detach-zhat  W (z - sg(ẑ)) + W ẑ: a and P get W ẑ's share; z the dense gradient plus that share's
+                       (ẑ depends on z through the cosines in a)
+          detach-r     W sg(z - ẑ) + W ẑ: CE reaches the backbone only through the cosines in a
+        suppress (bool [K]) drops those prototypes' terms, keeping r from the *unsuppressed* reconstruction
+        (§2.4: recomputing r would give W z back), times `factor` kept; gain ([K]) adds c_i a_i W p_i (§6.3)."""
+        idx, a = self.prototypes(z)
+        zf = z.to(torch.promote_types(z.dtype, torch.float32))
+        zhat = reconstruct(idx.flatten(0, -2), a.flatten(0, -2), self.P).view(zf.shape)
+        r = zf - zhat
+        if self.cfg.resid_grad == "detach-zhat":
+            routed = (zf - zhat.detach()) + zhat
+        elif self.cfg.resid_grad == "detach-r":
+            routed = r.detach() + zhat
+        else:  # full: r + ẑ is z; using z itself saves the rounding
+            routed = zf
+        if suppress is not None:
+            dropped = a * suppress[idx].to(a.dtype)
+            routed = routed - (1 - factor) * reconstruct(idx.flatten(0, -2), dropped.flatten(0, -2), self.P).view(zf.shape)
+        if gain is not None:
+            routed = routed + reconstruct(idx.flatten(0, -2), (a * gain[idx]).flatten(0, -2), self.P).view(zf.shape)
+        logits = F.linear(routed.to(self.wte.weight.dtype), self.wte.weight)  # autocast may still run it in bf16
+        return {"logits": logits, "idx": idx, "a": a, "zhat": zhat, "r": r}
+
+    def aux_losses(self, z, out) -> dict:
+        """REC, R1, R2 (spec §3.3), each with full gradient unless --r1-detach-z; batch-local under DDP (R1's
+        minimum is over this rank's tokens: the all-reduced gradient then averages per-rank minima)."""
+        cfg = self.cfg
+        zf = z.reshape(-1, z.shape[-1])
+        zf = zf.to(torch.promote_types(zf.dtype, torch.float32))
+        r = out["r"].reshape(zf.shape)
+        if cfg.rec == "relative":
+            rec = (r.pow(2).sum(-1) / zf.pow(2).sum(-1).clamp_min(1e-6)).mean()
+        else:
+            rec = r.pow(2).mean(-1).mean()
+        proto_of_token, token_of_proto = nearest_pairs(zf, self.P, cfg.dist)
+        near_tokens = zf[token_of_proto]
+        P = self.P.to(zf.dtype)
+        r1 = pair_distance(P, near_tokens.detach() if cfg.r1_detach_z else near_tokens, cfg.dist).mean()
+        r2 = pair_distance(zf, P[proto_of_token], cfg.dist).mean()
+        return {"rec": rec, "r1": r1, "r2": r2}
+
+    def forward(self, idx, targets=None):
+        """-> logits [B, T, V] without targets; with targets (loss, stats), stats holding detached parts."""
+        z = self.hidden(idx)
+        if not self.ready:  # the dense twin, and PRISM during its warm-up (P joins the graph at zero weight so
+            logits = F.linear(z, self.wte.weight)  # that DDP sees every parameter used)
+            if targets is None:
+                return logits
+            ce = cross_entropy(logits, targets, backend=self.cfg.kernels)
+            loss = ce + 0.0 * self.P.sum() if self.cfg.head == "prism" else ce
+            return loss, {"ce": ce.detach()}
+        out = self.head(z)
+        if targets is None:
+            return out["logits"]
+        ce = cross_entropy(out["logits"], targets, backend=self.cfg.kernels)
+        aux = self.aux_losses(z, out)
+        cfg = self.cfg
+        loss = ce + cfg.lambda_rec * aux["rec"] + cfg.lambda_r1 * aux["r1"] + cfg.lambda_r2 * aux["r2"]
+        stats = {"ce": ce.detach(), **{k: v.detach() for k, v in aux.items()}, "idx": out["idx"].detach(),
+                 "a": out["a"].detach()}
+        return loss, stats
+
+    @torch.no_grad()
+    def seed_prototypes(self, z, generator):
+        """k-means++ seeding (D² sampling, squared L2) of P from hidden states z [N, d] (spec §3.4): each new
+        prototype is a token drawn with probability proportional to its squared distance to the nearest chosen one."""
+        z = z.reshape(-1, z.shape[-1]).float()
+        K = self.P.shape[0]
+        if z.shape[0] < K:
+            raise ValueError(f"k-means++ seeding needs at least K={K} hidden states, got {z.shape[0]}")
+        chosen = [int(torch.randint(z.shape[0], (1,), generator=generator, device=z.device))]
+        d2 = (z - z[chosen[0]]).pow(2).sum(-1)
+        for _ in range(K - 1):
+            j = int(torch.multinomial(d2.clamp_min(0) + 1e-12, 1, generator=generator))
+            chosen.append(j)
+            d2 = torch.minimum(d2, (z - z[j]).pow(2).sum(-1))
+        self.P.copy_(z[chosen].to(self.P.dtype))
+        # With raw ReLU-cosine weights (--act relu_cos) ẑ sums up to k prototypes of |z|'s size and overshoots z
+        # several-fold; one least-squares scale s = <z, ẑ> / <ẑ, ẑ> over the batch (cosines do not change) starts
+        # ẑ at z's scale, and REC takes it from there.
+        idx, a = self.prototypes(z)
+        zhat = reconstruct(idx, a, self.P)
+        self.P.mul_((z * zhat).sum() / zhat.pow(2).sum().clamp_min(1e-12))
+        self.proto_ready.fill_(True)
+        self.ready = True
+
+    @torch.no_grad()
+    def generate(self, idx, new_tokens, temperature=0.8, top_k=40, generator=None, **head_kw):
+        """nanoGPT's sampler (the window cropped to ctx); head_kw (suppress, factor, gain) edit the prototype head."""
+        for _ in range(new_tokens):
+            z = self.hidden(idx[:, -self.cfg.ctx:])[:, -1:]
+            logits = (self.head(z, **head_kw)["logits"] if self.ready else F.linear(z, self.wte.weight))[:, -1]
+            logits = logits.float() / max(temperature, 1e-6)
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            idx = torch.cat([idx, torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)], 1)
+        return idx
+# -----------------------------------------------------------------------------
+# Training
+
+
+class RunError(Exception):
+    """A user-fixable problem (bad checkpoint, bad flag combination, NaN loss): one line, non-zero exit."""
+
+
+def setup_device(cfg: Config):
+    """-> (device, autocast context, DDP info). torchrun sets RANK/LOCAL_RANK/WORLD_SIZE (nanoGPT's detection)."""
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    rank, local_rank, world = 0, 0, 1
+    if cfg.device == "auto":
+        device = "cuda" if torch.cuda.is_available() else ("mps" if torch.backends.mps.is_available() else "cpu")
+    else:
+        device = cfg.device
+    if ddp:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+        rank, local_rank, world = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_world_size()
+        if device.startswith("cuda"):
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise RunError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps") from None
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RunError(f"--device {device}: CUDA is not available")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise RunError("--device mps: MPS is not available on this machine")
+    if cfg.dtype == "bfloat16" and not device.startswith("cuda"):
+        raise RunError("--dtype bfloat16 is bf16 autocast on CUDA; on this device the run is float32 (drop the flag)")
+    device_type = "cuda" if device.startswith("cuda") else ("mps" if device == "mps" else "cpu")
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    if dtype == "bfloat16" and device_type == "cuda":
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    else:  # no autocast off CUDA (nanoGPT PR #698: MPS is treated as CPU here)
+        autocast = contextlib.nullcontext()
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return torch.device(device), autocast, dict(ddp=ddp, rank=rank, local_rank=local_rank, world=world)
+
+
+def get_lr(cfg: Config, it: int) -> float:
+    """Linear warmup over warmup_frac of the steps, then cosine from lr to min_lr_ratio·lr (spec §3.2)."""
+    warmup = max(1, int(cfg.warmup_frac * cfg.max_iters))
+    if it < warmup:
+        return cfg.lr * (it + 1) / warmup
+    progress = min(1.0, (it - warmup) / max(1, cfg.max_iters - warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+NO_DECAY = ("P",)
+
+
+def make_optimizer(model: nn.Module, cfg: Config, device_type: str):
+    """AdamW (0.9, 0.95) as nanoGPT, weight decay on matrices (embedding, projections) but not on P or norms."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.dim() < 2 or name.split(".")[-1] in NO_DECAY else decay).append(p)
+    groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device_type == "cuda")
+
+
+def flops_per_token(model: PRISM, cfg: Config, ctx: int) -> float:
+    """Training FLOPs per token: 6·N for the matmuls (PaLM appendix B; the tied head once, P once: the cosine
+    GEMM), plus attention's 12·L·d·T."""
+    return 6 * model.n_params() + 12 * cfg.layers * cfg.d_model * ctx
+
+
+# dense bf16 peaks; first match wins, so the PCIe H100 (756 TFLOP/s) is listed before the SXM one
+PEAK_BF16 = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
+             "4090": 165e12}
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def log_line(step, max_iters, loss, lr, ms, tok_s, mfu) -> str:
+    """The one log format of every glassbox script."""
+    mfu_s = f"{100 * mfu:.1f}%" if mfu is not None else "-"
+    return f"step {step}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | {ms:.1f} ms | {tok_s / 1e3:.1f}k tok/s | mfu {mfu_s}"
+
+
+TAUS = (0.5, 0.7, 0.9)  # coverage thresholds on cosine similarity (spec §4.2: R̄1, R2 at several τ)
+
+
+@torch.no_grad()
+def estimate_loss(model, data, cfg: Config, autocast, batch_size) -> dict:
+    """Over eval_iters random val batches (the val generator, saved in checkpoints): CE and, once the prototype
+    head is live, |r|/|z|, REC, R1, R2 and coverage. Coverage (spec §4.2, our definitions): R̄1(τ) = fraction of
+    prototypes whose nearest val token (over all the batches) has cos ≥ τ; R2(τ) = fraction of val tokens whose
+    nearest prototype has cos ≥ τ."""
+    raw = model.module if hasattr(model, "module") else model
+    model.eval()
+    sums, n = {}, 0
+    proto_best, token_best = None, []
+    for _ in range(cfg.eval_iters):
+        x, y = data.get_batch("val", batch_size, cfg.ctx)
+        with autocast:
+            z = raw.hidden(x)
+            parts = {}
+            if raw.ready:
+                out = raw.head(z)
+                parts = {k: v.item() for k, v in raw.aux_losses(z, out).items()}
+                zf = z.reshape(-1, z.shape[-1]).float()
+                parts["r_over_z"] = (out["r"].reshape(zf.shape).norm(dim=-1) / zf.norm(dim=-1).clamp_min(1e-6)).mean().item()
+                logits = out["logits"]
+                # coverage on cosines: nearest pairs in cosine, then their cosine values
+                pt, tp = nearest_pairs(zf, raw.P, "cosine")
+                token_best.append(F.cosine_similarity(zf, raw.P[pt].float(), dim=-1))
+                pb = F.cosine_similarity(raw.P.float(), zf[tp], dim=-1)
+                proto_best = pb if proto_best is None else torch.maximum(proto_best, pb)
+            else:
+                logits = F.linear(z, raw.wte.weight)
+            parts["ce"] = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).item()
+        for k, v in parts.items():
+            sums[k] = sums.get(k, 0.0) + v
+        n += 1
+    model.train()
+    res = {k: v / n for k, v in sums.items()}
+    if proto_best is not None:
+        tb = torch.cat(token_best)
+        res["cover_r1"] = {t: (proto_best >= t).float().mean().item() for t in TAUS}
+        res["cover_r2"] = {t: (tb >= t).float().mean().item() for t in TAUS}
+    return res
+
+
+@torch.no_grad()
+def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windows: Optional[int] = None,
+                 head_kw: Optional[dict] = None) -> dict:
+    """Exact token-weighted perplexity over the val split: every token predicted once (common.iter_eval).
+    head_kw (suppress, factor, gain) evaluates an edited prototype head."""
+    model.eval()
+    total, count = 0.0, 0
+    for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):
+        if max_windows is not None and i * batch_size >= max_windows:
+            break
+        with autocast:
+            logits = model.head(model.hidden(x), **head_kw)["logits"] if head_kw else model(x)
+        total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+        count += y.numel()
+    if dist_ready():
+        import torch.distributed as dist
+
+        t = torch.tensor([total, count], dtype=torch.float64, device=data.device)
+        dist.all_reduce(t)
+        total, count = t.tolist()
+    return {"loss": total / count, "ppl": math.exp(total / count), "tokens": int(count)}
+
+
+def dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def any_rank(flag: torch.Tensor) -> bool:
+    """True if `flag` is set on any rank (all ranks must stop together, or the others hang in a collective)."""
+    if dist_ready():
+        flag = flag.float()
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def ckpt_path(cfg: Config) -> Path:
+    return Path(cfg.out_dir) / f"ckpt-{cfg.head}.pt"
+
+
+def nan_message(step: int, path: Path) -> str:
+    keep = f"the last good checkpoint is {path}" if path.exists() else "no checkpoint was written"
+    return f"non-finite loss before step {step} (or non-finite weights); stopping ({keep})"
+
+
+def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: float, data_rng, data,
+                    history) -> None:
+    """One file: written to a temporary name, then renamed (a crash never leaves half a checkpoint)."""
+    state = {
+        "format": "glassbox-checkpoint/1", "script": "prism", "config": asdict(cfg),
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "best_val_loss": best,
+        "tokenizer": data.tokenizer.state_dict(), "history": history,
+        "rng": {"torch": torch.get_rng_state(), "data": data_rng,
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]:
+    """Load with weights_only=True; the architecture comes from the checkpoint, and an architecture flag given
+    on the command line that disagrees with it is an error (one line) rather than a silent mismatch."""
+    if not path.exists():
+        raise RunError(f"no checkpoint at {path} (train first, or point --out-dir at one)")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+        saved = ck["config"]
+        ok = ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "prism"
+    except Exception as e:  # truncated file, not a checkpoint, unpickling refused
+        raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None
+    if not ok:
+        raise RunError(f"{path} is not a prism.py checkpoint")
+    bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k)]
+    if bad:
+        diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
+        raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
+    merged = replace(cfg, **{k: saved[k] for k in MERGED_KEYS if k in saved and k not in explicit})
+    return ck, merged
+
+
+def build_model(cfg: Config, vocab_size: int, device) -> PRISM:
+    torch.manual_seed(cfg.seed)
+    return PRISM(cfg, vocab_size).to(device)
+
+
+def seed_from_batch(raw: PRISM, x, cfg: Config, dist_info) -> None:
+    """k-means++ seeding of P from this batch's hidden states (spec §3.4), on rank 0 and broadcast (DDP keeps one
+    set of weights). A generator of its own, so the data and dropout streams are the same with --init random."""
+    if dist_info["rank"] == 0:
+        was = raw.training
+        raw.eval()
+        with torch.no_grad():
+            z = raw.hidden(x)
+        raw.train(was)
+        raw.seed_prototypes(z, torch.Generator(device=x.device).manual_seed(cfg.seed))
+    if dist_info["ddp"]:
+        torch.distributed.broadcast(raw.P.data, 0)
+        torch.distributed.broadcast(raw.proto_ready, 0)
+        raw.sync_ready()
+
+
+def eval_line(step: int, ev: dict, twin_val: Optional[float], used: Optional[int], K: int) -> str:
+    s = f"step {step}: val loss {ev['ce']:.4f} (ppl {math.exp(ev['ce']):.1f})"
+    if twin_val is not None:
+        s += f" | gap to dense {ev['ce'] - twin_val:+.4f} ({(ev['ce'] - twin_val) / twin_val:+.1%})"
+    if "r_over_z" in ev:
+        s += (f" | |r|/|z| {ev['r_over_z']:.3f} | REC {ev['rec']:.3f} R1 {ev['r1']:.3f} R2 {ev['r2']:.3f} | cover "
+              + " ".join(f"τ{t}: {ev['cover_r1'][t]:.2f}/{ev['cover_r2'][t]:.2f}" for t in TAUS))
+    if used is not None:
+        s += f" | prototypes used {used}/{K}, dead {K - used}"
+    return s
+
+
+def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print, ck=None,
+          twin: Optional[dict] = None) -> tuple[PRISM, dict]:
+    """The nanoGPT-shaped loop. Returns the trained (unwrapped) model and its history. With cfg.resume it
+    continues from `ck`, the checkpoint already loaded by the caller (read from out_dir when not given).
+    `twin` is the dense twin's history, for the CE gap at each evaluation."""
+    rank, world = dist_info["rank"], dist_info["world"]
+    if cfg.batch_size % world:
+        raise RunError(f"--batch-size {cfg.batch_size} must be divisible by the {world} ranks")
+    micro = cfg.batch_size // world
+    path = ckpt_path(cfg)
+    model = build_model(cfg, data.vocab_size, device)
+    optimizer = make_optimizer(model, cfg, device.type)
+    step, best, history = 0, float("inf"), {"step": [], "train": [], "val": [], "evals": []}
+    if rank:  # ranks other than 0 draw their own dropout masks (DDP broadcasts rank 0's initial weights)
+        torch.manual_seed(cfg.seed + rank)
+    if cfg.resume:
+        if ck is None:
+            ck, _ = load_checkpoint(path, cfg, explicit)
+        try:
+            model.load_state_dict(ck["model"])
+            optimizer.load_state_dict(ck["optimizer"])
+        except (RuntimeError, ValueError) as e:
+            raise RunError(f"{path} does not fit this model: {str(e).splitlines()[0]}") from None
+        model.sync_ready()
+        step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
+        torch.set_rng_state(ck["rng"]["torch"])
+        data.set_rng_state(ck["rng"]["data"])
+        if ck["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(ck["rng"]["cuda"])
+        log(f"resumed from {path} at step {step}")
+    raw = model
+    if cfg.compile:
+        model = torch.compile(model)
+    if dist_info["ddp"]:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[dist_info["local_rank"]] if device.type == "cuda" else None)
+    fpt, peak = flops_per_token(raw, cfg, cfg.ctx), peak_flops(device)
+    tokens_per_step = cfg.batch_size * cfg.ctx
+    prism = cfg.head == "prism"
+    log(f"{cfg.head}: {raw.n_params() / 1e6:.2f}M parameters"
+        + (f" (prototype bank {cfg.n_protos}x{cfg.d_model} = {cfg.n_protos * cfg.d_model / 1e6:.2f}M, k={cfg.topk})" if prism else "")
+        + f", vocab {data.vocab_size}, {tokens_per_step:,} tokens per step, {cfg.max_iters} steps")
+    twin_val = dict(zip(twin["step"], twin["val"])) if twin else {}
+    usage = torch.zeros(cfg.n_protos if prism else 1, dtype=torch.int32, device=device)  # activations since last eval
+    # The data generator's state is taken before each prefetch, so a checkpoint resumes with the batch that the
+    # uninterrupted run would have used next (bit-exact resume on CPU).
+    data_rng = data.rng_state()
+    x, y = data.get_batch("train", micro, cfg.ctx)
+    t0, t0_step, mfu_ema, start = time.time(), step, None, step
+    bad = torch.zeros((), dtype=torch.bool, device=device)  # any non-finite loss since the last check
+    while True:
+        if step > start and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
+            if any_rank(bad):
+                raise RunError(nan_message(step, path))
+            ev = estimate_loss(model, data, cfg, autocast, micro)
+            if dist_ready():
+                t = torch.tensor([ev["ce"]], device=device)
+                torch.distributed.all_reduce(t)
+                ev["ce"] = t.item() / world
+                torch.distributed.all_reduce(usage)
+            val = ev["ce"]
+            if not math.isfinite(val) or not all(torch.isfinite(p).all() for p in raw.parameters()):
+                raise RunError(nan_message(step, path))  # never save non-finite weights
+            used = int((usage > 0).sum()) if prism and raw.ready else None
+            ev.update(step=step, used=used)
+            history["step"].append(step)
+            history["val"].append(val)
+            history["evals"].append(ev)
+            log(eval_line(step, ev, twin_val.get(step), used, cfg.n_protos))
+            usage.zero_()
+            best = min(best, val)
+            if rank == 0:  # the train stream as it was before the prefetch, the val stream as it is now
+                rng = {**data_rng, "val": data.rng_state()["val"]}
+                save_checkpoint(path, raw, optimizer, cfg, step, best, rng, data, history)
+            t0, t0_step = time.time(), step  # evaluation time is not training time
+        if step >= cfg.max_iters:
+            break
+        if prism and not raw.ready and step >= cfg.init_steps:
+            seed_from_batch(raw, x, cfg, dist_info)
+            log(f"step {step}: prototypes seeded by k-means++ from {x.numel():,} hidden states after the dense warm-up")
+        lr = get_lr(cfg, step)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        with autocast:
+            loss, stats = model(x, y)
+        data_rng = data.rng_state()
+        x, y = data.get_batch("train", micro, cfg.ctx)  # prefetch while the backward runs (async on CUDA)
+        loss.backward()
+        bad |= ~torch.isfinite(loss.detach())
+        if "idx" in stats:  # index_add, not a boolean mask: no device sync
+            usage.index_add_(0, stats["idx"].flatten(), (stats["a"] > 0).flatten().to(usage.dtype))
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if step % cfg.log_interval == 0 or step == cfg.max_iters:
+            lossf = loss.item()  # syncs the device, so the timing below is real
+            if any_rank(bad):
+                raise RunError(nan_message(step, path))
+            dt = (time.time() - t0) / (step - t0_step)
+            tok_s = tokens_per_step / dt
+            if peak and step > 5 * cfg.log_interval:  # skip warm-up/compile steps, smooth like nanoGPT
+                m = fpt * tok_s / (peak * world)
+                mfu_ema = m if mfu_ema is None else 0.9 * mfu_ema + 0.1 * m
+            history["train"].append([step, lossf])
+            log(log_line(step, cfg.max_iters, lossf, lr, dt * 1000, tok_s, mfu_ema))
+            t0, t0_step = time.time(), step
+    return raw, history
+
+
+# -----------------------------------------------------------------------------
+# Analyses: prototype cards, logit decomposition, attribution, suppression, controller, benchmarks, report
+
+
+def token_pieces(tok, ids) -> list[str]:
+    return [tok.decode([int(i)]) for i in ids]
+
+
+def train_windows(data, n: int, width: int) -> torch.Tensor:
+    """The first n windows of `width + 1` training tokens (inputs and next-token targets), [n, width + 1]."""
+    tokens = data.tokens("train")
+    n = min(n, (len(tokens) - 1) // width)
+    idx = torch.arange(n)[:, None] * width + torch.arange(width + 1)[None, :]
+    return torch.from_numpy(tokens[: n * width + 1].astype("int64"))[idx]
+
+
+@torch.no_grad()
+def signatures(model: PRISM, top: int = 10, chunk: int = 1024) -> torch.Tensor:
+    """Each prototype's logit signature W p_i, top tokens only: [K, top] ids, computed in chunks of prototypes
+    (the K×V matrix is never whole)."""
+    W = model.wte.weight.float()
+    return torch.cat([(model.P[i:i + chunk].float() @ W.T).topk(top, dim=-1).indices
+                      for i in range(0, model.P.shape[0], chunk)])
+
+
+@torch.no_grad()
+def prototype_cards(model: PRISM, data, cfg: Config, top: int = 5, before: int = 12) -> dict:
+    """Spec §5.4: each prototype's nearest training contexts (the tokens where its activation a_{t,i} is largest,
+    over card_windows training windows) and its logit signature's top tokens. -> {"cards": [...], ...}."""
+    model.eval()
+    windows = train_windows(data, cfg.card_windows, cfg.ctx)
+    n, K = windows.shape[0], model.P.shape[0]
+    protos, acts, pos = [], [], []
+    for s in range(0, n, 16):
+        x = windows[s:s + 16, :-1].to(data.device)
+        idx, a = model.prototypes(model.hidden(x))
+        flat_pos = (torch.arange(s, s + x.shape[0], device=x.device)[:, None] * cfg.ctx
+                    + torch.arange(cfg.ctx, device=x.device)[None, :])[..., None].expand_as(idx)
+        keep = a > 0
+        protos.append(idx[keep].cpu())
+        acts.append(a[keep].float().cpu())
+        pos.append(flat_pos[keep].cpu())
+    protos, acts, pos = torch.cat(protos), torch.cat(acts), torch.cat(pos)
+    uses = torch.bincount(protos, minlength=K)
+    # sort by prototype, then activation descending: each prototype's top entries are the first of its run
+    by_act = torch.argsort(acts, descending=True, stable=True)
+    order = by_act[torch.argsort(protos[by_act], stable=True)]
+    starts = torch.cumsum(uses, 0) - uses
+    sig = signatures(model)
+    tok = data.tokenizer
+    flat = windows[:, :-1].reshape(-1)
+    nxt = windows[:, 1:].reshape(-1)
+    cards = []
+    for i in range(K):
+        entries = order[starts[i]: starts[i] + min(top, int(uses[i]))]
+        contexts = []
+        for e in entries.tolist():
+            p = int(pos[e])
+            w0 = p - p % cfg.ctx  # contexts never cross into the previous window
+            lo = max(w0, p - before)
+            contexts.append({"a": float(acts[e]), "before": tok.decode(flat[lo:p].tolist()),
+                             "token": tok.decode([int(flat[p])]), "next": tok.decode([int(nxt[p])])})
+        cards.append({"proto": i, "uses": int(uses[i]), "contexts": contexts,
+                      "signature": token_pieces(tok, sig[i].tolist())})
+    return {"cards": cards, "windows": n, "tokens": n * cfg.ctx,
+            "used": int((uses > 0).sum()), "dead": int((uses == 0).sum())}
+
+
+def cards_html(cards: list[dict], limit: int = 300) -> str:
+    rows = []
+    for c in sorted(cards, key=lambda c: -c["uses"])[:limit]:
+        ctx = "".join(f'<div class="ctx">{html.escape(x["before"])}<b style="background:rgba(255,140,0,'
+                      f'{min(1.0, x["a"]):.2f})">{html.escape(x["token"])}</b><i>→{html.escape(x["next"])}</i> '
+                      f'<small>a={x["a"]:.2f}</small></div>' for x in c["contexts"])
+        sig = " ".join(f"<code>{html.escape(s)}</code>" for s in c["signature"])
+        rows.append(f'<div class="card"><h3>prototype {c["proto"]} <small>{c["uses"]} activations</small></h3>'
+                    f'<div>logit signature: {sig}</div>{ctx}</div>')
+    return ("<!doctype html><meta charset=utf-8><title>PRISM prototype cards</title><style>body{font-family:"
+            "sans-serif}.card{border:1px solid #ccc;margin:8px;padding:6px}.ctx{font-family:monospace;white-space:"
+            "pre-wrap;margin:2px 0;border-bottom:1px dotted #eee}</style><h1>Prototype cards (most used first)</h1>"
+            + "".join(rows))
+
+
+@torch.no_grad()
+def logit_decomposition(model: PRISM, ids: torch.Tensor, tok) -> dict:
+    """Spec §1, §5.4: every token's logit as prototype slices a_{t,i} (w_y · p_i) plus the residual slice
+    w_y · r_t; they sum to the logit w_y · z_t (exactly, up to float rounding: reported)."""
+    model.eval()
+    x, y = ids[:, :-1], ids[0, 1:]
+    z = model.hidden(x)[0].float()
+    out = model.head(z)
+    W = model.wte.weight.float()
+    w_y = W[y]  # [T, d]
+    slices = proto_logit_slices(out["idx"], out["a"], model.P, W, y)  # [T, k]
+    resid = (w_y * out["r"]).sum(-1)
+    logit = (w_y * z).sum(-1)
+    err = (slices.sum(-1) + resid - logit).abs().max().item()
+    rows = []
+    for t in range(len(y)):
+        order = slices[t].abs().argsort(descending=True)[:4]
+        rows.append({"token": tok.decode([int(y[t])]), "logit": logit[t].item(), "residual": resid[t].item(),
+                     "prototypes": [(int(out["idx"][t, j]), slices[t, j].item()) for j in order.tolist()
+                                    if out["a"][t, j] > 0]})
+    return {"rows": rows, "max_abs_error": err, "max_abs_logit": logit.abs().max().item()}
+
+
+def keywords_of(spec: str) -> list[str]:
+    return [w.strip().lower() for w in spec.split(",") if w.strip()]
+
+
+def match_keywords(cards: list[dict], keywords: list[str]) -> list[int]:
+    """Prototypes whose card matches: a keyword is the activating token, the token it precedes, or one of the
+    signature's top tokens (whole words, case-insensitive)."""
+    kw = set(keywords)
+    hits = []
+    for c in cards:
+        words = {s.strip().lower() for s in c["signature"]}
+        for x in c["contexts"]:
+            words |= {x["token"].strip().lower(), x["next"].strip().lower()}
+        if words & kw:
+            hits.append(c["proto"])
+    return hits
+
+
+def parse_ids(spec: str, K: int) -> list[int]:
+    try:
+        ids = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise RunError(f"--suppress {spec!r}: expected prototype ids like 3,17,42") from None
+    bad = [i for i in ids if not 0 <= i < K]
+    if bad or not ids:
+        raise RunError(f"--suppress {spec!r}: ids must be in [0, {K})")
+    return ids
+
+
+def keyword_rate(texts: list[str], keywords: list[str]) -> float:
+    """Keyword occurrences per 1,000 generated words."""
+    import re
+
+    words = [w.lower() for t in texts for w in re.findall(r"[A-Za-z']+", t)]
+    kw = set(keywords)
+    return 1000 * sum(w in kw for w in words) / max(1, len(words))
+
+
+SUPPRESS_PROMPTS = ["ROMEO:\n", "JULIET:\n", "KING:\nMy lords,", "HAMLET:\n", "OTHELLO:\n", "First Lord:\n",
+                    "PORTIA:\n", "BENEDICK:\n"]
+
+
+@torch.no_grad()
+def suppression(model: PRISM, data, cfg: Config, ids: list[int], keywords: list[str], autocast,
+                samples_per_prompt: int = 2, ppl_windows: int = 64) -> dict:
+    """Spec §2.4, §6.3: drop the selected prototypes' terms at inference (r kept from the unsuppressed
+    reconstruction), then the keywords' rate in generations (same prompts, same seeds) and val perplexity,
+    before and after."""
+    model.eval()
+    mask = torch.zeros(model.P.shape[0], dtype=torch.bool, device=model.P.device)
+    mask[ids] = True
+    kw = {"suppress": mask, "factor": cfg.suppress_factor}
+    texts = {"before": [], "after": []}
+    tok = data.tokenizer
+    for p_i, prompt in enumerate(SUPPRESS_PROMPTS):
+        ids_p = torch.tensor([tok.encode(prompt)], device=data.device)
+        for s in range(samples_per_prompt):
+            seed = cfg.seed + 100 * p_i + s
+            for name, head_kw in (("before", {}), ("after", kw)):
+                g = torch.Generator(device=data.device).manual_seed(seed)
+                out = model.generate(ids_p, cfg.sample_tokens, generator=g, **head_kw)
+                texts[name].append(tok.decode(out[0, ids_p.shape[1]:].tolist()))
+    ppl0 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows)["ppl"]
+    ppl1 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows, head_kw=kw)["ppl"]
+    return {"prototypes": ids, "fraction": len(ids) / model.P.shape[0], "keywords": keywords,
+            "factor": cfg.suppress_factor, "generations": len(texts["before"]),
+            "rate_before": keyword_rate(texts["before"], keywords), "rate_after": keyword_rate(texts["after"], keywords),
+            "ppl_before": ppl0, "ppl_after": ppl1, "ppl_change": ppl1 / ppl0 - 1,
+            "example": {"before": texts["before"][0], "after": texts["after"][0]}}
+def attribution_experiment(model, dense, data, cfg, log):  # TEMP
+    return {}
+
+
+def controller_experiment(model, dense, data, cfg, log):  # TEMP
+    return {}
+
+
+def sample_text(model, tok, prompt: str, n: int, device, seed: int) -> str:
+    ids = tok.encode(prompt.replace("\\n", "\n").replace("\\t", "\t")) or [tok.eot]  # "\n" typed in a shell
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(torch.tensor([ids], device=device), n, generator=g)
+    return tok.decode(out[0].tolist())
+
+
+BENCH_VOCAB = 50304  # GPT-2's vocabulary padded to a multiple of 64 (nanoGPT)
+
+
+def bench_time(fn, device, reps=3) -> float:
+    """Median seconds of fn() after one warm-up call; triton.testing.do_bench on CUDA."""
+    if device.type == "cuda" and HAS_TRITON:
+        return triton.testing.do_bench(fn, quantiles=[0.5]) / 1e3
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
+    """Training tokens/s of PRISM and of its dense twin (same backbone, same recipe, random tokens, steps
+    alternated so drift hits both alike), and the top-k kernel against the torch reference."""
+    B, T = min(cfg.batch_size, 16), cfg.ctx
+    res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "batch": B, "ctx": T}
+    log(f"bench: {cfg.layers} layers, d={cfg.d_model}, K={cfg.n_protos}, k={cfg.topk}, vocab {vocab_size}, "
+        f"batch {B}x{T}")
+    runs = {}
+    for h in ("dense", "prism"):
+        c = replace(cfg, head=h, init="random", dropout=0.0)
+        torch.manual_seed(cfg.seed)
+        m = PRISM(c, vocab_size).to(device)
+        runs[h] = (m, make_optimizer(m, c, device.type))
+    x = torch.randint(0, vocab_size, (B, T), device=device)
+    y = torch.randint(0, vocab_size, (B, T), device=device)
+
+    def step(h):
+        m, opt = runs[h]
+        with autocast:
+            loss, _ = m(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    times = {h: [] for h in runs}
+    reps = 20 if device.type == "cuda" else 5
+    for i in range(reps + 2):
+        for h in runs:
+            t = time.perf_counter()
+            step(h)
+            if i >= 2:  # two warm-up rounds
+                times[h].append(time.perf_counter() - t)
+    tok_s = {h: B * T / sorted(v)[len(v) // 2] for h, v in times.items()}
+    res["train_tok_s"] = tok_s
+    res["throughput_ratio"] = tok_s["prism"] / tok_s["dense"]
+    log(f"training tokens/s: dense {tok_s['dense']:,.0f}, PRISM {tok_s['prism']:,.0f}: "
+        f"PRISM / dense = {res['throughput_ratio']:.1%} (paper: 97.3% at XL)")
+    res["kernel"] = bench_kernel(device, log)
+    return res
+
+
+def bench_kernel(device, log=print) -> dict:
+    """proto_topk: the Triton kernel (running top-k, no N×K scores) against the torch reference (normalise,
+    GEMM, ReLU, torch.topk), forward + backward, N = 16,384 tokens, d = 768, k = 16, bf16 z; time and peak memory."""
+    if device.type != "cuda" or not HAS_TRITON:
+        log("kernel: the Triton top-k needs a CUDA GPU; skipped")
+        return {}
+    out = {}
+    N, d, k = 16384, 768, 16
+
+    def reference(z, P):  # what one would write in torch: the N×K scores, then torch.topk
+        s = (F.normalize(z.float(), dim=-1) @ F.normalize(P.float(), dim=-1).T).relu()
+        a, idx = s.topk(k, dim=-1)
+        return idx, a
+    for K in (4096, 8192, 16384):
+        z = torch.randn(N, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+        P = torch.randn(K, d, device=device, requires_grad=True)
+        ga = torch.randn(N, k, device=device)
+        row = {}
+        for name, fn in (("torch", reference), ("triton", lambda z, P: proto_topk(z, P, k, backend="triton"))):
+            def fb():
+                _, a = fn(z, P)
+                (a * ga).sum().backward()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            fb()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated(device) - base
+            row[name] = {"ms": 1e3 * bench_time(fb, device), "peak_mb": peak / 2**20}
+        row["speedup"] = row["torch"]["ms"] / row["triton"]["ms"]
+        out[f"K{K}"] = row
+        log(f"kernel K={K}: triton {row['triton']['ms']:.2f} ms ({row['speedup']:.2f}x torch), peak "
+            f"{row['triton']['peak_mb']:.0f} MB vs {row['torch']['peak_mb']:.0f} MB")
+    return out
+
+
+def loss_figure(histories: dict) -> str:
+    """Training and val loss curves as a base64 PNG (matplotlib, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, h in histories.items():
+        if h["train"]:
+            ax.plot(*zip(*h["train"]), label=f"{name} train (total loss)", alpha=0.7)
+        if h["val"]:
+            ax.plot(h["step"], h["val"], "o-", label=f"{name} val CE")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def table_html(rows: list[dict], cols: list[str]) -> str:
+    def fmt(v):
+        return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{fmt(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict) -> Path:
+    parts = [f"<h1>PRISM report</h1><p>{html.escape(time.strftime('%Y-%m-%d %H:%M'))}, preset "
+             f"{html.escape(results.get('preset', ''))}, device {html.escape(results.get('device', ''))}</p>",
+             "<h2>Configuration</h2>" + table_html([asdict(cfg)], list(asdict(cfg)))]
+    if histories:
+        parts.append(f'<h2>Training</h2><img src="data:image/png;base64,{loss_figure(histories)}">')
+        evals = histories.get("prism", {}).get("evals", [])
+        rows = [{"step": e["step"], "CE": e["ce"], "|r|/|z|": e.get("r_over_z", ""), "REC": e.get("rec", ""),
+                 "R1": e.get("r1", ""), "R2": e.get("r2", ""), "used": e.get("used", ""),
+                 **{f"R̄1/R2 τ={t}": f"{e['cover_r1'][t]:.2f} / {e['cover_r2'][t]:.2f}" for t in TAUS if "cover_r1" in e}}
+                for e in evals]
+        if rows:
+            parts.append("<h3>PRISM evaluations</h3>" + table_html(rows, list(rows[-1])))
+    if "ppl" in results:
+        parts.append("<h2>Validation (every token once)</h2>" + table_html(
+            [{"model": k, "loss": v["loss"], "ppl": v["ppl"], "tokens": v["tokens"]} for k, v in results["ppl"].items()],
+            ["model", "loss", "ppl", "tokens"]))
+        if "gap" in results:
+            parts.append(f"<p>PRISM val loss vs the dense twin: {results['gap']:+.2%} (paper: within 5%)</p>")
+    if "cards" in results:
+        c = results["cards"]
+        parts.append(f'<h2>Prototype cards</h2><p>{c["used"]} prototypes active, {c["dead"]} never, over '
+                     f'{c["tokens"]:,} training tokens: <a href="prototypes.html">prototypes.html</a>, prototypes.json</p>')
+    if "decomposition" in results:
+        d = results["decomposition"]
+        rows = [{"token": r["token"], "logit": r["logit"], "residual slice": r["residual"],
+                 "largest prototype slices": ", ".join(f"p{i}: {v:+.2f}" for i, v in r["prototypes"])} for r in d["rows"]]
+        parts.append(f"<h2>Logit decomposition of a generated text</h2><p>slices + residual = logit, max |error| "
+                     f"{d['max_abs_error']:.2e}</p>" + table_html(rows, list(rows[0]) if rows else []))
+    if results.get("attribution"):
+        a = results["attribution"]
+        parts.append("<h2>Training-data attribution</h2>" + f"<p>{html.escape(a.get('summary', ''))}</p>"
+                     + table_html(a["table"], list(a["table"][0])))
+    for r in results.get("suppression", []):
+        parts.append(f"<h2>Suppression ({html.escape(', '.join(r['keywords']))})</h2>" + table_html(
+            [r], ["prototypes", "fraction", "factor", "generations", "rate_before", "rate_after", "ppl_before",
+                  "ppl_after", "ppl_change"])
+            + f"<pre>before: {html.escape(r['example']['before'])}\n\nafter: {html.escape(r['example']['after'])}</pre>")
+    if results.get("controller"):
+        c = results["controller"]
+        parts.append("<h2>Controllers (4-way cloze)</h2>" + f"<p>{html.escape(c.get('summary', ''))}</p>"
+                     + table_html(c["table"], list(c["table"][0])))
+    for h, samples in results.get("samples", {}).items():
+        parts.append(f"<h2>Samples ({h})</h2>" + "".join(f"<pre>{html.escape(s)}</pre>" for s in samples))
+    path = out_dir / "report.html"
+    path.write_text("<!doctype html><meta charset=utf-8><title>PRISM report</title><style>body{font-family:"
+                    "sans-serif;max-width:1100px}table{border-collapse:collapse;font-size:12px}td,th{border:1px "
+                    "solid #ccc;padding:2px 6px}pre{background:#f6f6f6;padding:6px;white-space:pre-wrap}</style>"
+                    + "".join(parts))
+    return path
+
+
+# -----------------------------------------------------------------------------
+# main
+
+
+class Logger:
+    """print() on rank 0, and the same lines appended to out_dir/log-<head>.txt."""
+
+    def __init__(self, path: Optional[Path], rank: int):
+        self.path, self.rank = path, rank
+        if path is not None and rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, msg: str) -> None:
+        if self.rank != 0:
+            return
+        print(msg, flush=True)
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(msg + "\n")
+
+
+def apply_preset(cfg: Config, explicit) -> str:
+    preset = cfg.preset if cfg.preset != "auto" else ("paper" if torch.cuda.is_available() else "cpu")
+    if preset == "cpu":
+        for k, v in CPU_PRESET.items():
+            if k not in explicit:
+                setattr(cfg, k, v)
+    return preset
+
+
+def validate(cfg: Config) -> None:
+    """Every bad flag value found before anything is trained, each as one line."""
+    checks = [(cfg.layers >= 1, "--layers must be >= 1"), (cfg.heads >= 1, "--heads must be >= 1"),
+              (cfg.d_model % cfg.heads == 0, f"--d-model {cfg.d_model} must split into --heads {cfg.heads} heads"),
+              (cfg.n_protos >= 1, "--n-protos must be >= 1"),
+              (1 <= cfg.topk <= cfg.n_protos, "--topk must be in [1, --n-protos]"),
+              (cfg.ctx >= 1, "--ctx must be >= 1"), (cfg.batch_size >= 1, "--batch-size must be >= 1"),
+              (cfg.max_iters >= 1, "--max-iters must be >= 1"),
+              (cfg.eval_interval >= 1 and cfg.log_interval >= 1 and cfg.eval_iters >= 1, "intervals must be >= 1"),
+              (cfg.lr > 0, "--lr must be > 0"), (0 <= cfg.dropout < 1, "--dropout must be in [0, 1)"),
+              (0 <= cfg.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
+              (0 <= cfg.warmup_frac <= 1, "--warmup-frac must be in [0, 1]"),
+              (cfg.weight_decay >= 0, "--weight-decay must be >= 0"), (cfg.grad_clip >= 0, "--grad-clip must be >= 0"),
+              (min(cfg.lambda_rec, cfg.lambda_r1, cfg.lambda_r2) >= 0, "loss weights --lambda-* must be >= 0"),
+              (cfg.init_steps >= 0, "--init-steps must be >= 0"),
+              (cfg.card_windows >= 1 and cfg.attr_seqs >= 2 and cfg.attr_queries >= 1,
+               "--card-windows, --attr-queries must be >= 1 and --attr-seqs >= 2"),
+              (cfg.attr_damping > 0, "--attr-damping must be > 0"), (cfg.controller_l1 >= 0, "--controller-l1 must be >= 0"),
+              (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"),
+              (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file")]
+    for ok, msg in checks:
+        if not ok:
+            raise RunError(msg)
+    if cfg.head == "prism" and cfg.init == "kmeans++" and cfg.train and not cfg.resume:
+        tokens = cfg.batch_size * cfg.ctx
+        if cfg.init_steps >= cfg.max_iters:
+            raise RunError(f"--init-steps {cfg.init_steps} leaves no step for the prototypes (--max-iters {cfg.max_iters})")
+        if tokens < cfg.n_protos:  # per rank it is checked again at seeding time
+            raise RunError(f"k-means++ seeding draws K={cfg.n_protos} prototypes from one batch of {tokens} tokens; "
+                           "raise --batch-size/--ctx or use --init random")
+    if cfg.suppress:
+        parse_ids(cfg.suppress, cfg.n_protos)
+    if cfg.suppress and cfg.head != "prism":
+        raise RunError("--suppress needs --head prism")
+
+
+def check_tokenizer(ck: dict, data, path: Path) -> None:
+    """A checkpoint only makes sense with the token map it was trained with."""
+    saved, current = ck["tokenizer"], data.tokenizer.state_dict()
+    if saved["name"] != current["name"] or saved["compacted"] != current["compacted"] or \
+            not torch.equal(saved["kept"], current["kept"]):
+        raise RunError(f"{path} was trained with another token map ({saved['name']}, "
+                       f"{len(saved['kept']) + 1 if saved['compacted'] else 'full'} ids) than this data's "
+                       f"({current['name']}, {data.vocab_size} ids); the corpus or its cache changed")
+
+
+def load_model(ck: dict, c: Config, data, device, path: Path) -> PRISM:
+    check_tokenizer(ck, data, path)
+    model = PRISM(c, data.vocab_size).to(device)
+    try:
+        model.load_state_dict(ck["model"])
+    except RuntimeError as e:
+        raise RunError(f"{path} does not fit this model ({str(e).splitlines()[-1].strip()})") from None
+    model.sync_ready()
+    return model
+
+
+def run(cfg: Config, explicit) -> int:
+    from common import DataError, load_data
+
+    preset = apply_preset(cfg, explicit)
+    validate(cfg)
+    device, autocast, dist_info = setup_device(cfg)
+    if cfg.kernels == "triton" and not HAS_TRITON:
+        raise RunError(f"--kernels triton needs the triton package, which failed to import ({TRITON_ERROR})")
+    if cfg.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RunError("--kernels triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
+    rank = dist_info["rank"]
+    heads = ("dense", "prism") if cfg.head == "prism" and cfg.twin else (cfg.head,)
+    loaded = {}  # --no-train / --resume: the architecture and the data come from the checkpoints
+    if not cfg.train or cfg.resume:
+        for h in heads:
+            path = ckpt_path(replace(cfg, head=h))
+            if h != cfg.head and not cfg.resume and not path.exists():
+                continue  # --no-train without a twin: the analyses that need it say so
+            loaded[h] = (path, *load_checkpoint(path, replace(cfg, head=h), explicit))
+        saved = loaded[cfg.head][2]
+        cfg = replace(cfg, **{k: getattr(saved, k) for k in MERGED_KEYS if k != "head"})
+        heads = tuple(h for h in heads if h in loaded) if not cfg.train else heads
+    if cfg.suppress:
+        parse_ids(cfg.suppress, cfg.n_protos)
+    out_dir = Path(cfg.out_dir)
+    log = Logger(None if cfg.bench else out_dir / f"log-{cfg.head}.txt", rank)
+    if preset == "cpu" and not cfg.bench and cfg.train:
+        log("no GPU: running the CPU preset (" + ", ".join(f"{k}={getattr(cfg, k)}" for k in CPU_PRESET)
+            + "), about 5 minutes; --preset paper runs the paper's configuration")
+    log("config: " + json.dumps(asdict(cfg)))
+    log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
+        f"{getattr(triton, '__version__', 'absent')}, device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    torch.manual_seed(cfg.seed + rank)
+    if cfg.bench:  # random tokens: no corpus needed
+        res = bench(cfg, BENCH_VOCAB, device, autocast, log)
+        if rank == 0:
+            print(json.dumps(res, indent=1, default=str))
+        return 0
+
+    def get_data():
+        return load_data(cfg.dataset, cfg.tokenizer, cfg.compact, cfg.max_tokens, cfg.cache_dir, device, cfg.seed,
+                         rank, dist_info["world"])
+    error = None
+    if rank == 0:  # rank 0 builds the token cache; the others wait, then reuse it (or meet the same error)
+        try:
+            data = get_data()
+        except DataError as e:
+            error = e
+    if dist_info["ddp"]:
+        torch.distributed.barrier()
+    if error is not None:
+        raise error
+    if rank != 0:
+        data = get_data()
+    results = {"preset": preset, "device": str(device)}
+    histories, models = {}, {}
+    for h in heads:  # the dense twin first, so PRISM's evaluations can print the gap to it
+        c = replace(cfg, head=h)
+        if cfg.train:
+            ck = None
+            if h in loaded:  # --resume
+                path, ck, _ = loaded[h]
+                check_tokenizer(ck, data, path)
+            t0 = time.time()
+            models[h], histories[h] = train(c, data, device, autocast, dist_info, explicit, log, ck,
+                                            twin=histories.get("dense") if h == "prism" else None)
+            log(f"{h}: trained in {time.time() - t0:.0f}s; checkpoint {ckpt_path(c)}")
+        else:
+            path, ck, c = loaded[h]
+            models[h], histories[h] = load_model(ck, c, data, device, path), ck["history"]
+    if dist_info["ddp"]:  # the analyses run on rank 0 alone, over the whole val split
+        torch.distributed.destroy_process_group()
+        data.rank, data.world_size = 0, 1
+    if rank != 0:
+        return 0
+    results["ppl"] = {}
+    for h, m in models.items():
+        results["ppl"][h] = evaluate_ppl(m, data, cfg.ctx, autocast)
+        log(f"{h}: val loss {results['ppl'][h]['loss']:.4f}, perplexity {results['ppl'][h]['ppl']:.2f} over "
+            f"{results['ppl'][h]['tokens']:,} tokens")
+    if len(results["ppl"]) == 2:
+        d, p = results["ppl"]["dense"]["loss"], results["ppl"]["prism"]["loss"]
+        results["gap"] = p / d - 1
+        log(f"val loss PRISM {p:.4f} vs dense twin {d:.4f}: {results['gap']:+.2%} (paper: within 5%)")
+    model = models.get("prism")
+    if model is not None and not model.ready:
+        log("the prototypes were never seeded (training stopped inside the warm-up): no prototype analyses")
+        model = None
+    if model is not None:
+        model.eval()
+        cards = None
+        if cfg.cards or cfg.suppress_keywords:
+            cards = prototype_cards(model, data, cfg)
+            (out_dir / "prototypes.json").write_text(json.dumps(cards))
+            (out_dir / "prototypes.html").write_text(cards_html(cards["cards"]))
+            results["cards"] = {k: v for k, v in cards.items() if k != "cards"}
+            log(f"prototype cards: {cards['used']}/{model.P.shape[0]} prototypes active over {cards['tokens']:,} "
+                f"training tokens; {out_dir / 'prototypes.html'}")
+        if cfg.cards:
+            prompt = torch.tensor([data.tokenizer.encode("KING:\nMy lords,")], device=device)
+            text = model.generate(prompt, 24, generator=torch.Generator(device=device).manual_seed(cfg.seed))
+            dec = logit_decomposition(model, text, data.tokenizer)
+            results["decomposition"] = dec
+            log(f"logit decomposition of {len(dec['rows'])} generated tokens: prototype slices + residual = logit, "
+                f"max |error| {dec['max_abs_error']:.2e} (largest |logit| {dec['max_abs_logit']:.1f})")
+        if cfg.attribution:
+            results["attribution"] = attribution_experiment(model, models.get("dense"), data, cfg, log)
+        targets = []
+        if cfg.suppress:
+            targets.append(("ids", parse_ids(cfg.suppress, cfg.n_protos), []))
+        if cfg.suppress_keywords:
+            kws = keywords_of(cfg.suppress_keywords)
+            targets.append(("keywords", match_keywords(cards["cards"], kws), kws))
+        for kind, ids, kws in targets:
+            if not ids:
+                log(f"suppression: no prototype card matches {', '.join(kws)}; nothing to suppress")
+                continue
+            kws = kws or sorted({s.strip().lower() for i in ids for s in signatures(model)[i][:3]})
+            r = suppression(model, data, cfg, ids, kws, autocast)
+            results.setdefault("suppression", []).append(r)
+            log(f"suppression of {len(ids)} prototypes ({r['fraction']:.2%} of the bank) for {', '.join(kws)}: "
+                f"keyword rate {r['rate_before']:.2f} -> {r['rate_after']:.2f} per 1k words over {r['generations']} "
+                f"generations; val perplexity {r['ppl_before']:.2f} -> {r['ppl_after']:.2f} ({r['ppl_change']:+.2%})")
+        if cfg.controller:
+            results["controller"] = controller_experiment(model, models.get("dense"), data, cfg, log)
+    if cfg.sample is not None or cfg.train:
+        prompts = [cfg.sample] if cfg.sample is not None else ["HAMLET:\n"]
+        results["samples"] = {}
+        for h, m in models.items():
+            m.eval()
+            results["samples"][h] = [sample_text(m, data.tokenizer, p, cfg.sample_tokens, device, cfg.seed)
+                                     for p in prompts]
+            for s in results["samples"][h]:
+                log(f"sample ({h}): " + s.replace("\n", "\n        "))
+    (out_dir / "results.json").write_text(json.dumps(results, default=str))
+    if cfg.report:
+        log(f"report: {write_report(out_dir, cfg, results, histories)}")
+    return 0
+
+
+def main(argv=None) -> int:
+    from common import DataError, parse_config
+
+    cfg, args = parse_config(Config, argv, "PRISM, prototype language models with native training-data "
+                                           "attribution (arXiv 2607.00510).")
+    try:
+        return run(cfg, args.explicit)
+    except (RunError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if dist_ready():
+            torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
