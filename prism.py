@@ -170,12 +170,13 @@ class Config:
     cards: bool = field(default=True, metadata={"help": "prototype cards and a logit decomposition"})
     card_windows: int = field(default=2048, metadata={"help": "training windows scanned for the cards"})
     attribution: bool = field(default=True, metadata={"help": "training-data attribution and its baselines"})
-    attr_seqs: int = field(default=4096, metadata={"help": "training sequences in the attribution set"})
+    attr_seqs: int = field(default=1024, metadata={"help": "training sequences in the attribution set"})
     attr_queries: int = field(default=32, metadata={"help": "query tokens (val predictions) to attribute"})
+    attr_ctx: int = field(default=256, metadata={"help": "length of the attribution set's training windows (<= ctx)"})
     attr_damping: float = field(default=1e-3, metadata={"help": "curvature damping λ, relative to the mean eigenvalue"})
     attr_curvature: Literal["block", "kfac"] = field(default="block", metadata={"help": "cached curvature: per-prototype blocks or with co-usage"})
     ekfac: bool = field(default=False, metadata={"help": "also rank with EK-FAC through kronfluence (if installed)"})
-    suppress_keywords: str = field(default="love", metadata={"help": "WORD[,WORD..]: suppress prototypes whose cards match ('' off)"})
+    suppress_keywords: str = field(default="lord,king", metadata={"help": "WORD[,WORD..]: suppress prototypes whose cards match ('' off)"})
     suppress: str = field(default="", metadata={"help": "ID[,ID..]: suppress these prototypes"})
     suppress_factor: float = field(default=0.0, metadata={"help": "kept fraction of suppressed terms (0 drops, <0 pushes away)"})
     controller: bool = field(default=True, metadata={"help": "sparse prototype controller vs SAE controller (4-way cloze)"})
@@ -189,8 +190,8 @@ class Config:
 # A CPU has ~1/1000 of a GPU's FLOPs: the preset shrinks the backbone, the bank and the steps so that the dense
 # twin, PRISM and every analysis finish in about 5 minutes.
 CPU_PRESET = dict(layers=4, d_model=128, heads=4, n_protos=512, topk=8, ctx=128, batch_size=16, lr=2e-3,
-                  max_iters=300, init_steps=30, eval_interval=100, eval_iters=5, log_interval=20,
-                  card_windows=512, attr_seqs=512, attr_queries=16)
+                  max_iters=200, init_steps=20, eval_interval=50, eval_iters=5, log_interval=20,
+                  card_windows=512, attr_seqs=256, attr_queries=16, attr_ctx=128)
 # A checkpoint fixes these (asking for other values is an error); MERGED_KEYS also come from it unless typed.
 ARCH_KEYS = ("head", "layers", "d_model", "heads", "n_protos", "topk", "act", "resid_grad", "ctx", "dataset",
              "tokenizer", "compact", "max_tokens")
@@ -1289,8 +1290,549 @@ def suppression(model: PRISM, data, cfg: Config, ids: list[int], keywords: list[
             "rate_before": keyword_rate(texts["before"], keywords), "rate_after": keyword_rate(texts["after"], keywords),
             "ppl_before": ppl0, "ppl_after": ppl1, "ppl_change": ppl1 / ppl0 - 1,
             "example": {"before": texts["before"][0], "after": texts["after"][0]}}
-def attribution_experiment(model, dense, data, cfg, log):  # TEMP
-    return {}
+# --- Training-data attribution (spec §5.3; the paper's algorithm is not public, this is the reconstruction) ---
+#
+# The prototype bank P (K×d) is the parameter block. Per token t: ẑ_t = Σ_{i∈A_t} a_{t,i} p_i, a linear
+# layer with a k-sparse input a_t, and δ_t = ∂CE_t/∂ẑ_t = Wᵀ(softmax(W z_t) − e_{y_t}). With a held fixed
+# (the linear-layer / K-FAC view) ∇_P CE_t has rows a_{t,i} δ_t for i ∈ A_t, so a training sequence m gives
+#     g_{m,i} = Σ_{t∈m} a_{t,i} δ_t   for i ∈ U(m), the prototypes m uses,
+# and the influence of m on a query q is I(m, q) = g_qᵀ (H + λI)⁻¹ g_m with H ≈ A ⊗ S, A = E[a aᵀ] (K×K,
+# the prototype co-usage) and S = E[δ δᵀ] (d×d), means over the training tokens.
+#   block  H_ii = A_ii S: I(m, q) = Σ_{i∈U(q)∩U(m)} g_{q,i}ᵀ (A_ii S + λI)⁻¹ g_{m,i}; only the postings of the
+#          query's active prototypes are read, and a sequence sharing no prototype with q is never touched (0).
+#   kfac   H = A ⊗ S with the co-usage A: both eigenbases invert it; the preconditioned query gradient is dense
+#          over the bank (A's eigenvectors couple the prototypes), so every posting is scored.
+# λ = attr_damping × mean(diag A) × mean eig(S) = attr_damping × the mean eigenvalue of A ⊗ S.
+# Scores are ranked in descending order (proponents first: a positive score means a gradient step on m
+# lowers the query's loss). Baselines: the exact prototype-space estimator (exact per-sequence gradients,
+# the activations' dependence on P included, with the damped empirical Fisher inverted by Woodbury), dense
+# TracIn over every parameter, and EK-FAC through kronfluence (optional).
+
+FULL_ROUTING = ("attribution needs --resid-grad detach-zhat or detach-r: with full routing CE gives the "
+                "prototypes no gradient")
+ATTR_CHUNK = 2 ** 24  # elements of the largest temporary (N×V probabilities, posting products): 64 MB in fp32
+ATTR_TOKENS = 16384   # tokens per batched forward pass
+
+
+def attr_clock(device) -> float:
+    """perf_counter after the device has finished its queued work (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def check_routing(model: PRISM) -> None:
+    if model.cfg.resid_grad == "full":
+        raise RunError(FULL_ROUTING)
+
+
+@torch.no_grad()
+def token_deltas(z, y, W, chunk=ATTR_CHUNK):
+    """δ_t = ∂CE_t/∂ẑ_t = Wᵀ(softmax(W z_t) − e_{y_t}) for z [N, d], y [N] -> [N, d] fp32, in closed form (no
+    autograd). Under detach-zhat and detach-r the logits are W(sg(·) + ẑ), so ẑ receives the gradient a dense
+    head's z would, and their value is W z (§2.3). Token chunks keep the N×V probabilities within `chunk`."""
+    W = W.float()
+    out = torch.empty(z.shape, dtype=torch.float32, device=z.device)
+    step = max(1, chunk // W.shape[0])
+    for s in range(0, z.shape[0], step):
+        p = torch.softmax(z[s:s + step].float() @ W.T, dim=-1)
+        p[torch.arange(p.shape[0], device=p.device), y[s:s + step]] -= 1
+        out[s:s + step] = p @ W
+    return out
+
+
+def sequence_sums(seq_of_token, idx, a, delta, K: int, chunk=ATTR_CHUNK):
+    """g_{m,i} = Σ_{t∈m} a_{t,i} δ_t for every (sequence, prototype) pair with some a_{t,i} > 0, by sort/segment
+    ops (no loop over tokens). seq_of_token [N], idx/a [N, k], delta [N, d] -> (keys m·K + i [U], sorted by
+    sequence then prototype; g [U, d])."""
+    keep = a > 0
+    tok = torch.arange(idx.shape[0], device=idx.device)[:, None].expand_as(idx)[keep]
+    keys = seq_of_token[tok] * K + idx[keep]
+    a_kept = a[keep].float()
+    ukeys, inv = torch.unique(keys, return_inverse=True)
+    g = torch.zeros(len(ukeys), delta.shape[1], device=delta.device)
+    step = max(1, chunk // delta.shape[1])  # the a·δ products of one chunk of (token, slot) entries at a time
+    for s in range(0, len(keys), step):
+        g.index_add_(0, inv[s:s + step], a_kept[s:s + step, None] * delta[tok[s:s + step]])
+    return ukeys, g
+
+
+def tensor_bytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+@dataclass
+class ProtoIndex:
+    """An inverted index in CSR layout (spec §7): the postings of prototype i are rows indptr[i]:indptr[i+1] of
+    `seq` (the training sequence, int32) and `G` (its d-vector), sequences ascending within a prototype."""
+    indptr: torch.Tensor  # [K + 1] int64
+    seq: torch.Tensor     # [nnz] int32
+    G: torch.Tensor       # [nnz, d] fp32
+
+    @staticmethod
+    def from_keys(keys, vecs, K: int) -> "ProtoIndex":
+        """keys m·K + i sorted by (m, i), vecs [U, d] -> the index by prototype (a stable sort keeps m ascending)."""
+        proto = keys % K
+        order = torch.argsort(proto, stable=True)
+        indptr = F.pad(torch.cumsum(torch.bincount(proto, minlength=K), 0), (1, 0))
+        return ProtoIndex(indptr, (keys // K)[order].to(torch.int32), vecs[order])
+
+    def postings(self, protos):
+        """CSR gather without a Python loop: the rows of the postings of `protos` [n] and, per row, its
+        position in `protos`."""
+        start = self.indptr[protos]
+        count = self.indptr[protos + 1] - start
+        slot = torch.repeat_interleave(torch.arange(len(protos), device=protos.device), count)
+        first = torch.cumsum(count, 0) - count
+        return start[slot] + torch.arange(len(slot), device=protos.device) - first[slot], slot
+
+    def proto_of_rows(self):
+        K = len(self.indptr) - 1
+        return torch.repeat_interleave(torch.arange(K, device=self.indptr.device), self.indptr.diff())
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.indptr, self.seq, self.G)
+
+
+@dataclass
+class AttrCache:
+    """The cached attribution state (spec §5.3, §7), from one forward pass over the M training windows: the
+    index prototype -> (sequences, g_{m,i}), and the curvature factors A_ii, S (and the co-usage A for kfac)
+    with their eigendecompositions."""
+    index: ProtoIndex
+    A_diag: torch.Tensor            # [K]   A_ii = mean_t a_{t,i}²
+    lam_S: torch.Tensor             # [d]   S = mean_t δ_t δ_tᵀ = Q_S diag(λ_S) Q_Sᵀ
+    Q_S: torch.Tensor               # [d, d]
+    lam: float                      # damping λ
+    M: int
+    curvature: str = "block"
+    lam_A: Optional[torch.Tensor] = None  # kfac: A = mean_t a_t a_tᵀ = Q_A diag(λ_A) Q_Aᵀ
+    Q_A: Optional[torch.Tensor] = None
+    proto_of_row: Optional[torch.Tensor] = None  # kfac: the prototype of every posting (every posting is scored)
+
+    def nbytes(self) -> int:
+        return self.index.nbytes() + tensor_bytes(self.A_diag, self.lam_S, self.Q_S, self.lam_A, self.Q_A,
+                                                  self.proto_of_row)
+
+
+def eigh_psd(S):
+    """Eigendecomposition of a symmetric PSD matrix in float64 (fp32 eigh loses the small eigenvalues that the
+    damping is relative to), negative rounding clamped to 0, returned in fp32."""
+    lam, Q = torch.linalg.eigh(S.double())
+    return lam.clamp_min(0).float(), Q.float()
+
+
+@torch.no_grad()
+def build_attr_cache(model: PRISM, windows, curvature: str = "block", damping: float = 1e-3) -> AttrCache:
+    """Step 1 of §5.3: one pass (batched, no grad, δ in closed form) over the training windows [M, T + 1] builds
+    the index of g_{m,i} and, from the same tokens, A_ii = mean a², S = mean δδᵀ (and A = mean a aᵀ for kfac,
+    accumulated as k×k outer products per token: never an N×K matrix)."""
+    check_routing(model)
+    model.eval()
+    K, d = model.P.shape
+    device = model.P.device
+    W = model.wte.weight.float()
+    M, T = windows.shape[0], windows.shape[1] - 1
+    S = torch.zeros(d, d, device=device)
+    A_diag = torch.zeros(K, device=device)
+    A = torch.zeros(K * K, device=device) if curvature == "kfac" else None
+    keys, vecs = [], []
+    B = max(1, ATTR_TOKENS // T)
+    for s in range(0, M, B):
+        w = windows[s:s + B].to(device)
+        z = model.hidden(w[:, :-1]).float().flatten(0, 1)
+        idx, a = model.prototypes(z)
+        a = a.float()
+        delta = token_deltas(z, w[:, 1:].flatten(), W)
+        S += delta.T @ delta
+        A_diag.index_add_(0, idx.flatten(), a.pow(2).flatten())
+        if A is not None:  # entry (i_j, i_l) of a_t a_tᵀ is a_{t,j} a_{t,l}
+            A.index_add_(0, (idx[:, :, None] * K + idx[:, None, :]).flatten(),
+                         (a[:, :, None] * a[:, None, :]).flatten())
+        seq_of_token = torch.arange(s, s + w.shape[0], device=device).repeat_interleave(T)
+        k_, g_ = sequence_sums(seq_of_token, idx, a, delta, K)
+        keys.append(k_)
+        vecs.append(g_)
+    N = M * T
+    S /= N
+    A_diag /= N
+    lam_S, Q_S = eigh_psd(S)
+    lam = damping * A_diag.mean().item() * lam_S.mean().item()
+    if not lam > 0:
+        raise RunError("no training token activates a prototype (every a is 0): nothing to attribute")
+    index = ProtoIndex.from_keys(torch.cat(keys), torch.cat(vecs), K)
+    cache = AttrCache(index, A_diag, lam_S, Q_S, lam, M, curvature)
+    if A is not None:
+        cache.lam_A, cache.Q_A = eigh_psd(A.view(K, K) / N)
+        cache.proto_of_row = cache.index.proto_of_rows()
+    return cache
+
+
+@torch.no_grad()
+def query_state(model: PRISM, xq, yq):
+    """Step 2's forward: one val prediction per row of xq [Q, T] (the target yq [Q] follows the last position)
+    -> its active prototypes idx [Q, k], activations a [Q, k] and δ_q [Q, d]; g_{q,i} = a_{q,i} δ_q."""
+    z = model.hidden(xq)[:, -1].float()
+    idx, a = model.prototypes(z)
+    return idx, a.float(), token_deltas(z, yq, model.wte.weight)
+
+
+@torch.no_grad()
+def cached_scores(cache: AttrCache, idx, a, delta):
+    """Step 2 for one query (idx, a [k], delta [d]) -> (scores [M], scored [M] bool: the sequences touched).
+    block: v_i = (A_ii S + λI)⁻¹ g_{q,i} = a_{q,i} Q_S diag(1/(A_ii λ_S + λ)) Q_Sᵀ δ_q, then scores[m] +=
+           g_{m,i}·v_i over the postings of the query's active prototypes only.
+    kfac:  G_q = u δ_qᵀ (u_i = a_{q,i}: every active prototype sees the same δ_q), so
+           V = (A ⊗ S + λI)⁻¹ G_q = Q_A [((Q_Aᵀu)(Q_Sᵀδ_q)ᵀ) / (λ_A λ_Sᵀ + λ)] Q_Sᵀ, dense over the bank; every
+           posting is scored (cost K²d per query for V, plus one pass over the postings)."""
+    ix = cache.index
+    active = a > 0
+    i, a_i = idx[active], a[active]
+    u_S = cache.Q_S.T @ delta  # δ_q in S's eigenbasis
+    scores = torch.zeros(cache.M, device=delta.device)
+    scored = torch.zeros(cache.M, dtype=torch.bool, device=delta.device)
+    if cache.curvature == "kfac":
+        u = torch.zeros(len(cache.A_diag), device=delta.device)
+        u[i] = a_i
+        core = torch.outer(cache.Q_A.T @ u, u_S) / (cache.lam_A[:, None] * cache.lam_S[None] + cache.lam)
+        V = cache.Q_A @ core @ cache.Q_S.T
+        seq = ix.seq.long()
+        step = max(1, ATTR_CHUNK // ix.G.shape[1])
+        for s in range(0, len(seq), step):
+            scores.index_add_(0, seq[s:s + step], (ix.G[s:s + step] * V[cache.proto_of_row[s:s + step]]).sum(-1))
+        scored[seq] = True
+        return scores, scored
+    v = a_i[:, None] * ((u_S / (cache.A_diag[i, None] * cache.lam_S + cache.lam)) @ cache.Q_S.T)  # [n, d]
+    rows, slot = ix.postings(i)
+    seq = ix.seq[rows].long()
+    scores.index_add_(0, seq, (ix.G[rows] * v[slot]).sum(-1))
+    scored[seq] = True
+    return scores, scored
+
+
+def proto_vjp(model: PRISM, z, delta):
+    """(∂ẑ/∂P)ᵀ δ summed over the tokens of z [N, d] (fixed, no grad), delta [N, d] -> [K, d]: autograd through
+    the model's own prototype path (top-k cosines, the --act variant, the reconstruction), so the
+    activations' dependence on P is included. Under detach-zhat and detach-r P reaches the logits only through
+    ẑ, with ∂CE_t/∂ẑ_t = δ_t, so this is the exact ∇_P Σ_t CE_t, and the T×V logits are never differentiated."""
+    with torch.enable_grad():
+        idx, a = model.prototypes(z)
+        zhat = reconstruct(idx, a, model.P)
+        return torch.autograd.grad(zhat, model.P, delta)[0].float()
+
+
+@dataclass
+class ExactAttr:
+    """Step 3, the spec's "full prototype-space gradients" upper bound: no linear-layer view, no block
+    approximation. The exact per-sequence gradients g_m = ∇_P L_m, stored row-sparse in the same CSR index (a
+    sequence's gradient is non-zero only on the rows of the prototypes it activates, so this is the cache's
+    size, where the dense [M, K·d] matrix would be 103 GB at M = 4096, K = 8192, d = 768), and the Cholesky
+    factor of M λ' I + G Gᵀ (M×M) for Woodbury: with H = GᵀG/M + λ'I,
+        G H⁻¹ g_q = (1/λ') [I − G Gᵀ (M λ' I + G Gᵀ)⁻¹] G g_q = M (M λ' I + G Gᵀ)⁻¹ G g_q.
+    λ' = attr_damping × the mean eigenvalue of GᵀG/M (= |G|²_F / (M K d)): the same relative damping as the
+    cached curvature's λ (each method's λ is relative to the mean eigenvalue of its own curvature, so a
+    rescaled curvature gives the same ranking)."""
+    index: ProtoIndex
+    L: torch.Tensor  # [M, M] float64, Cholesky factor of M λ' I + G Gᵀ
+    lam: float
+    M: int
+
+    def nbytes(self) -> int:
+        return self.index.nbytes() + tensor_bytes(self.L)
+
+
+def gram(index: ProtoIndex, M: int, chunk=4 * ATTR_CHUNK):
+    """G Gᵀ [M, M] from the row-sparse G: the columns of a few prototypes at a time made dense ([M, c·d]),
+    then one GEMM each, never the whole [M, K·d] matrix."""
+    K, d = len(index.indptr) - 1, index.G.shape[1]
+    out = torch.zeros(M, M, device=index.G.device)
+    c = max(1, chunk // (M * d))
+    proto = index.proto_of_rows()
+    for i0 in range(0, K, c):
+        i1 = min(K, i0 + c)
+        r0, r1 = int(index.indptr[i0]), int(index.indptr[i1])
+        if r0 == r1:
+            continue
+        D = torch.zeros(M, i1 - i0, d, device=index.G.device)
+        D[index.seq[r0:r1].long(), proto[r0:r1] - i0] = index.G[r0:r1]
+        D = D.view(M, -1)
+        out += D @ D.T
+    return out
+
+
+@torch.no_grad()
+def build_exact(model: PRISM, windows, damping: float = 1e-3) -> ExactAttr:
+    """The exact gradient of every training sequence (z and δ batched without grad, then one prototype-path
+    vector-Jacobian product per sequence), its non-zero rows kept; then G Gᵀ and its damped Cholesky factor."""
+    check_routing(model)
+    model.eval()
+    K, d = model.P.shape
+    device = model.P.device
+    W = model.wte.weight.float()
+    M, T = windows.shape[0], windows.shape[1] - 1
+    keys, vecs = [], []
+    B = max(1, ATTR_TOKENS // T)
+    for s in range(0, M, B):
+        w = windows[s:s + B].to(device)
+        z = model.hidden(w[:, :-1]).float()
+        delta = token_deltas(z.flatten(0, 1), w[:, 1:].flatten(), W).view(z.shape)
+        for b in range(w.shape[0]):  # one vector-Jacobian product per sequence: its own gradient
+            g = proto_vjp(model, z[b], delta[b])
+            rows = g.ne(0).any(-1).nonzero().squeeze(1)  # U(m): the rows this sequence's gradient reaches
+            keys.append((s + b) * K + rows)
+            vecs.append(g[rows])
+    index = ProtoIndex.from_keys(torch.cat(keys), torch.cat(vecs), K)
+    lam = damping * index.G.pow(2).sum().item() / (M * K * d)
+    if not lam > 0:
+        raise RunError("every training sequence has a zero prototype-space gradient: nothing to attribute")
+    GGt = gram(index, M).double()
+    L, info = torch.linalg.cholesky_ex(GGt + M * lam * torch.eye(M, dtype=torch.float64, device=device))
+    if info.item():
+        raise RunError(f"the exact baseline's M λ' I + G Gᵀ is not positive definite in float precision; "
+                       f"raise --attr-damping (now {damping:g})")
+    return ExactAttr(index, L, lam, M)
+
+
+@torch.no_grad()
+def exact_scores(ex: ExactAttr, g_q):
+    """Woodbury scores M (M λ' I + G Gᵀ)⁻¹ G g_q for one query's exact gradient g_q [K, d] -> [M]. G g_q reads
+    only the postings of the rows where g_q is non-zero; the M×M solve then touches every sequence."""
+    rows_q = g_q.ne(0).any(-1).nonzero().squeeze(1)
+    rows, slot = ex.index.postings(rows_q)
+    Gg = torch.zeros(ex.M, dtype=torch.float64, device=g_q.device)
+    Gg.index_add_(0, ex.index.seq[rows].long(), (ex.index.G[rows] * g_q[rows_q][slot]).sum(-1).double())
+    return (ex.M * torch.cholesky_solve(Gg[:, None], ex.L)[:, 0]).float()
+
+
+def exact_query_grad(model: PRISM, xq, yq):
+    """The query's exact prototype-space gradient ∇_P CE of its one prediction (xq [T], target yq) -> [K, d]."""
+    with torch.no_grad():
+        z = model.hidden(xq[None])[0, -1:].float()
+    return proto_vjp(model, z, token_deltas(z, yq.reshape(1), model.wte.weight))
+
+
+def dense_scores(model: PRISM, windows, xq, yq) -> tuple:
+    """Step 4, dense gradient similarity over every parameter (TracIn at the final checkpoint): score(m, q) =
+    ∇_θ L_m · ∇_θ L_q, L_m the summed CE of training window m, L_q the query's CE. Nothing is stored: the Q
+    query gradients are computed once, then each training gradient is recomputed and dotted with all of them,
+    which is what a post-hoc method pays per query batch. -> (scores [Q, M], seconds, bytes held, peak note)."""
+    model.eval()
+    device = model.P.device
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def flat_grad(loss):
+        gs = torch.autograd.grad(loss, params, allow_unused=True)
+        return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float() for g, p in zip(gs, params)])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    t0 = attr_clock(device)
+    with torch.enable_grad():
+        gq = torch.stack([flat_grad(F.cross_entropy(model(xq[j:j + 1])[0, -1].float(), yq[j]))
+                          for j in range(len(xq))])
+        scores = torch.empty(len(xq), windows.shape[0], device=device)
+        for m in range(windows.shape[0]):
+            w = windows[m].to(device)
+            g = flat_grad(F.cross_entropy(model(w[None, :-1])[0].float(), w[1:], reduction="sum"))
+            scores[:, m] = gq @ g
+    seconds = attr_clock(device) - t0
+    held = tensor_bytes(gq) + gq.shape[1] * 4  # the Q query gradients and one training gradient
+    if device.type == "cuda":
+        return scores, seconds, torch.cuda.max_memory_allocated(device) - base, "peak extra CUDA memory"
+    return scores, seconds, held, "Q query gradients + one training gradient"
+
+
+def ekfac_scores(model: PRISM, windows, xq, yq, log, damping: Optional[float] = None) -> Optional[dict]:
+    """Step 5 (optional): EK-FAC influence (Grosse et al. 2023) through kronfluence, over the backbone's Linear
+    modules (kronfluence tracks nn.Linear/Conv2d: the tied embedding/head and P are outside its view; the MLP
+    and attention projections are the usual EK-FAC set). Factors are fitted on the M training windows (true
+    Fisher: targets sampled from the model), train loss = summed CE, measurement = the query's CE; damping
+    None is kronfluence's heuristic, 0.1 × the mean eigenvalue per module. A deep copy is prepared
+    (kronfluence wraps modules in place); the global RNG is restored afterwards. -> None if not installed."""
+    try:
+        from kronfluence.analyzer import Analyzer, prepare_model
+        from kronfluence.arguments import FactorArguments, ScoreArguments
+        from kronfluence.task import Task
+        from kronfluence.utils.dataset import DataLoaderKwargs
+    except ImportError:
+        log("EK-FAC: kronfluence is not installed (pip install kronfluence); skipped")
+        return None
+    if "RANK" in os.environ:  # kronfluence's accelerate state would join the (already closed) torchrun group
+        log("EK-FAC: skipped under torchrun (kronfluence would start a process group); run it single-process")
+        return None
+    import copy
+    import logging
+    import tempfile
+    import warnings
+
+    class LanguageModelTask(Task):
+        def compute_train_loss(self, batch, model, sample=False):
+            x, y = batch
+            logits = model(x).float().flatten(0, 1)
+            if sample:  # the true Fisher: targets drawn from the model's own predictions
+                with torch.no_grad():
+                    y = torch.multinomial(torch.softmax(logits.detach(), -1), 1).squeeze(1)
+            return F.cross_entropy(logits, y.reshape(-1), reduction="sum")
+
+        def compute_measurement(self, batch, model):
+            x, y = batch
+            return F.cross_entropy(model(x)[:, -1].float(), y, reduction="sum")
+
+    device = model.P.device
+    task = LanguageModelTask()
+    tracked = prepare_model(copy.deepcopy(model), task)
+    train = torch.utils.data.TensorDataset(windows[:, :-1].cpu(), windows[:, 1:].cpu())
+    query = torch.utils.data.TensorDataset(xq.cpu(), yq.cpu())
+    B = max(1, min(64, ATTR_TOKENS // windows.shape[1]))
+    devices = [device] if device.type == "cuda" else []
+    with tempfile.TemporaryDirectory() as tmp, torch.random.fork_rng(devices), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # kronfluence's torch.cuda.amp.GradScaler deprecations
+        analyzer = Analyzer("prism", tracked, task, cpu=device.type != "cuda", disable_tqdm=True, output_dir=tmp,
+                            log_level=logging.WARNING)
+        analyzer.set_dataloader_kwargs(DataLoaderKwargs(num_workers=0))
+        t0 = attr_clock(device)
+        analyzer.fit_all_factors("ekfac", train, per_device_batch_size=B, overwrite_output_dir=True,
+                                 factor_args=FactorArguments(strategy="ekfac"))
+        t1 = attr_clock(device)
+        analyzer.compute_pairwise_scores("scores", "ekfac", query, train, per_device_query_batch_size=len(query),
+                                         per_device_train_batch_size=B, overwrite_output_dir=True,
+                                         score_args=ScoreArguments(damping_factor=damping))
+        t2 = attr_clock(device)
+        scores = analyzer.load_pairwise_scores("scores")["all_modules"].to(device).float()
+        factors = analyzer.load_all_factors("ekfac")
+    # what scoring reads: both eigenbases and the corrected eigenvalues of every module (not the covariances)
+    held = sum(tensor_bytes(t) for name in ("activation_eigenvectors", "gradient_eigenvectors", "lambda_matrix")
+               for t in factors.get(name, {}).values())
+    return {"scores": scores, "setup": t1 - t0, "seconds": t2 - t1, "bytes": held}
+
+
+def val_queries(data, Q: int, ctx: int, device):
+    """Q evenly spaced val windows of ctx tokens and, for each, the token after its last position (the one
+    prediction attributed). Deterministic: the same queries in every run. -> (xq [Q, ctx], yq [Q])."""
+    tokens = data.tokens("val")
+    if len(tokens) < ctx + 1:
+        raise RunError(f"the val split has {len(tokens)} tokens, fewer than --ctx + 1 = {ctx + 1}: no query window")
+    starts = torch.linspace(0, len(tokens) - ctx - 1, Q).long().unique()  # fewer if the split is that short
+    w = torch.from_numpy(tokens[(starts[:, None] + torch.arange(ctx + 1)[None, :]).numpy()].astype("int64"))
+    return w[:, :-1].to(device), w[:, -1].to(device)
+
+
+def topn_overlap(scores, ref, n: int) -> float:
+    """|top-n(scores) ∩ top-n(ref)| / n per query, averaged; scores and ref [Q, M], n capped at M."""
+    n = min(n, scores.shape[1])
+    a, b = scores.topk(n, dim=1).indices, ref.topk(n, dim=1).indices
+    return sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a, b)) / (n * scores.shape[0])
+
+
+@contextlib.contextmanager
+def full_fp32():
+    """TF32 off while attributing (run() turns it on for training): the methods are compared with each other,
+    and the exact baseline's Cholesky of M λ' I + G Gᵀ needs more than TF32's 10-bit mantissa when λ' is 1e-3
+    of the mean eigenvalue. Every method runs in the same precision, so the timings stay comparable."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def attribution_experiment(model: PRISM, dense, data, cfg: Config, log) -> dict:
+    """Spec §5.3, §8.5: cached prototype attribution against its baselines on Q val predictions and M training
+    windows: time per query, memory, and top-10/top-100 overlap with the exact prototype-space ranking. All the
+    methods attribute the same PRISM model, so `dense` (the twin) is not used."""
+    with full_fp32():
+        return run_attribution(model, data, cfg, log)
+
+
+def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
+    check_routing(model)
+    if not model.ready:
+        raise RunError("attribution needs live prototypes (training stopped inside the warm-up)")
+    model.eval()
+    device = model.P.device
+    windows = train_windows(data, cfg.attr_seqs, cfg.ctx).to(device)
+    M = windows.shape[0]
+    if M < 2:
+        raise RunError(f"the training split holds {M} window of --ctx {cfg.ctx} tokens; attribution needs 2 or more")
+    xq, yq = val_queries(data, cfg.attr_queries, cfg.ctx, device)
+    Q = len(xq)
+    rows, ranked = [], {}
+
+    def add_row(name, scores, ms, mem, scored, setup):
+        ranked[name] = scores
+        rows.append({"method": name, "ms/query": ms, "memory MB": mem / 2**20, "scored": scored, "setup s": setup})
+
+    # 1-2. the cache, then one forward and a few postings per query
+    t0 = attr_clock(device)
+    cache = build_attr_cache(model, windows, cfg.attr_curvature, cfg.attr_damping)
+    setup = attr_clock(device) - t0
+    query_state(model, xq[:1], yq[:1])  # warm-up (first-call allocations), untimed
+    scores, times, touched = [], [], []
+    for j in range(Q):
+        t0 = attr_clock(device)
+        idx, a, delta = query_state(model, xq[j:j + 1], yq[j:j + 1])
+        s, scored = cached_scores(cache, idx[0], a[0], delta[0])
+        times.append(attr_clock(device) - t0)
+        scores.append(s)
+        touched.append(int(scored.sum()))
+    cached_name = f"PRISM cached ({cfg.attr_curvature})"
+    add_row(cached_name, torch.stack(scores), 1e3 * sum(times) / Q, cache.nbytes(), sum(touched) / Q, setup)
+    # 3. exact prototype-space gradients
+    t0 = attr_clock(device)
+    ex = build_exact(model, windows, cfg.attr_damping)
+    setup = attr_clock(device) - t0
+    exact_query_grad(model, xq[0], yq[0])
+    scores, times = [], []
+    for j in range(Q):
+        t0 = attr_clock(device)
+        scores.append(exact_scores(ex, exact_query_grad(model, xq[j], yq[j])))
+        times.append(attr_clock(device) - t0)
+    add_row("prototype-space exact", torch.stack(scores), 1e3 * sum(times) / Q, ex.nbytes(), M, setup)
+    # 4. dense gradient similarity (nothing precomputed: its whole cost is per query batch)
+    s, seconds, mem, dense_mem_note = dense_scores(model, windows, xq, yq)
+    add_row("dense TracIn (all parameters)", s, 1e3 * seconds / Q, mem, M, 0.0)
+    # 5. EK-FAC
+    if cfg.ekfac:
+        ek = ekfac_scores(model, windows, xq, yq, log)
+        if ek is not None:
+            add_row("EK-FAC (kronfluence)", ek["scores"], 1e3 * ek["seconds"] / Q, ek["bytes"], M, ek["setup"])
+    # overlaps with the exact ranking, the table, the log
+    ref = ranked["prototype-space exact"]
+    table = []
+    for r in rows:
+        s = ranked[r["method"]]
+        table.append({"method": r["method"], "ms/query": r["ms/query"], "memory MB": r["memory MB"],
+                      "top-10 overlap": topn_overlap(s, ref, 10), "top-100 overlap": topn_overlap(s, ref, 100),
+                      "sequences scored": r["scored"], "setup s": r["setup s"]})
+        log(f"attribution {r['method']}: {r['ms/query']:.2f} ms/query, {r['memory MB']:.3g} MB, top-10/top-100 "
+            f"overlap with exact {table[-1]['top-10 overlap']:.2f}/{table[-1]['top-100 overlap']:.2f}, "
+            f"{r['scored']:.0f}/{M} sequences scored per query, setup {r['setup s']:.1f}s")
+    by = {r["method"]: r for r in table}
+    c = by[cached_name]
+    speed = {name: by[name]["ms/query"] / c["ms/query"] for name in by if name != cached_name}
+    summary = (f"cached prototype attribution ({cfg.attr_curvature}) takes {c['ms/query']:.2f} ms per query: "
+               + ", ".join(f"{v:.3g}x faster than {k}" for k, v in speed.items())
+               + f"; it keeps {c['top-10 overlap']:.0%} of the exact prototype-space top-10 and "
+               f"{c['top-100 overlap']:.0%} of its top-100 ({Q} queries, {M} training windows of {cfg.ctx} tokens; "
+               "paper: ~470x faster than EK-FAC, ~80% of the top sequences preserved)")
+    log(summary)
+    # the first query's most influential training windows, decoded (for the report)
+    tok = data.tokenizer
+    first = ranked[cached_name][0]
+    top = first.topk(min(3, M))
+    examples = {"query": tok.decode(xq[0].tolist()), "target": tok.decode([int(yq[0])]),
+                "top": [{"seq": int(m), "score": float(v), "text": tok.decode(windows[m].tolist())}
+                        for v, m in zip(top.values.tolist(), top.indices.tolist())]}
+    return {"table": table, "summary": summary, "queries": Q, "seqs": M, "ctx": cfg.ctx,
+            "curvature": cfg.attr_curvature, "damping": {"cached": cache.lam, "exact": ex.lam},
+            "speedup": speed, "cache": {"postings": len(cache.index.seq), "bytes": cache.nbytes(),
+                                        "prototypes per sequence": len(cache.index.seq) / M},
+            "memory_notes": {cached_name: "the cache (index, A_ii, S's eigenbasis; A's for kfac)",
+                             "prototype-space exact": "row-sparse exact gradients + M×M Cholesky factor",
+                             "dense TracIn (all parameters)": dense_mem_note,
+                             "EK-FAC (kronfluence)": "eigenbases and corrected eigenvalues of the Linear modules"},
+            "examples": examples}
 
 
 # Controllers (spec §6.3, §9 item 9). The paper fits its controllers on four lm-eval multiple-choice tasks; offline
@@ -1835,8 +2377,8 @@ def validate(cfg: Config) -> None:
               (cfg.weight_decay >= 0, "--weight-decay must be >= 0"), (cfg.grad_clip >= 0, "--grad-clip must be >= 0"),
               (min(cfg.lambda_rec, cfg.lambda_r1, cfg.lambda_r2) >= 0, "loss weights --lambda-* must be >= 0"),
               (cfg.init_steps >= 0, "--init-steps must be >= 0"),
-              (cfg.card_windows >= 1 and cfg.attr_seqs >= 2 and cfg.attr_queries >= 1,
-               "--card-windows, --attr-queries must be >= 1 and --attr-seqs >= 2"),
+              (cfg.card_windows >= 1 and cfg.attr_seqs >= 2 and cfg.attr_queries >= 1 and cfg.attr_ctx >= 1,
+               "--card-windows, --attr-queries, --attr-ctx must be >= 1 and --attr-seqs >= 2"),
               (cfg.attr_damping > 0, "--attr-damping must be > 0"), (cfg.controller_l1 >= 0, "--controller-l1 must be >= 0"),
               (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"),
               (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file")]
@@ -1882,6 +2424,8 @@ def run(cfg: Config, explicit) -> int:
 
     preset = apply_preset(cfg, explicit)
     validate(cfg)
+    if cfg.head == "prism" and cfg.resid_grad == "full" and cfg.attribution and "attribution" in explicit:
+        raise RunError(FULL_ROUTING)  # asked for explicitly: say so now, not after training
     device, autocast, dist_info = setup_device(cfg)
     if cfg.kernels == "triton" and not HAS_TRITON:
         raise RunError(f"--kernels triton needs the triton package, which failed to import ({TRITON_ERROR})")
@@ -1979,12 +2523,15 @@ def run(cfg: Config, explicit) -> int:
         if cfg.cards:
             prompt = torch.tensor([data.tokenizer.encode("KING:\nMy lords,")], device=device)
             text = model.generate(prompt, 24, generator=torch.Generator(device=device).manual_seed(cfg.seed))
-            dec = logit_decomposition(model, text, data.tokenizer)
+            dec = logit_decomposition(model, text[:, -(cfg.ctx + 1):], data.tokenizer)  # positions < ctx
             results["decomposition"] = dec
             log(f"logit decomposition of {len(dec['rows'])} generated tokens: prototype slices + residual = logit, "
                 f"max |error| {dec['max_abs_error']:.2e} (largest |logit| {dec['max_abs_logit']:.1f})")
-        if cfg.attribution:
-            results["attribution"] = attribution_experiment(model, models.get("dense"), data, cfg, log)
+        if cfg.attribution and cfg.resid_grad == "full":
+            log(f"attribution skipped: {FULL_ROUTING}")
+        elif cfg.attribution:
+            results["attribution"] = attribution_experiment(model, models.get("dense"), data,
+                                                            replace(cfg, ctx=min(cfg.attr_ctx, cfg.ctx)), log)
         targets = []
         if cfg.suppress:
             targets.append(("ids", parse_ids(cfg.suppress, cfg.n_protos), []))

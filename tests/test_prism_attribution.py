@@ -1,0 +1,285 @@
+"""prism.py's training-data attribution (spec §5.3): the cache, its block and Kronecker-factored scores, the exact
+prototype-space baseline (Woodbury), the dense TracIn baseline and the experiment, each against a brute-force
+reference on a tiny model."""
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import prism
+from prism import Config, PRISM, RunError
+
+V = 30
+
+
+def tiny(resid_grad="detach-zhat", n_protos=12, topk=3, ctx=8, **kw):
+    cfg = Config(layers=1, d_model=16, heads=2, n_protos=n_protos, topk=topk, ctx=ctx, init="random",
+                 kernels="torch", resid_grad=resid_grad, **kw)
+    return PRISM(cfg, V).eval()
+
+
+def windows_of(M, ctx, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (M, ctx + 1), generator=g)
+
+
+def dense_rows(index, M, K):
+    """The CSR index as a dense [M, K, d] tensor (zeros where a sequence does not use a prototype)."""
+    out = torch.zeros(M, K, index.G.shape[1], dtype=torch.float64)
+    proto = index.proto_of_rows()
+    out[index.seq.long(), proto] = index.G.double()
+    return out
+
+
+def linear_view_grad(model, x, y):
+    """∇_P Σ_t CE_t with the activations a held fixed (the linear-layer view), by autograd: logits =
+    W(z − sg(ẑ) + ẑ) where ẑ = Σ a_i p_i with a detached, so only ẑ's linear dependence on P is differentiated."""
+    P = model.P
+    with torch.no_grad():
+        z = model.hidden(x[None])[0].float()
+        idx, a = model.prototypes(z)
+    zhat = prism.reconstruct(idx, a.detach(), P)
+    logits = F.linear(z - zhat.detach() + zhat, model.wte.weight.float())
+    return torch.autograd.grad(F.cross_entropy(logits, y, reduction="sum"), P)[0]
+
+
+@pytest.mark.parametrize("resid_grad,topk,T", [("detach-zhat", 3, 8), ("detach-r", 12, 2)])
+def test_cache_vectors_and_curvature_match_autograd(resid_grad, topk, T, assert_close):
+    """g_{m,i} in the index is row i of the linear-layer-view autograd gradient of sequence m's CE w.r.t. P;
+    A_ii = mean a², S = mean δδᵀ with δ_t = ∂CE_t/∂ẑ_t from autograd. topk = K puts zero activations
+    (negative cosines) in the top-k: they must not become postings."""
+    model = tiny(resid_grad, topk=topk, ctx=T)
+    K, d = model.P.shape
+    w = windows_of(6, T)
+    cache = prism.build_attr_cache(model, w)
+    G = dense_rows(cache.index, 6, K)
+    for m in range(6):
+        assert_close(f"g_m{m}", linear_view_grad(model, w[m, :-1], w[m, 1:]), G[m].float())
+    # curvature statistics from per-token autograd deltas
+    with torch.no_grad():
+        z = model.hidden(w[:, :-1]).float().flatten(0, 1)
+        idx, a = model.prototypes(z)
+    zhat = torch.zeros_like(z, requires_grad=True)
+    logits = F.linear(z - zhat.detach() + zhat, model.wte.weight.float())
+    ce = F.cross_entropy(logits, w[:, 1:].flatten(), reduction="sum")
+    delta = torch.autograd.grad(ce, zhat)[0]  # per-token CE_t depends only on its own ẑ_t
+    dense_a = torch.zeros(len(z), K).scatter_(1, idx, a)
+    S = cache.Q_S @ torch.diag(cache.lam_S) @ cache.Q_S.T
+    assert_close("S", delta.T @ delta / len(z), S, ratio=1e-4)
+    assert_close("A_ii", dense_a.pow(2).mean(0), cache.A_diag)
+    # every posting is a (sequence, prototype) pair with some a > 0, and no pair is missing
+    used = torch.zeros(6, K, dtype=torch.bool)
+    used[torch.arange(6).repeat_interleave(T)[:, None].expand_as(idx)[a > 0], idx[a > 0]] = True
+    assert torch.equal(G.ne(0).any(-1), used) and len(cache.index.seq) == int(used.sum())
+    assert topk < K or not used.all()  # some prototype is in a top-k but never active in some sequence
+    assert cache.index.seq.dtype == torch.int32 and cache.index.G.dtype == torch.float32
+
+
+def brute_block(cache, G, idx, a, delta):
+    """Σ_{i∈U(q)∩U(m)} g_{q,i}ᵀ (A_ii S + λI)⁻¹ g_{m,i} with explicit d×d inverses, for every m."""
+    S = (cache.Q_S @ torch.diag(cache.lam_S) @ cache.Q_S.T).double()
+    d = S.shape[0]
+    scores = torch.zeros(G.shape[0], dtype=torch.float64)
+    for j in range(len(idx)):
+        if a[j] <= 0:
+            continue
+        i = int(idx[j])
+        H_inv = torch.linalg.inv(cache.A_diag[i].double() * S + cache.lam * torch.eye(d, dtype=torch.float64))
+        scores += G[:, i] @ (H_inv @ (a[j].double() * delta.double()))
+    return scores
+
+
+def test_block_scores_match_brute_force_and_skip_disjoint_sequences(assert_close):
+    model = tiny(n_protos=64, topk=2, ctx=4)
+    M = 40
+    w = windows_of(M, 4, seed=1)
+    cache = prism.build_attr_cache(model, w, "block", damping=1e-2)
+    G = dense_rows(cache.index, M, 64)
+    xq = windows_of(3, 4, seed=2)
+    idx, a, delta = prism.query_state(model, xq[:, :-1], xq[:, -1])
+    disjoint_seen = 0
+    for q in range(3):
+        scores, scored = prism.cached_scores(cache, idx[q], a[q], delta[q])
+        assert_close(f"scores q{q}", brute_block(cache, G, idx[q], a[q], delta[q]), scores, ratio=1e-4)
+        shares = G[:, idx[q][a[q] > 0]].ne(0).any(-1).any(-1)  # m uses one of the query's active prototypes
+        assert torch.equal(scored, shares)
+        assert (scores[~shares] == 0).all()
+        disjoint_seen += int((~shares).sum())
+    assert disjoint_seen > 0, "the test needs sequences that share no prototype with a query"
+
+
+def test_kfac_scores_match_explicit_kronecker_inverse(assert_close):
+    model = tiny()
+    K, d = model.P.shape
+    M = 10
+    w = windows_of(M, 8, seed=3)
+    cache = prism.build_attr_cache(model, w, "kfac", damping=1e-2)
+    # the co-usage matrix against its definition, A = mean_t a_t a_tᵀ
+    with torch.no_grad():
+        idx_t, a_t = model.prototypes(model.hidden(w[:, :-1]).float().flatten(0, 1))
+    dense_a = torch.zeros(len(idx_t), K).scatter_(1, idx_t, a_t).double()
+    A = dense_a.T @ dense_a / len(dense_a)
+    assert_close("A", A, (cache.Q_A @ torch.diag(cache.lam_A) @ cache.Q_A.T), ratio=1e-4)
+    S = (cache.Q_S @ torch.diag(cache.lam_S) @ cache.Q_S.T).double()
+    H = torch.kron(A, S) + cache.lam * torch.eye(K * d, dtype=torch.float64)  # row-major vec of K×d
+    G = dense_rows(cache.index, M, K).reshape(M, K * d)
+    xq = windows_of(2, 8, seed=4)
+    idx, a, delta = prism.query_state(model, xq[:, :-1], xq[:, -1])
+    for q in range(2):
+        Gq = torch.zeros(K, d, dtype=torch.float64)
+        Gq[idx[q]] = a[q, :, None].double() * delta[q].double()
+        scores, scored = prism.cached_scores(cache, idx[q], a[q], delta[q])
+        assert_close(f"kfac q{q}", G @ torch.linalg.solve(H, Gq.reshape(-1)), scores, ratio=1e-4)
+        assert torch.equal(scored, G.ne(0).any(-1))
+
+
+def test_kfac_equals_block_when_co_usage_is_diagonal(assert_close):
+    """With k = 1 every token activates one prototype, so A is diagonal and A ⊗ S is block-diagonal: both
+    curvatures must give the same scores."""
+    model = tiny(n_protos=8, topk=1)
+    w = windows_of(12, 8, seed=5)
+    block = prism.build_attr_cache(model, w, "block")
+    kfac = prism.build_attr_cache(model, w, "kfac")
+    xq = windows_of(2, 8, seed=6)
+    idx, a, delta = prism.query_state(model, xq[:, :-1], xq[:, -1])
+    for q in range(2):
+        assert_close("kfac=block", prism.cached_scores(block, idx[q], a[q], delta[q])[0],
+                     prism.cached_scores(kfac, idx[q], a[q], delta[q])[0], ratio=1e-4)
+
+
+def test_exact_baseline_gradients_and_woodbury(assert_close):
+    model = tiny()
+    K, d = model.P.shape
+    M = 8
+    w = windows_of(M, 8, seed=7)
+    ex = prism.build_exact(model, w, damping=1e-2)
+    G = dense_rows(ex.index, M, K)
+    for m in range(M):  # the full forward's CE gradient w.r.t. P (cosine path included; z does not depend on P)
+        logits = model(w[m:m + 1, :-1])[0].float()
+        ref = torch.autograd.grad(F.cross_entropy(logits, w[m, 1:], reduction="sum"), model.P)[0]
+        assert_close(f"exact g_m{m}", ref, G[m].float())
+    # they differ from the linear-layer view (the activations' dependence on P is part of the exact gradient)
+    assert (linear_view_grad(model, w[0, :-1], w[0, 1:]) - G[0].float()).abs().max() > 1e-4
+    G = G.reshape(M, -1)
+    lam = 1e-2 * G.pow(2).sum() / (M * K * d)
+    assert ex.lam == pytest.approx(lam.item(), rel=1e-5)
+    H = G.T @ G / M + lam * torch.eye(K * d, dtype=torch.float64)
+    xq = windows_of(2, 8, seed=8)
+    for q in range(2):
+        g_q = prism.exact_query_grad(model, xq[q, :-1], xq[q, -1])
+        logits = model(xq[q:q + 1, :-1])[0, -1].float()
+        assert_close("exact g_q", torch.autograd.grad(F.cross_entropy(logits, xq[q, -1]), model.P)[0], g_q)
+        assert_close(f"woodbury q{q}", G @ torch.linalg.solve(H, g_q.double().reshape(-1)),
+                     prism.exact_scores(ex, g_q), ratio=1e-4)
+
+
+def test_dense_baseline_is_the_dot_product_of_flattened_gradients(assert_close):
+    model = tiny()
+    w = windows_of(5, 8, seed=9)
+    xq = windows_of(3, 8, seed=10)
+    scores, seconds, held, note = prism.dense_scores(model, w, xq[:, :-1], xq[:, -1])
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grad_of(loss):
+        model.zero_grad(set_to_none=False)
+        loss.backward()
+        return torch.cat([p.grad.reshape(-1).clone() for p in params]).double()
+    gq = [grad_of(F.cross_entropy(model(xq[j:j + 1, :-1])[0, -1], xq[j, -1])) for j in range(3)]
+    gm = [grad_of(F.cross_entropy(model(w[m:m + 1, :-1])[0], w[m, 1:], reduction="sum")) for m in range(5)]
+    ref = torch.stack([torch.stack([q @ m for m in gm]) for q in gq])
+    model.zero_grad(set_to_none=True)
+    assert_close("TracIn", ref, scores, ratio=1e-4)
+    assert seconds > 0 and held == (3 + 1) * sum(p.numel() for p in params) * 4
+
+
+def test_full_routing_is_refused():
+    model = tiny("full")
+    w = windows_of(4, 8)
+    msg = ("attribution needs --resid-grad detach-zhat or detach-r: with full routing CE gives the prototypes "
+           "no gradient")
+    for fn in (lambda: prism.build_attr_cache(model, w), lambda: prism.build_exact(model, w),
+               lambda: prism.attribution_experiment(model, None, StandIn(), model.cfg, print)):
+        with pytest.raises(RunError) as e:
+            fn()
+        assert str(e.value) == msg
+
+
+class StandInTokenizer:
+    def decode(self, ids):
+        return " ".join(f"w{i}" for i in ids)
+
+
+class StandIn:
+    """The parts of common.TokenData the experiment reads: token arrays, the tokenizer, the device."""
+
+    def __init__(self, n_train=600, n_val=300, seed=0):
+        rng = np.random.default_rng(seed)
+        self.split = {"train": rng.integers(0, V, n_train).astype(np.uint16),
+                      "val": rng.integers(0, V, n_val).astype(np.uint16)}
+        self.tokenizer, self.device, self.vocab_size = StandInTokenizer(), torch.device("cpu"), V
+
+    def tokens(self, split):
+        return self.split[split]
+
+
+@pytest.mark.parametrize("curvature", ["block", "kfac"])
+def test_experiment_table(curvature):
+    cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
+                 attr_seqs=30, attr_queries=4, attr_curvature=curvature, attr_damping=1e-2)
+    model = PRISM(cfg, V).eval()
+    lines = []
+    res = prism.attribution_experiment(model, None, StandIn(), cfg, lines.append)
+    assert res["queries"] == 4 and res["seqs"] == 30
+    names = [r["method"] for r in res["table"]]
+    assert names == [f"PRISM cached ({curvature})", "prototype-space exact", "dense TracIn (all parameters)"]
+    for r in res["table"]:
+        assert set(r) >= {"method", "ms/query", "memory MB", "top-10 overlap", "top-100 overlap", "sequences scored"}
+        assert 0 <= r["top-10 overlap"] <= 1 and 0 <= r["top-100 overlap"] <= 1
+        assert r["ms/query"] > 0 and r["memory MB"] > 0 and 0 < r["sequences scored"] <= 30
+    exact = res["table"][1]
+    assert exact["top-10 overlap"] == 1 and exact["top-100 overlap"] == 1  # n capped at M = 30: all of them
+    assert len(lines) == 4 and lines[-1] == res["summary"] and "faster than dense TracIn" in res["summary"]
+    ex = res["examples"]
+    assert len(ex["top"]) == 3 and all(e["text"].startswith("w") and len(e["text"].split()) == 9 for e in ex["top"])
+    assert [e["score"] for e in ex["top"]] == sorted((e["score"] for e in ex["top"]), reverse=True)
+    assert len(ex["query"].split()) == 8 and ex["target"].startswith("w")
+
+
+def test_topn_overlap():
+    ref = torch.tensor([[5.0, 4, 3, 2, 1, 0]])
+    assert prism.topn_overlap(ref, ref, 3) == 1
+    assert prism.topn_overlap(torch.tensor([[0.0, 1, 2, 3, 4, 5]]), ref, 3) == 0
+    assert prism.topn_overlap(torch.tensor([[5.0, 0, 3, 2, 1, 4]]), ref, 2) == 0.5
+    assert prism.topn_overlap(torch.tensor([[0.0, 1, 2, 3, 4, 5]]), ref, 100) == 1  # n capped at M
+
+
+def test_ekfac_without_kronfluence_is_skipped(monkeypatch):
+    monkeypatch.setitem(sys.modules, "kronfluence", None)  # `import kronfluence...` now raises ImportError
+    cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
+                 attr_seqs=10, attr_queries=2, ekfac=True)
+    lines = []
+    res = prism.attribution_experiment(PRISM(cfg, V).eval(), None, StandIn(), cfg, lines.append)
+    assert "EK-FAC: kronfluence is not installed (pip install kronfluence); skipped" in lines
+    assert not any("EK-FAC" in r["method"] for r in res["table"])
+
+
+def test_ekfac_with_huge_damping_is_gradient_similarity(assert_close):
+    """With damping far above every eigenvalue, EK-FAC's (F + λI)⁻¹ ≈ I/λ: λ·score is the dot product of the
+    tracked (Linear) modules' gradients. Runs only where kronfluence is installed."""
+    pytest.importorskip("kronfluence")
+    model = tiny()
+    w = windows_of(6, 8, seed=11)
+    xq = windows_of(2, 8, seed=12)
+    lam = 1e8
+    res = prism.ekfac_scores(model, w, xq[:, :-1], xq[:, -1], print, damping=lam)
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+    def grad_of(loss):
+        return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, linears)]).double()
+    gq = [grad_of(F.cross_entropy(model(xq[j:j + 1, :-1])[0, -1], xq[j, -1])) for j in range(2)]
+    gm = [grad_of(F.cross_entropy(model(w[m:m + 1, :-1])[0], w[m, 1:], reduction="sum")) for m in range(6)]
+    ref = torch.stack([torch.stack([q @ m for m in gm]) for q in gq])
+    assert_close("EK-FAC at huge damping", ref, res["scores"] * lam, ratio=1e-3)
+    assert res["bytes"] > 0 and res["seconds"] > 0
