@@ -45,7 +45,15 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     weight decay 0.1 except on P and norms, grad clip 1.0); P made last so the twin's backbone init is identical.
   * Coverage: R̄1(τ) = fraction of prototypes whose nearest val token (eval batches) has cos ≥ τ; R2(τ) =
     fraction of val tokens whose nearest prototype has cos ≥ τ.
-ATTRIBUTION_CHOICES
+  * Attribution (§5.3, reconstructed): the cache holds g_{m,i} = Σ_t a_{t,i} δ_t with a held fixed (the
+    linear-layer view), δ_t = Wᵀ(softmax(W z_t) - e_y); the exact baseline keeps a's dependence on P and
+    inverts the damped empirical Fisher of sequence gradients (Woodbury); each damping is relative to the mean
+    eigenvalue of its own curvature. A query is one val prediction; every method's time includes its forward.
+    With --resid-grad full CE gives P no gradient, so attribution is skipped (an error if asked for).
+  * Suppression keywords default to "lord,king", frequent words of the plays, so that a small model has
+    prototypes to match; a card matches when a keyword is its activating token, the next token or a signature
+    top token. Controllers: a 4-way cloze from the val text (fit on the first half of the stream, scored on
+    the second; distractors within ±5 frequency ranks), proximal Adam with L1, K gains for both controllers.
 Commands
     python prism.py                        # dense twin + PRISM, evaluations, every analysis, out/prism/report.html
                                            # (no GPU: a CPU preset of about 5 minutes, announced)
@@ -57,7 +65,9 @@ Commands
     python prism.py --dataset fineweb-edu --max-tokens 2000000000  # the paper's data (online)
     torchrun --standalone --nproc_per_node=8 prism.py              # DDP
 
-EXPECTED
+Expected (CPU preset, 2 cores, 2026-11-30): `python prism.py` takes about 5 minutes for the twin, PRISM and
+every analysis; PRISM's val loss ends within ~1% of the twin's (6.77 vs 6.72 nats, cl100k compacted to
+19,447 ids, 410k training tokens each), and the cached attribution is ~140x faster per query than dense TracIn.
 """
 from __future__ import annotations
 
@@ -1290,6 +1300,8 @@ def suppression(model: PRISM, data, cfg: Config, ids: list[int], keywords: list[
             "rate_before": keyword_rate(texts["before"], keywords), "rate_after": keyword_rate(texts["after"], keywords),
             "ppl_before": ppl0, "ppl_after": ppl1, "ppl_change": ppl1 / ppl0 - 1,
             "example": {"before": texts["before"][0], "after": texts["after"][0]}}
+
+
 # --- Training-data attribution (spec §5.3; the paper's algorithm is not public, this is the reconstruction) ---
 #
 # The prototype bank P (K×d) is the parameter block. Per token t: ẑ_t = Σ_{i∈A_t} a_{t,i} p_i, a linear
@@ -2197,7 +2209,7 @@ def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
     times = {h: [] for h in runs}
-    reps = 20 if device.type == "cuda" else 5
+    reps = 20 if device.type == "cuda" else 9
     for i in range(reps + 2):
         for h in runs:
             t = time.perf_counter()
