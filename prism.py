@@ -80,7 +80,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -202,10 +202,13 @@ class Config:
 CPU_PRESET = dict(layers=4, d_model=128, heads=4, n_protos=512, topk=8, ctx=128, batch_size=16, lr=2e-3,
                   max_iters=200, init_steps=20, eval_interval=50, eval_iters=5, log_interval=20,
                   card_windows=512, attr_seqs=256, attr_queries=16, attr_ctx=128)
-# A checkpoint fixes these (asking for other values is an error); MERGED_KEYS also come from it unless typed.
+# A checkpoint fixes ARCH_KEYS (asking for other values is an error); --resume and --no-train take every other
+# setting from it too unless typed (MERGED_KEYS: all but how and where this invocation runs).
 ARCH_KEYS = ("head", "layers", "d_model", "heads", "n_protos", "topk", "act", "resid_grad", "ctx", "dataset",
              "tokenizer", "compact", "max_tokens")
-MERGED_KEYS = ARCH_KEYS + ("lambda_rec", "lambda_r1", "lambda_r2", "rec", "dist", "r1_detach_z", "init")
+RUNTIME_KEYS = ("head", "preset", "device", "dtype", "compile", "kernels", "out_dir", "cache_dir", "resume", "train",
+                "twin", "bench", "report", "sample")
+MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS)
 # -----------------------------------------------------------------------------
 # Core op: proto_topk(z, P, k) -> (idx, a),   a_{n,j} = relu(cos(z_n, P_{idx_{n,j}})) for the k best prototypes
 
@@ -444,12 +447,12 @@ def _gathered_rows_sum(idx, Y, w):
 
 
 def _scatter_rows(idx, w, X, rows):
-    """out_i = Σ_{(n,j): idx_{n,j} = i} w_{n,j} X_n  [rows, d]: a sparse [rows, N] @ X, no [N, k, d] tensor."""
-    N, k = idx.shape
-    tokens = torch.arange(N, device=idx.device).repeat_interleave(k)
-    coo = torch.sparse_coo_tensor(torch.stack([idx.reshape(-1), tokens]), w.reshape(-1).to(X.dtype), (rows, N),
-                                  check_invariants=False)
-    return torch.sparse.mm(coo, X)
+    """out_i = Σ_{(n,j): idx_{n,j} = i} w_{n,j} X_n  [rows, d]: k index_adds of [N, d] rows, no [N, k, d] tensor
+    (and no sparse-matrix coalesce, which would sync the host on CUDA)."""
+    out = torch.zeros(rows, X.shape[1], dtype=X.dtype, device=X.device)
+    for j in range(idx.shape[1]):
+        out.index_add_(0, idx[:, j], w[:, j, None].to(X.dtype) * X)
+    return out
 
 
 class WinnerCosine(torch.autograd.Function):
@@ -540,6 +543,9 @@ def nearest_pairs(z, P, dist="l2", chunk=4096):
     """R1/R2's nearest neighbours (spec §3.3): for each token its nearest prototype, for each prototype its nearest
     token, in row chunks so the N×K distance matrix is never whole. Selection only; the losses recompute the
     winners' distances with autograd. -> (proto_of_token [N], token_of_proto [K])."""
+    if torch.is_autocast_enabled(z.device.type):  # bf16 would reorder near neighbours: fp32 like proto_topk
+        with torch.autocast(z.device.type, enabled=False):
+            return nearest_pairs(z, P, dist, chunk)
     z, P = z.detach().float(), P.detach().float()
     if dist == "cosine":
         z, P = F.normalize(z, dim=-1), F.normalize(P, dim=-1)
@@ -624,7 +630,7 @@ class PRISM(nn.Module):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.layers))
         if cfg.head == "prism":  # made last, so the backbone's initial weights equal the dense twin's
             # N(0, 1) rows have the norm of post-LayerNorm states (~sqrt(d)); k-means++ replaces them after warm-up
-            self.P = nn.Parameter(torch.randn(cfg.n_protos, d))
+            self.P = nn.Parameter(torch.randn(cfg.n_protos, d, generator=torch.Generator().manual_seed(cfg.seed)))
             self.register_buffer("proto_ready", torch.tensor(cfg.init == "random"))
         self.ready = cfg.head == "prism" and cfg.init == "random"
 
@@ -976,7 +982,7 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     if bad:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
         raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
-    merged = replace(cfg, **{k: saved[k] for k in MERGED_KEYS if k in saved and k not in explicit})
+    merged = replace(cfg, **{k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and k not in explicit})
     return ck, merged
 
 
@@ -986,14 +992,18 @@ def build_model(cfg: Config, vocab_size: int, device) -> PRISM:
 
 
 def seed_from_batch(raw: PRISM, x, cfg: Config, dist_info) -> None:
-    """k-means++ seeding of P from this batch's hidden states (spec §3.4), on rank 0 and broadcast (DDP keeps one
-    set of weights). A generator of its own, so the data and dropout streams are the same with --init random."""
+    """k-means++ seeding of P from this step's hidden states (spec §3.4): every rank's batch gathered, seeded on
+    rank 0 and broadcast (DDP keeps one set of weights). A generator of its own, so the data and dropout streams are the same with --init random."""
+    was = raw.training
+    raw.eval()
+    with torch.no_grad():
+        z = raw.hidden(x).float()
+    raw.train(was)
+    if dist_info["ddp"]:  # one global batch's states (K may exceed one rank's tokens)
+        parts = [torch.empty_like(z) for _ in range(dist_info["world"])]
+        torch.distributed.all_gather(parts, z)
+        z = torch.cat(parts)
     if dist_info["rank"] == 0:
-        was = raw.training
-        raw.eval()
-        with torch.no_grad():
-            z = raw.hidden(x)
-        raw.train(was)
         raw.seed_prototypes(z, torch.Generator(device=x.device).manual_seed(cfg.seed))
     if dist_info["ddp"]:
         torch.distributed.broadcast(raw.P.data, 0)
@@ -1014,15 +1024,18 @@ def eval_line(step: int, ev: dict, twin_val: Optional[float], used: Optional[int
 
 
 def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print, ck=None,
-          twin: Optional[dict] = None) -> tuple[PRISM, dict]:
+          twin: Optional[dict] = None, start_rng: Optional[dict] = None) -> tuple[PRISM, dict]:
     """The nanoGPT-shaped loop. Returns the trained (unwrapped) model and its history. With cfg.resume it
     continues from `ck`, the checkpoint already loaded by the caller (read from out_dir when not given).
-    `twin` is the dense twin's history, for the CE gap at each evaluation."""
+    `twin` is the dense twin's history, for the CE gap at each evaluation; `start_rng`, the data streams' state
+    to start from (the same for the twin and PRISM, so both train and evaluate on the same batches)."""
     rank, world = dist_info["rank"], dist_info["world"]
     if cfg.batch_size % world:
         raise RunError(f"--batch-size {cfg.batch_size} must be divisible by the {world} ranks")
     micro = cfg.batch_size // world
     path = ckpt_path(cfg)
+    if start_rng is not None and not cfg.resume:  # the twin and PRISM see the same batches
+        data.set_rng_state(start_rng)
     model = build_model(cfg, data.vocab_size, device)
     optimizer = make_optimizer(model, cfg, device.type)
     step, best, history = 0, float("inf"), {"step": [], "train": [], "val": [], "evals": []}
@@ -1042,6 +1055,8 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         data.set_rng_state(ck["rng"]["data"])
         if ck["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(ck["rng"]["cuda"])
+        if rank:  # the checkpoint holds rank 0's generator: the other ranks keep dropout masks of their own
+            torch.manual_seed(cfg.seed + rank + step)
         log(f"resumed from {path} at step {step}")
     raw = model
     if cfg.compile:
@@ -1093,7 +1108,8 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
             break
         if prism and not raw.ready and step >= cfg.init_steps:
             seed_from_batch(raw, x, cfg, dist_info)
-            log(f"step {step}: prototypes seeded by k-means++ from {x.numel():,} hidden states after the dense warm-up")
+            optimizer.state.pop(raw.P, None)  # Adam's moments of the warm-up's zero gradients would damp P's start
+            log(f"step {step}: prototypes seeded by k-means++ from {cfg.batch_size * cfg.ctx:,} hidden states after the dense warm-up")
         lr = get_lr(cfg, step)
         for g in optimizer.param_groups:
             g["lr"] = lr
@@ -1134,11 +1150,14 @@ def token_pieces(tok, ids) -> list[str]:
 
 
 def train_windows(data, n: int, width: int) -> torch.Tensor:
-    """The first n windows of `width + 1` training tokens (inputs and next-token targets), [n, width + 1]."""
+    """n windows of `width + 1` training tokens (inputs and next-token targets), [n, width + 1], spread evenly
+    over the whole split (deterministic), so cards, attribution and the SAE see every part of the corpus."""
     tokens = data.tokens("train")
-    n = min(n, (len(tokens) - 1) // width)
-    idx = torch.arange(n)[:, None] * width + torch.arange(width + 1)[None, :]
-    return torch.from_numpy(tokens[: n * width + 1].astype("int64"))[idx]
+    slots = (len(tokens) - 1) // width
+    n = min(n, slots)
+    starts = torch.div(torch.arange(n) * slots, n, rounding_mode="floor") * width
+    idx = starts[:, None] + torch.arange(width + 1)[None, :]
+    return torch.from_numpy(tokens[: slots * width + 1].astype("int64"))[idx]
 
 
 @torch.no_grad()
@@ -1541,9 +1560,9 @@ class ExactAttr:
     size, where the dense [M, K·d] matrix would be 103 GB at M = 4096, K = 8192, d = 768), and the Cholesky
     factor of M λ' I + G Gᵀ (M×M) for Woodbury: with H = GᵀG/M + λ'I,
         G H⁻¹ g_q = (1/λ') [I − G Gᵀ (M λ' I + G Gᵀ)⁻¹] G g_q = M (M λ' I + G Gᵀ)⁻¹ G g_q.
-    λ' = attr_damping × the mean eigenvalue of GᵀG/M (= |G|²_F / (M K d)): the same relative damping as the
-    cached curvature's λ (each method's λ is relative to the mean eigenvalue of its own curvature, so a
-    rescaled curvature gives the same ranking)."""
+    λ' = attr_damping × |G|²_F / M², the mean *non-zero* eigenvalue of GᵀG/M (its rank is at most M, so the
+    mean over all K·d eigenvalues would be ~M/(Kd) smaller and leave the inverse effectively undamped). Each
+    method's λ is relative to the mean eigenvalue of its own curvature, so a rescaled curvature ranks alike."""
     index: ProtoIndex
     L: torch.Tensor  # [M, M] float64, Cholesky factor of M λ' I + G Gᵀ
     lam: float
@@ -1594,7 +1613,8 @@ def build_exact(model: PRISM, windows, damping: float = 1e-3) -> ExactAttr:
             keys.append((s + b) * K + rows)
             vecs.append(g[rows])
     index = ProtoIndex.from_keys(torch.cat(keys), torch.cat(vecs), K)
-    lam = damping * index.G.pow(2).sum().item() / (M * K * d)
+    # GᵀG/M has rank <= M: its mean *non-zero* eigenvalue is ~|G|²/M², the scale λ' is relative to
+    lam = damping * index.G.pow(2).sum().item() / (M * M)
     if not lam > 0:
         raise RunError("every training sequence has a zero prototype-space gradient: nothing to attribute")
     GGt = gram(index, M).double()
@@ -1627,7 +1647,8 @@ def dense_scores(model: PRISM, windows, xq, yq) -> tuple:
     """Step 4, dense gradient similarity over every parameter (TracIn at the final checkpoint): score(m, q) =
     ∇_θ L_m · ∇_θ L_q, L_m the summed CE of training window m, L_q the query's CE. Nothing is stored: the Q
     query gradients are computed once, then each training gradient is recomputed and dotted with all of them,
-    which is what a post-hoc method pays per query batch. -> (scores [Q, M], seconds, bytes held, peak note)."""
+    which is what a post-hoc method pays per query batch. -> (scores [Q, M], {"single": s for one query alone,
+    "batch": s per query in a batch of Q}, bytes held, peak note)."""
     model.eval()
     device = model.P.device
     params = [p for p in model.parameters() if p.requires_grad]
@@ -1642,12 +1663,15 @@ def dense_scores(model: PRISM, windows, xq, yq) -> tuple:
     with torch.enable_grad():
         gq = torch.stack([flat_grad(F.cross_entropy(model(xq[j:j + 1])[0, -1].float(), yq[j]))
                           for j in range(len(xq))])
+        t1 = attr_clock(device)
         scores = torch.empty(len(xq), windows.shape[0], device=device)
         for m in range(windows.shape[0]):
             w = windows[m].to(device)
             g = flat_grad(F.cross_entropy(model(w[None, :-1])[0].float(), w[1:], reduction="sum"))
             scores[:, m] = gq @ g
-    seconds = attr_clock(device) - t0
+    t2 = attr_clock(device)
+    # one query alone pays its own gradient and all M training gradients; a batch of Q shares the M
+    seconds = {"single": (t1 - t0) / len(xq) + (t2 - t1), "batch": (t2 - t0) / len(xq)}
     held = tensor_bytes(gq) + gq.shape[1] * 4  # the Q query gradients and one training gradient
     if device.type == "cuda":
         return scores, seconds, torch.cuda.max_memory_allocated(device) - base, "peak extra CUDA memory"
@@ -1803,7 +1827,8 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     add_row("prototype-space exact", torch.stack(scores), 1e3 * sum(times) / Q, ex.nbytes(), M, setup)
     # 4. dense gradient similarity (nothing precomputed: its whole cost is per query batch)
     s, seconds, mem, dense_mem_note = dense_scores(model, windows, xq, yq)
-    add_row("dense TracIn (all parameters)", s, 1e3 * seconds / Q, mem, M, 0.0)
+    add_row("dense TracIn (all parameters)", s, 1e3 * seconds["single"], mem, M, 0.0)
+    add_row(f"dense TracIn, batch of {Q} queries", s, 1e3 * seconds["batch"], mem, M, 0.0)
     # 5. EK-FAC
     if cfg.ekfac:
         ek = ekfac_scores(model, windows, xq, yq, log)
@@ -2292,7 +2317,7 @@ def table_html(rows: list[dict], cols: list[str]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict) -> Path:
+def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, name: str = "report") -> Path:
     parts = [f"<h1>PRISM report</h1><p>{html.escape(time.strftime('%Y-%m-%d %H:%M'))}, preset "
              f"{html.escape(results.get('preset', ''))}, device {html.escape(results.get('device', ''))}</p>",
              "<h2>Configuration</h2>" + table_html([asdict(cfg)], list(asdict(cfg)))]
@@ -2336,7 +2361,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict) -> 
                      + table_html(c["table"], list(c["table"][0])))
     for h, samples in results.get("samples", {}).items():
         parts.append(f"<h2>Samples ({h})</h2>" + "".join(f"<pre>{html.escape(s)}</pre>" for s in samples))
-    path = out_dir / "report.html"
+    path = out_dir / f"{name}.html"
     path.write_text("<!doctype html><meta charset=utf-8><title>PRISM report</title><style>body{font-family:"
                     "sans-serif;max-width:1100px}table{border-collapse:collapse;font-size:12px}td,th{border:1px "
                     "solid #ccc;padding:2px 6px}pre{background:#f6f6f6;padding:6px;white-space:pre-wrap}</style>"
@@ -2398,14 +2423,17 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise RunError(msg)
     if cfg.head == "prism" and cfg.init == "kmeans++" and cfg.train and not cfg.resume:
-        tokens = max(1, cfg.batch_size // int(os.environ.get("WORLD_SIZE", 1))) * cfg.ctx  # one rank's batch
+        tokens = cfg.batch_size * cfg.ctx  # the global batch: the ranks' states are gathered for the seeding
         if cfg.init_steps >= cfg.max_iters:
             raise RunError(f"--init-steps {cfg.init_steps} leaves no step for the prototypes (--max-iters {cfg.max_iters})")
         if tokens < cfg.n_protos:
             raise RunError(f"k-means++ seeding draws K={cfg.n_protos} prototypes from one batch of {tokens} tokens; "
                            "raise --batch-size/--ctx or use --init random")
-    if cfg.suppress:
+    if cfg.suppress and cfg.train:  # without training, K comes from the checkpoint (checked in run)
         parse_ids(cfg.suppress, cfg.n_protos)
+    bad = [f.name for f in fields(cfg) if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
+    if bad:
+        raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number")
     if cfg.suppress and cfg.head != "prism":
         raise RunError("--suppress needs --head prism")
 
@@ -2431,6 +2459,17 @@ def load_model(ck: dict, c: Config, data, device, path: Path) -> PRISM:
     return model
 
 
+def twin_history(cfg: Config, histories: dict) -> Optional[dict]:
+    """The dense twin's history for the CE gap: from this run, else from its checkpoint in out_dir if any."""
+    if "dense" in histories:
+        return histories["dense"]
+    path = ckpt_path(replace(cfg, head="dense"))
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)["history"] if path.exists() else None
+    except Exception:  # an unreadable twin only costs the gap column
+        return None
+
+
 def run(cfg: Config, explicit) -> int:
     from common import DataError, load_data
 
@@ -2447,13 +2486,16 @@ def run(cfg: Config, explicit) -> int:
     heads = ("dense", "prism") if cfg.head == "prism" and cfg.twin else (cfg.head,)
     loaded = {}  # --no-train / --resume: the architecture and the data come from the checkpoints
     if not cfg.train or cfg.resume:
+        present = {h: ckpt_path(replace(cfg, head=h)).exists() for h in heads}
         for h in heads:
+            # a missing twin: --resume trains it from scratch, --no-train goes without it; a missing PRISM beside
+            # its twin (a run stopped while the twin trained): --resume resumes the twin, then trains PRISM
+            if not present[h] and (h != cfg.head or (cfg.resume and any(present.values()))):
+                continue
             path = ckpt_path(replace(cfg, head=h))
-            if h != cfg.head and not cfg.resume and not path.exists():
-                continue  # --no-train without a twin: the analyses that need it say so
             loaded[h] = (path, *load_checkpoint(path, replace(cfg, head=h), explicit))
-        saved = loaded[cfg.head][2]
-        cfg = replace(cfg, **{k: getattr(saved, k) for k in MERGED_KEYS if k != "head"})
+        saved = loaded.get(cfg.head, next(iter(loaded.values())))[2]
+        cfg = replace(cfg, **{k: getattr(saved, k) for k in ARCH_KEYS + MERGED_KEYS if k != "head"})
         heads = tuple(h for h in heads if h in loaded) if not cfg.train else heads
     if cfg.suppress:
         parse_ids(cfg.suppress, cfg.n_protos)
@@ -2490,8 +2532,9 @@ def run(cfg: Config, explicit) -> int:
         data = get_data()
     results = {"preset": preset, "device": str(device)}
     histories, models = {}, {}
+    start_rng = data.rng_state()
     for h in heads:  # the dense twin first, so PRISM's evaluations can print the gap to it
-        c = replace(cfg, head=h)
+        c = replace(cfg, head=h, resume=cfg.resume and h in loaded)
         if cfg.train:
             ck = None
             if h in loaded:  # --resume
@@ -2499,7 +2542,8 @@ def run(cfg: Config, explicit) -> int:
                 check_tokenizer(ck, data, path)
             t0 = time.time()
             models[h], histories[h] = train(c, data, device, autocast, dist_info, explicit, log, ck,
-                                            twin=histories.get("dense") if h == "prism" else None)
+                                            twin=twin_history(c, histories) if h == "prism" else None,
+                                            start_rng=start_rng)
             log(f"{h}: trained in {time.time() - t0:.0f}s; checkpoint {ckpt_path(c)}")
         else:
             path, ck, c = loaded[h]
@@ -2558,6 +2602,9 @@ def run(cfg: Config, explicit) -> int:
                 sig = signatures(model, top=3)
                 kws = sorted({p.strip().lower() for i in ids for p in token_pieces(data.tokenizer, sig[i].tolist())
                               if p.strip()})
+            if len(ids) > 0.1 * cfg.n_protos:
+                log(f"suppression: warning, {len(ids)} of {cfg.n_protos} prototypes match ({len(ids) / cfg.n_protos:.0%} of "
+                    "the bank); the keywords are too common for a targeted edit")
             r = suppression(model, data, cfg, ids, kws, autocast)
             results.setdefault("suppression", []).append(r)
             log(f"suppression of {len(ids)} prototypes ({r['fraction']:.2%} of the bank) for {', '.join(kws)}: "
@@ -2574,9 +2621,10 @@ def run(cfg: Config, explicit) -> int:
                                      for p in prompts]
             for s in results["samples"][h]:
                 log(f"sample ({h}): " + s.replace("\n", "\n        "))
-    (out_dir / "results.json").write_text(json.dumps(results, default=str))
+    tag = "results" if cfg.train else "analysis"  # an analysis-only run never overwrites the training run's report
+    (out_dir / f"{tag}.json").write_text(json.dumps(results, default=str))
     if cfg.report:
-        log(f"report: {write_report(out_dir, cfg, results, histories)}")
+        log(f"report: {write_report(out_dir, cfg, results, histories, 'report' if cfg.train else 'analysis')}")
     return 0
 
 

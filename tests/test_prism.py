@@ -68,14 +68,15 @@ def ce_grads(m, x, y, ce_of_z):
     return gz, (torch.zeros_like(m.P) if gp is None else gp)
 
 
+@pytest.mark.parametrize("act", ["relu_cos", "relu_cos_znorm", "relu_cos_sum1"])
 @pytest.mark.parametrize("mode", ["full", "detach-zhat", "detach-r"])
-def test_gradient_routing(mode):
+def test_gradient_routing(mode, act):
     """--resid-grad (§2.3), against an independent recomputation of ẑ = Σ ReLU(cos(z, p_i)) p_i on the active set:
     full         z gets the dense gradient, P none (the prototype terms cancel);
     detach-zhat  P gets the gradient of W ẑ's share, W(c + ẑ(z, P)) with c = z - ẑ fixed, and z the dense
                  gradient plus that share's (ẑ depends on z through the cosines in a);
     detach-r     z and P both get only the share (CE reaches the backbone through the cosines alone)."""
-    m = tiny_model(resid_grad=mode)
+    m = tiny_model(resid_grad=mode, act=act)
     x, y = batch()
     idx = m.head(m.hidden(x))["idx"].detach()
 
@@ -85,6 +86,10 @@ def test_gradient_routing(mode):
     def share(z):
         Pi = m.P[idx]                                                          # [B, T, k, d]
         a = F.cosine_similarity(z.unsqueeze(-2), Pi, dim=-1).relu()
+        if act == "relu_cos_znorm":
+            a = a * z.norm(dim=-1, keepdim=True)
+        elif act == "relu_cos_sum1":
+            a = a / a.sum(-1, keepdim=True).clamp_min(1e-6)
         zhat = (a.unsqueeze(-1) * Pi).sum(-2)
         return ce(F.linear((z - zhat).detach() + zhat, m.wte.weight))
     gz, gp = ce_grads(m, x, y, lambda z: ce(m.head(z)["logits"]))
@@ -167,6 +172,15 @@ def test_nearest_pairs_chunked_equals_brute_force():
     assert torch.equal(pt, cos.argmax(1)) and torch.equal(tp, cos.argmax(0))
 
 
+def test_nearest_pairs_ignore_autocast():
+    """Under bf16 autocast (CUDA training) the neighbour search still runs in fp32."""
+    z, P = torch.randn(300, 64), torch.randn(40, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = prism.nearest_pairs(z, P, "l2")
+    want = prism.nearest_pairs(z, P, "l2")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_seeding_draws_hidden_states_and_is_remembered():
     m = tiny_model(init="kmeans++")
     assert not m.ready and not bool(m.proto_ready)
@@ -190,7 +204,6 @@ def test_seeding_draws_hidden_states_and_is_remembered():
 
 
 def test_dense_twin_shares_the_backbone_init():
-    a, b = PRISM(Config(layers=2, d_model=32, heads=2, n_protos=8, ctx=16), V), None
     torch.manual_seed(0)
     a = PRISM(Config(layers=2, d_model=32, heads=2, n_protos=8, ctx=16), V)
     torch.manual_seed(0)
@@ -200,7 +213,7 @@ def test_dense_twin_shares_the_backbone_init():
         if k not in ("P", "proto_ready"):
             assert torch.equal(v, sb[k]), k
     assert set(a.state_dict()) - set(sb) == {"P", "proto_ready"}
-    assert a.wte.weight is a.wte.weight and not hasattr(b, "P")
+    assert not hasattr(b, "P")
     opt = prism.make_optimizer(a, a.cfg, "cpu")
     no_decay = {id(p) for p in opt.param_groups[1]["params"]}
     assert id(a.P) in no_decay and id(a.wte.weight) not in no_decay
@@ -254,6 +267,20 @@ def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch):
     assert hist["evals"][-1]["used"] is not None and "cover_r1" in hist["evals"][-1]
 
 
+def test_twin_and_prism_train_on_the_same_batches(tmp_path, cache_dir):
+    """Before the seeding PRISM trains exactly like its twin (same init, same batches, P at zero weight), so
+    the two histories agree until then: the per-evaluation gap compares like with like."""
+    dev, auto = torch.device("cpu"), torch.autocast("cpu", enabled=False)
+    data = common.load_data(cache_dir=cache_dir, seed=3)
+    start = data.rng_state()
+    kw = dict(max_iters=12, init_steps=11, eval_interval=10, log_interval=2, dropout=0.1)
+    _, twin = prism.train(tiny_cfg(tmp_path, cache_dir, head="dense", **kw), data, dev, auto, DIST,
+                          log=lambda m: None, start_rng=start)
+    _, proto = prism.train(tiny_cfg(tmp_path, cache_dir, **kw), data, dev, auto, DIST, log=lambda m: None,
+                           twin=twin, start_rng=start)
+    assert proto["train"][:5] == twin["train"][:5] and proto["val"][0] == twin["val"][0]
+
+
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache_dir, monkeypatch):
     real_forward, calls = PRISM.forward, []
 
@@ -292,6 +319,8 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
     res = json.loads((tmp_path / "results.json").read_text())
     assert set(res["ppl"]) == {"dense", "prism"} and "gap" in res
     assert res["decomposition"]["max_abs_error"] < 1e-3
+    assert [r["method"] for r in res["attribution"]["table"]][:2] == ["PRISM cached (block)", "prototype-space exact"]
+    assert len(res["controller"]["table"]) == 2
     sup = res["suppression"][0]
     assert sup["keywords"] == ["the", "and"] and sup["prototypes"] and "rate_after" in sup
     report = (tmp_path / "report.html").read_text()
@@ -305,6 +334,29 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
     r = run_script("prism.py", "--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
     assert r.returncode == 1 and r.stderr.count("\n") == 1
     assert "was trained with layers=1 (asked 3); drop those flags or use another --out-dir" in r.stderr
+
+
+def test_resume_from_the_command_line(tmp_path, cache_dir):
+    """--resume takes the run's own settings from the checkpoint (not the preset's), continues a run stopped
+    while the twin was training, and extends a finished one when --max-iters is raised."""
+    args = ["--layers", "1", "--d-model", "32", "--heads", "2", "--n-protos", "16", "--topk", "4", "--ctx", "32",
+            "--batch-size", "4", "--eval-interval", "5", "--eval-iters", "1", "--log-interval", "5", "--init-steps", "3",
+            "--no-cards", "--no-attribution", "--no-controller", "--suppress-keywords", "", "--no-report",
+            "--sample-tokens", "4", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)]
+    r = run_script("prism.py", *args, "--head", "dense", "--max-iters", "10")  # as if stopped after the twin
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_script("prism.py", "--resume", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir), "--no-cards",
+                   "--no-attribution", "--no-controller", "--suppress-keywords", "", "--no-report")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed from" in r.stdout and "ckpt-dense.pt at step 10" in r.stdout
+    ck = torch.load(tmp_path / "ckpt-prism.pt", weights_only=True)
+    assert ck["step"] == 10 and ck["config"]["batch_size"] == 4 and ck["config"]["max_iters"] == 10
+    r = run_script("prism.py", "--resume", "--max-iters", "15", "--out-dir", str(tmp_path), "--cache-dir",
+                   str(cache_dir), "--no-cards", "--no-attribution", "--no-controller", "--suppress-keywords", "",
+                   "--no-report")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert torch.load(tmp_path / "ckpt-prism.pt", weights_only=True)["step"] == 15
+    assert "ckpt-prism.pt at step 10" in r.stdout
 
 
 @pytest.mark.parametrize("args,code,needle", [
@@ -323,6 +375,8 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
     (["--dataset", "tinystories"], 1, "needs the Hugging Face hub, which is unreachable"),
     (["--kernels", "triton"], 1, "--kernels triton needs a CUDA device"),
     (["--attr-damping", "0"], 1, "--attr-damping must be > 0"),
+    (["--suppress-factor", "nan"], 1, "--suppress-factor must be a finite number"),
+    (["--resid-grad", "full", "--attribution"], 1, "attribution needs --resid-grad detach-zhat or detach-r"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tmp_path, cache_dir, args, code, needle):
     r = run_script("prism.py", *args, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))

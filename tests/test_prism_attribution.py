@@ -163,7 +163,7 @@ def test_exact_baseline_gradients_and_woodbury(assert_close):
     # they differ from the linear-layer view (the activations' dependence on P is part of the exact gradient)
     assert (linear_view_grad(model, w[0, :-1], w[0, 1:]) - G[0].float()).abs().max() > 1e-4
     G = G.reshape(M, -1)
-    lam = 1e-2 * G.pow(2).sum() / (M * K * d)
+    lam = 1e-2 * G.pow(2).sum() / (M * M)  # relative to the mean non-zero eigenvalue of GᵀG/M
     assert ex.lam == pytest.approx(lam.item(), rel=1e-5)
     H = G.T @ G / M + lam * torch.eye(K * d, dtype=torch.float64)
     xq = windows_of(2, 8, seed=8)
@@ -191,7 +191,7 @@ def test_dense_baseline_is_the_dot_product_of_flattened_gradients(assert_close):
     ref = torch.stack([torch.stack([q @ m for m in gm]) for q in gq])
     model.zero_grad(set_to_none=True)
     assert_close("TracIn", ref, scores, ratio=1e-4)
-    assert seconds > 0 and held == (3 + 1) * sum(p.numel() for p in params) * 4
+    assert seconds["single"] > seconds["batch"] > 0 and held == (3 + 1) * sum(p.numel() for p in params) * 4
 
 
 def test_full_routing_is_refused():
@@ -233,14 +233,17 @@ def test_experiment_table(curvature):
     res = prism.attribution_experiment(model, None, StandIn(), cfg, lines.append)
     assert res["queries"] == 4 and res["seqs"] == 30
     names = [r["method"] for r in res["table"]]
-    assert names == [f"PRISM cached ({curvature})", "prototype-space exact", "dense TracIn (all parameters)"]
+    assert names == [f"PRISM cached ({curvature})", "prototype-space exact", "dense TracIn (all parameters)",
+                     "dense TracIn, batch of 4 queries"]
+    one, batch = res["table"][2], res["table"][3]
+    assert one["ms/query"] > batch["ms/query"]  # one query alone pays all M training gradients
     for r in res["table"]:
         assert set(r) >= {"method", "ms/query", "memory MB", "top-10 overlap", "top-100 overlap", "sequences scored"}
         assert 0 <= r["top-10 overlap"] <= 1 and 0 <= r["top-100 overlap"] <= 1
         assert r["ms/query"] > 0 and r["memory MB"] > 0 and 0 < r["sequences scored"] <= 30
     exact = res["table"][1]
     assert exact["top-10 overlap"] == 1 and exact["top-100 overlap"] == 1  # n capped at M = 30: all of them
-    assert len(lines) == 4 and lines[-1] == res["summary"] and "faster than dense TracIn" in res["summary"]
+    assert len(lines) == 5 and lines[-1] == res["summary"] and "faster than dense TracIn" in res["summary"]
     ex = res["examples"]
     assert len(ex["top"]) == 3 and all(e["text"].startswith("w") and len(e["text"].split()) == 9 for e in ex["top"])
     assert [e["score"] for e in ex["top"]] == sorted((e["score"] for e in ex["top"]), reverse=True)
