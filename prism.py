@@ -149,6 +149,8 @@ class Config:
     r1_detach_z: bool = field(default=False, metadata={"help": "R1 moves only the prototypes (stop-grad on z)"})
     init: Literal["kmeans++", "random"] = field(default="kmeans++", metadata={"help": "prototype initialisation"})
     init_steps: int = field(default=200, metadata={"help": "dense warm-up steps before k-means++ seeding of P"})
+    revive_dead: bool = field(default=False, metadata={"help": "at each evaluation, re-seed prototypes unused since the last "
+                                                      "one from badly reconstructed tokens (not in the paper)"})
     # data (common.py)
     dataset: str = field(default="shakespeare", metadata={"help": "shakespeare | tinystories | fineweb-edu | PATH"})
     tokenizer: Literal["cl100k", "gpt2", "bytes"] = field(default="cl100k", metadata={"help": "tokenizer"})
@@ -1012,6 +1014,42 @@ def seed_from_batch(raw: PRISM, x, cfg: Config, dist_info) -> None:
         raw.sync_ready()
 
 
+@torch.no_grad()
+def revive_dead(raw: PRISM, optimizer, usage, x, cfg: Config, step: int, dist_info) -> int:
+    """Dead-prototype replacement (STYLE §18, the codebook remedy; the paper does not describe one): prototypes
+    that no token activated since the last evaluation are re-seeded from this batch's hidden states, drawn with
+    probability ∝ |r|²/|z|² (tokens the bank explains worst), scaled like the live prototypes; their Adam moments
+    restart at 0. Drawn on rank 0 from all ranks' states and broadcast; seeded by (seed, step), so resume is exact.
+    -> the number of prototypes re-seeded."""
+    dead = (usage == 0).nonzero().squeeze(1)
+    if len(dead) == 0 or len(dead) == len(usage):
+        return 0
+    was = raw.training
+    raw.eval()
+    z = raw.hidden(x).float().reshape(-1, cfg.d_model)
+    raw.train(was)
+    if dist_info["ddp"]:
+        parts = [torch.empty_like(z) for _ in range(dist_info["world"])]
+        torch.distributed.all_gather(parts, z)
+        z = torch.cat(parts)
+    dead = dead[:len(z)]  # at most one new prototype per token
+    if dist_info["rank"] == 0:
+        r = raw.head(z)["r"]
+        weight = r.pow(2).sum(-1) / z.pow(2).sum(-1).clamp_min(1e-6)
+        g = torch.Generator(device=z.device).manual_seed(cfg.seed * 1000003 + step)
+        pick = torch.multinomial(weight + 1e-12, len(dead), replacement=False, generator=g)
+        live = usage > 0
+        scale = raw.P[live].norm(dim=-1).mean() / z.norm(dim=-1).mean().clamp_min(1e-6)
+        raw.P[dead] = (z[pick] * scale).to(raw.P.dtype)
+    if dist_info["ddp"]:
+        torch.distributed.broadcast(raw.P.data, 0)
+    state = optimizer.state.get(raw.P, {})
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in state:
+            state[key][dead] = 0
+    return len(dead)
+
+
 def eval_line(step: int, ev: dict, twin_val: Optional[float], used: Optional[int], K: int) -> str:
     s = f"step {step}: val loss {ev['ce']:.4f} (ppl {math.exp(ev['ce']):.1f})"
     if twin_val is not None:
@@ -1021,6 +1059,8 @@ def eval_line(step: int, ev: dict, twin_val: Optional[float], used: Optional[int
               + " ".join(f"τ{t}: {ev['cover_r1'][t]:.2f}/{ev['cover_r2'][t]:.2f}" for t in TAUS))
     if used is not None:
         s += f" | prototypes used {used}/{K}, dead {K - used}"
+    if ev.get("revived"):
+        s += f" (re-seeded {ev['revived']})"
     return s
 
 
@@ -1095,6 +1135,8 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
                 raise RunError(nan_message(step, path))  # never save non-finite weights
             used = int((usage > 0).sum()) if prism and raw.ready else None
             ev.update(step=step, used=used)
+            if cfg.revive_dead and used is not None and step < cfg.max_iters:
+                ev["revived"] = revive_dead(raw, optimizer, usage, x, cfg, step, dist_info)
             history["step"].append(step)
             history["val"].append(val)
             history["evals"].append(ev)
@@ -1255,16 +1297,16 @@ def keywords_of(spec: str) -> list[str]:
     return [w.strip().lower() for w in spec.split(",") if w.strip()]
 
 
-def match_keywords(cards: list[dict], keywords: list[str]) -> list[int]:
-    """Prototypes whose card matches: a keyword is the activating token, the token it precedes, or one of the
-    signature's top tokens (whole words, case-insensitive)."""
+def match_keywords(cards: list[dict], keywords: list[str], sig_top: int = 3) -> list[int]:
+    """Prototypes whose card is *about* a keyword (whole words, case-insensitive): the keyword is one of the
+    signature's top `sig_top` tokens, or the activating token or the token it precedes in at least half of the
+    card's top contexts. (Any mention among ten signature tokens would select a large part of a small bank.)"""
     kw = set(keywords)
     hits = []
     for c in cards:
-        words = {s.strip().lower() for s in c["signature"]}
-        for x in c["contexts"]:
-            words |= {x["token"].strip().lower(), x["next"].strip().lower()}
-        if words & kw:
+        in_signature = {s.strip().lower() for s in c["signature"][:sig_top]} & kw
+        in_contexts = sum(bool({x["token"].strip().lower(), x["next"].strip().lower()} & kw) for x in c["contexts"])
+        if in_signature or (c["contexts"] and 2 * in_contexts >= len(c["contexts"])):
             hits.append(c["proto"])
     return hits
 

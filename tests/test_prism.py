@@ -241,14 +241,15 @@ def tiny_cfg(tmp_path, cache_dir, **kw):
 DIST = dict(ddp=False, rank=0, local_rank=0, world=1)
 
 
-def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch):
-    """Across the k-means++ seeding (step 5) and a checkpoint at step 10."""
+@pytest.mark.parametrize("revive", [False, True])
+def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch, revive):
+    """Across the k-means++ seeding (step 5) and a checkpoint at step 10 (with --revive-dead, after a revival)."""
     dev, auto = torch.device("cpu"), torch.autocast("cpu", enabled=False)
 
     def fresh_data():
         return common.load_data(cache_dir=cache_dir, seed=3)
-    straight, hist_a = prism.train(tiny_cfg(tmp_path / "a", cache_dir), fresh_data(), dev, auto, DIST,
-                                   log=lambda m: None)
+    straight, hist_a = prism.train(tiny_cfg(tmp_path / "a", cache_dir, revive_dead=revive), fresh_data(), dev, auto,
+                                   DIST, log=lambda m: None)
     real_save = prism.save_checkpoint
 
     def save_and_keep(path, *a, **k):  # keep a copy of the step-10 checkpoint
@@ -257,14 +258,47 @@ def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch):
             (tmp_path / "b10").mkdir()
             shutil.copy(path, tmp_path / "b10" / path.name)
     monkeypatch.setattr(prism, "save_checkpoint", save_and_keep)
-    prism.train(tiny_cfg(tmp_path / "b", cache_dir), fresh_data(), dev, auto, DIST, log=lambda m: None)
+    prism.train(tiny_cfg(tmp_path / "b", cache_dir, revive_dead=revive), fresh_data(), dev, auto, DIST,
+                log=lambda m: None)
     monkeypatch.setattr(prism, "save_checkpoint", real_save)
-    resumed, hist = prism.train(tiny_cfg(tmp_path / "b10", cache_dir, resume=True), fresh_data(), dev, auto, DIST,
-                                log=lambda m: None)
+    resumed, hist = prism.train(tiny_cfg(tmp_path / "b10", cache_dir, resume=True, revive_dead=revive), fresh_data(),
+                                dev, auto, DIST, log=lambda m: None)
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert hist["step"] == [10, 20] and hist["val"] == hist_a["val"]
     assert hist["evals"][-1]["used"] is not None and "cover_r1" in hist["evals"][-1]
+    assert ("revived" in hist["evals"][0]) == revive
+
+
+def test_revive_dead_reseeds_only_the_dead_and_resets_their_moments():
+    m = tiny_model().float()
+    opt = prism.make_optimizer(m, m.cfg, "cpu")
+    x, y = batch(4, 8)
+    loss, _ = m(x, y)
+    loss.backward()
+    opt.step()
+    usage = torch.ones(12, dtype=torch.int32)
+    usage[[2, 7]] = 0
+    before = m.P.detach().clone()
+    n = prism.revive_dead(m, opt, usage, x, m.cfg, 5, DIST)
+    assert n == 2
+    assert torch.equal(m.P[usage > 0], before[usage > 0]) and not torch.equal(m.P[[2, 7]], before[[2, 7]])
+    z = m.hidden(x).detach().reshape(-1, 16)
+    cos = F.normalize(m.P[[2, 7]], dim=-1) @ F.normalize(z, dim=-1).T
+    assert (cos.max(1).values > 1 - 1e-5).all()  # each revived prototype is a (scaled) hidden state
+    st = opt.state[m.P]
+    assert st["exp_avg"][[2, 7]].abs().sum() == 0 and st["exp_avg"][usage > 0].abs().sum() > 0
+    assert prism.revive_dead(m, opt, torch.ones(12, dtype=torch.int32), x, m.cfg, 5, DIST) == 0
+
+
+def test_match_keywords_needs_the_card_to_be_about_the_word():
+    def ctx(tok, nxt):
+        return {"token": tok, "next": nxt, "a": 1.0, "before": ""}
+    cards = [{"proto": 0, "signature": [" lord", "a", "b"], "contexts": []},
+             {"proto": 1, "signature": ["a", "b", "c", " lord"], "contexts": [ctx(" my", " Lord"), ctx(" x", " y")]},
+             {"proto": 2, "signature": ["a", "b", "c", " lord"], "contexts": [ctx(" x", " y"), ctx(" x", " y"), ctx(" lord", ",")]}]
+    assert prism.match_keywords(cards, ["lord"]) == [0, 1]
+    assert prism.match_keywords(cards, ["lord"], sig_top=4) == [0, 1, 2]
 
 
 def test_twin_and_prism_train_on_the_same_batches(tmp_path, cache_dir):
