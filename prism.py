@@ -41,6 +41,7 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     minima), gradient into both sides unless --r1-detach-z; λ_rec = 1, λ_1 = λ_2 = 0.1.
   * Initialisation: --init-steps of dense warm-up, then k-means++ (D² sampling) over one batch of hidden states,
     rows scaled by one least-squares factor so ẑ starts at z's scale; --init random starts from N(0, 1) rows.
+    --revive-dead (off: not in the paper) re-seeds prototypes unused since the last evaluation.
   * z after ln_f, W tied in both PRISM and the twin, no LM-head bias; nanoGPT's GPT-2 recipe (AdamW 0.9/0.95,
     weight decay 0.1 except on P and norms, grad clip 1.0); P made last so the twin's backbone init is identical.
   * Coverage: R̄1(τ) = fraction of prototypes whose nearest val token (eval batches) has cos ≥ τ; R2(τ) =
@@ -65,10 +66,10 @@ Commands
     python prism.py --dataset fineweb-edu --max-tokens 2000000000  # the paper's data (online)
     torchrun --standalone --nproc_per_node=8 prism.py              # DDP
 
-Expected (CPU preset, 2 cores, 2026-11-30): `python prism.py` takes about 6 minutes (5 min 44 s) for the twin,
-PRISM and every analysis; PRISM's val loss ends 1.3% above the twin's (6.81 vs 6.72 nats, cl100k compacted to
-19,447 ids, 410k training tokens each), and a cached attribution query is ~1,400x faster than dense TracIn for
-one query alone (93x per query in a batch of 16).
+Expected (CPU preset, 2 cores, 2026-11-30): `python prism.py` takes 5-6 minutes (5 min 24 s) for the twin,
+PRISM and every analysis; PRISM's val loss ends 1.4% above the twin's (6.81 vs 6.72 nats, cl100k compacted to
+19,447 ids, 410k training tokens each; +0.5% with --revive-dead), and a cached attribution query is ~1,500x
+faster than dense TracIn for one query alone (~100x per query in a batch of 16).
 """
 from __future__ import annotations
 
