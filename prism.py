@@ -2160,9 +2160,12 @@ def controller_experiment(model, dense, data, cfg, log) -> dict:
     tok, dev = data.tokenizer, data.device
     sizes = CONTROLLER_SIZES["cuda" if dev.type == "cuda" else "cpu"]
     tokens = torch.from_numpy(data.tokens("val").astype("int64"))
-    sets = build_cloze(tokens, cloze_words(tok, tokens), cfg.ctx, sizes["examples"], cfg.seed)
+    words = cloze_words(tok, tokens)
+    sets = build_cloze(tokens, words, cfg.ctx, sizes["examples"], cfg.seed)
     if sets is None:
-        log(f"controller: the val split ({len(tokens):,} tokens) is too small for the 4-way cloze; skipped")
+        why = (f"only {len(words)} whole-word tokens (a byte or character tokenizer has almost none)" if len(words) < 4
+               else f"the val split ({len(tokens):,} tokens) is too small")
+        log(f"controller: {why} for the 4-way cloze; skipped")
         return {}
     cloze = dict(zip(("fit", "eval"), sets))
     # the frequency shortcut left: a context-free scorer, each option's count in the fit half of the stream
