@@ -337,7 +337,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache_dir, 
 def test_tiny_run_end_to_end(tmp_path, cache_dir):
     """The issue's tiny run: falling loss, checkpoints of PRISM and its twin, the report, the attribution and
     suppression tables."""
-    r = run_script("prism.py", *TINY, "--suppress-keywords", "the,and", "--out-dir", str(tmp_path),
+    r = run_script("prism.py", *TINY, "--suppress", "0,1", "--suppress-keywords", "the,and", "--out-dir", str(tmp_path),
                    "--cache-dir", str(cache_dir))
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
@@ -355,8 +355,9 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
     assert res["decomposition"]["max_abs_error"] < 1e-3
     assert [r["method"] for r in res["attribution"]["table"]][:2] == ["PRISM cached (block)", "prototype-space exact"]
     assert len(res["controller"]["table"]) == 2
-    sup = res["suppression"][0]
-    assert sup["keywords"] == ["the", "and"] and sup["prototypes"] and "rate_after" in sup
+    sup = res["suppression"][0]  # by id; then by keyword, if a card is about 'the' or 'and'
+    assert sup["prototypes"] == [0, 1] and sup["keywords"] and "rate_after" in sup and "ppl_change" in sup
+    assert len(res["suppression"]) == 2 or "no prototype card matches the, and" in out
     report = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64" in report and "Suppression" in report
 
