@@ -227,10 +227,18 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
     (["--kernels", "triton"], 1, "--kernels triton needs a CUDA device"),
     (["--mixer", "attention", "--find-prototype", "queen"], 1, "need --mixer proto"),
 ])
-def test_bad_input_is_one_line_and_nonzero(tmp_path, cache_dir, args, code, needle):
-    r = run_script("protot.py", *args, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
-    assert r.returncode == code and needle in r.stderr, r.stderr
-    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+def test_bad_input_is_one_line_and_nonzero(tmp_path, cache_dir, args, code, needle, capsys, monkeypatch):
+    """In-process main() (what `python protot.py ...` runs), offline and without the tests' Triton interpreter;
+    the subprocess form of the same path is covered by test_corrupt_checkpoint_is_one_line."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    try:
+        rc = protot.main([*args, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)])
+    except SystemExit as e:  # argparse's own errors (unknown flag, bad choice)
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == code and needle in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_corrupt_checkpoint_is_one_line(tmp_path, cache_dir):
