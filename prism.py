@@ -2610,7 +2610,9 @@ def run(cfg: Config, explicit) -> int:
         results["gap"] = p / d - 1
         log(f"val loss PRISM {p:.4f} vs dense twin {d:.4f}: {results['gap']:+.2%} (paper: within 5%)")
     model = models.get("prism")
-    if model is not None and not model.ready:
+    if model is None:
+        log("--head dense: the prototype analyses (cards, attribution, suppression, controllers) need --head prism")
+    elif not model.ready:
         log("the prototypes were never seeded (training stopped inside the warm-up): no prototype analyses")
         model = None
     if model is not None:
