@@ -995,18 +995,26 @@ def build_model(cfg: Config, vocab_size: int, device) -> PRISM:
     return PRISM(cfg, vocab_size).to(device)
 
 
-def seed_from_batch(raw: PRISM, x, cfg: Config, dist_info) -> None:
-    """k-means++ seeding of P from this step's hidden states (spec §3.4): every rank's batch gathered, seeded on
-    rank 0 and broadcast (DDP keeps one set of weights). A generator of its own, so the data and dropout streams are the same with --init random."""
+@torch.no_grad()
+def global_states(raw: PRISM, x, dist_info) -> torch.Tensor:
+    """The hidden states z [N, d] (fp32, eval mode, no dropout) of every rank's batch, gathered: the seeding and
+    the revival draw from one global batch, so K may exceed one rank's tokens."""
     was = raw.training
     raw.eval()
-    with torch.no_grad():
-        z = raw.hidden(x).float()
+    z = raw.hidden(x).float().reshape(-1, raw.cfg.d_model)
     raw.train(was)
-    if dist_info["ddp"]:  # one global batch's states (K may exceed one rank's tokens)
+    if dist_info["ddp"]:
         parts = [torch.empty_like(z) for _ in range(dist_info["world"])]
         torch.distributed.all_gather(parts, z)
         z = torch.cat(parts)
+    return z
+
+
+def seed_from_batch(raw: PRISM, x, cfg: Config, dist_info) -> None:
+    """k-means++ seeding of P from this step's hidden states (spec §3.4): every rank's batch gathered, seeded on
+    rank 0 and broadcast (DDP keeps one set of weights). A generator of its own, so the data and dropout streams
+    are the same as with --init random."""
+    z = global_states(raw, x, dist_info)
     if dist_info["rank"] == 0:
         raw.seed_prototypes(z, torch.Generator(device=x.device).manual_seed(cfg.seed))
     if dist_info["ddp"]:
@@ -1025,14 +1033,7 @@ def revive_dead(raw: PRISM, optimizer, usage, x, cfg: Config, step: int, dist_in
     dead = (usage == 0).nonzero().squeeze(1)
     if len(dead) == 0 or len(dead) == len(usage):
         return 0
-    was = raw.training
-    raw.eval()
-    z = raw.hidden(x).float().reshape(-1, cfg.d_model)
-    raw.train(was)
-    if dist_info["ddp"]:
-        parts = [torch.empty_like(z) for _ in range(dist_info["world"])]
-        torch.distributed.all_gather(parts, z)
-        z = torch.cat(parts)
+    z = global_states(raw, x, dist_info)
     dead = dead[:len(z)]  # at most one new prototype per token
     if dist_info["rank"] == 0:
         r = raw.head(z)["r"]

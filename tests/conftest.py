@@ -62,6 +62,18 @@ def check_close(name, ref, out, ratio=None, atol=None):
     assert err < ratio, f"{name}: rel rms err {err:.3e} >= {ratio:.1e} (max abs err {abs_err:.3e})"
 
 
+def call_main(main, argv, capsys, monkeypatch):
+    """A script's main(argv) in-process, as `python script.py ...` would run it: offline, without the suite's
+    Triton interpreter. -> (exit status, stderr); argparse's own errors exit through SystemExit."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
 @pytest.fixture
 def assert_close():
     return check_close

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import common
+from conftest import call_main
 import protot
 from protot import Config, ProtoT
 
@@ -230,13 +231,8 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
 def test_bad_input_is_one_line_and_nonzero(tmp_path, cache_dir, args, code, needle, capsys, monkeypatch):
     """In-process main() (what `python protot.py ...` runs), offline and without the tests' Triton interpreter;
     the subprocess form of the same path is covered by test_corrupt_checkpoint_is_one_line."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    try:
-        rc = protot.main([*args, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)])
-    except SystemExit as e:  # argparse's own errors (unknown flag, bad choice)
-        rc = e.code
-    err = capsys.readouterr().err
+    rc, err = call_main(protot.main, [*args, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys,
+                        monkeypatch)
     assert rc == code and needle in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
 
