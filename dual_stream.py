@@ -1,0 +1,1746 @@
+"""dual_stream.py — the Dual-Stream Transformer, channelized mixing and its diagnostics, in one file.
+
+Paper: "The Dual-Stream Transformer: Channelized Architecture for Interpretable Language Modeling",
+J. C. Kerce and A. Fox, arXiv 2603.07461 (2026). No code was released; the block follows the authors' later
+reference document (gpt-oss-interpretability, `neuro-symb-v2`). Spec used here: shared/papers/dual_stream.md.
+
+The residual stream is split in two, x = x_t + x_e. The token stream x_t starts as the token embeddings and only
+attention writes to it; the context stream x_e starts at zero and only the FFNs write to it. Both read the sum
+through a channel-aware LayerNorm (CLN: statistics per head slice). Per block (spec §1, §9):
+
+    (1) h     = CLN_1(x_t + x_e)                              Q and K read the combined state (dense projections)
+    (2) v     = Mix_V( CLN_v(x_t) )                           V reads the token stream (--v-source)
+    (3) y     = softmax( α · q kᵀ / √d_h + causal ) v         α = 1 in training; the amplification probe raises it
+    (4) x_t  += Mix_O(y)                                      attention writes only x_t
+    (5) x_e  += FFN( CLN_2(x_t + x_e) )                       the FFN writes only x_e
+    (6) logits = E · CLN_f(x_t + x_e)                         tied head, RoPE on q, k, no position embeddings
+
+Channelized mixing (spec §3) acts on the "payload" projections Mix_V and Mix_O, with x split into H heads of d_h:
+    identity      y_g = x_g                       0 parameters
+    independent   y_g = W_g x_g                   H·d_h² (block-diagonal: no flow between heads)
+    kronecker     y_g = Σ_h A[g, h] x_h           H² (A ⊗ I: heads exchange scalars, no within-head transform)
+    dense         y = W x                         d² (a standard transformer)
+and the FFN is dense (d → 4d → d) or independent (one d_h → 4d_h → d_h MLP per head). Neither the Kronecker nor
+the block-diagonal matrix is ever built. Update modes: `token-factor` (above), `fts` (x_t frozen at the embeddings,
+attention writes x_e) and `single` (one stream, x += attn(CLN(x)); x += ffn(CLN(x)), the same switches otherwise).
+
+Core op: amp_attention(q, k, v, α) -> (o, entropy, max_weight): Eq. (3) plus, per head and query, the entropy
+of the attention row and its largest weight, computed in the same online-softmax pass (a Triton kernel, forward
+and backward for o) so the diagnostics never build a T×T matrix; a torch reference sits beside it.
+
+Choices where the spec is open (each a switch where the result may depend on it)
+  * V source: CLN_v(x_t), a CLN of its own (--v-source xt-cln, the 2026 code's reading); xt-raw and combined
+    are the alternatives. With xt-cln every layer has one more CLN (d gains): the spec's parameter table counts
+    two norms per block, so its totals are matched exactly by xt-raw and exceeded by L·d by xt-cln (a test).
+  * CLN affine: a gain per element, [H, d_h] = d values (--cln-gain element), no bias (the table's count);
+    --cln-gain head gives the 2025 code's one scalar per head, --cln-bias adds biases, --norm layernorm swaps
+    CLN for a standard LayerNorm everywhere.
+  * FFN mixing: dense by default (the headline sweep varies V and O jointly); --ffn-mixing independent.
+  * Ablation point: a stream is removed at the readout (the authors' tooling: lm_head(ln_f(x_t)) or x_e alone),
+    or, with --ablate-at all, read as zero at every layer too.
+  * Initialisation: N(0, 0.02) for embeddings, Q, K, dense/independent V and the Kronecker A's (lineage code);
+    the output projections (O, FFN down) N(0, 0.02/√(2L)) as GPT-2; --kron-out-init scaled gives the Kronecker
+    A_O the same scaling (tft-gtp). FTS normalises the frozen x_t once with a CLN (--fts-cln-at-init, default on).
+  * RoPE θ = 10⁴ (the 2026 configs); no ALiBi. No dropout inside the softmax (the kernel has none); dropout on
+    the embedding and both residual branches.
+  * The sweep's FTS row uses independent V/O mixing (the summary's "safety-critical" operating point).
+  * Data: the paper's instructional corpus is not public; offline the embedded plays, online
+    `--dataset tinystories` (the closest public match). cl100k compacted to the ids seen in training.
+  * Head specialisation has no published definition (spec §7): distinctiveness is the mean pairwise
+    Jensen–Shannon divergence (base 2, in [0, 1]) between heads' attention rows, per layer; the coreference probe
+    is a built-in set of two-name sentences where a pronoun refers to one of them, scored per head by the
+    attention mass from the pronoun to the right name minus the mass to the other one.
+
+Commands
+    python dual_stream.py                          # train (Kronecker, token-factor), amplification, ablation,
+                                                   # specialisation, samples, out/dual_stream/report.html
+                                                   # (no GPU: a CPU preset of about 5 minutes, announced)
+    python dual_stream.py --sweep                  # 7 configurations on one budget: val loss vs dense
+    python dual_stream.py --mixing independent --ffn-mixing independent    # fully independent
+    python dual_stream.py --mode fts --mixing independent                 # frozen token stream
+    python dual_stream.py --no-train --amplify 1,4,16 --ablate-at all     # analyses of a trained checkpoint
+    python dual_stream.py --bench                  # training tok/s per mixing vs dense; kernel vs SDPA
+    python dual_stream.py --dataset tinystories --max-tokens 100000000     # online
+    torchrun --standalone --nproc_per_node=8 dual_stream.py               # DDP
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import html
+import io
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON, TRITON_ERROR = True, None
+except ImportError as err:  # no Triton (e.g. macOS): the module still imports and the torch forms work
+
+    class _NoTriton:  # stand-ins so the kernel definitions below still parse; they are never launched
+        jit = staticmethod(lambda fn: fn)
+        constexpr = None
+
+    HAS_TRITON, TRITON_ERROR = False, err
+    triton = tl = _NoTriton
+
+try:  # generic Triton kernels (kernels.py beside this file); a copied-out script falls back to plain torch
+    from kernels import BACKENDS, cross_entropy, layer_norm
+except ImportError:
+    BACKENDS = ("auto", "triton", "torch")
+
+    def layer_norm(x, weight, bias, groups=1, eps=1e-5, backend="auto"):
+        xg = x.unflatten(-1, (groups, x.shape[-1] // groups))
+        y = F.layer_norm(xg.float(), xg.shape[-1:], eps=eps).flatten(-2) * weight.float()
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+
+    def cross_entropy(logits, target, ignore_index=-100, reduction="mean", inplace_grad=False, backend="auto"):
+        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction=reduction)
+
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class Config:
+    # model (spec §1-4; the paper's 6-layer, 6-head, d = 384 models)
+    mode: Literal["token-factor", "fts", "single"] = field(
+        default="token-factor", metadata={"help": "attention writes x_t (token-factor) or x_e (fts: x_t frozen); single: one stream"})
+    mixing: Literal["identity", "independent", "kronecker", "dense"] = field(
+        default="kronecker", metadata={"help": "channelized mixing of the attention V and O projections"})
+    ffn_mixing: Literal["dense", "independent"] = field(default="dense", metadata={"help": "dense FFN, or one MLP per head"})
+    v_source: Literal["xt-cln", "xt-raw", "combined"] = field(
+        default="xt-cln", metadata={"help": "V reads CLN_v(x_t), x_t, or CLN_1(x_t + x_e)"})
+    norm: Literal["cln", "layernorm"] = field(default="cln", metadata={"help": "channel-aware LayerNorm, or a standard one"})
+    cln_gain: Literal["element", "head"] = field(default="element", metadata={"help": "CLN gain per element or one per head"})
+    cln_bias: bool = field(default=False, metadata={"help": "norms have a bias"})
+    kron_out_init: Literal["normal", "scaled"] = field(default="normal", metadata={"help": "Kronecker A_O ~ N(0, 0.02), or /sqrt(2L)"})
+    fts_cln_at_init: bool = field(default=True, metadata={"help": "fts: normalise the frozen x_t once with a CLN"})
+    layers: int = field(default=6, metadata={"help": "transformer blocks"})
+    heads: int = field(default=6, metadata={"help": "attention heads H (the channels)"})
+    d_model: int = field(default=384, metadata={"help": "model width d = H·d_h"})
+    dropout: float = field(default=0.1, metadata={"help": "dropout (embedding, residual branches)"})
+    # data (common.py)
+    dataset: str = field(default="shakespeare", metadata={"help": "shakespeare | tinystories | fineweb-edu | PATH"})
+    tokenizer: Literal["cl100k", "gpt2", "bytes"] = field(default="cl100k", metadata={"help": "tokenizer"})
+    compact: str = field(default="train", metadata={"help": "vocabulary compaction: none | train | N"})
+    max_tokens: Optional[int] = field(default=None, metadata={"help": "training-token budget of the corpus"})
+    cache_dir: Optional[str] = field(default=None, metadata={"help": "token cache folder"})
+    # training (the authors' 2026 trainer: AdamW (0.9, 0.95), wd 0.1, warmup + cosine, clip 1.0)
+    preset: Literal["auto", "cpu", "paper"] = field(default="auto", metadata={"help": "auto: paper on a GPU, cpu otherwise"})
+    batch_size: int = field(default=64, metadata={"help": "global batch (sequences per step, all ranks)"})
+    ctx: int = field(default=256, metadata={"help": "training context length"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of lr"})
+    warmup_frac: float = field(default=0.02, metadata={"help": "warmup as a fraction of max_iters"})
+    max_iters: int = field(default=10000, metadata={"help": "optimizer steps"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on matrices"})
+    grad_clip: float = field(default=1.0, metadata={"help": "max gradient norm (0: off)"})
+    eval_interval: int = field(default=500, metadata={"help": "steps between evaluations and checkpoints"})
+    eval_iters: int = field(default=20, metadata={"help": "val batches per evaluation"})
+    log_interval: int = field(default=50, metadata={"help": "steps between log lines"})
+    seed: int = field(default=1337, metadata={"help": "random seed"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
+    dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata={"help": "auto: bf16 autocast on CUDA"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
+    kernels: Literal["auto", "triton", "torch"] = field(default="auto", metadata={"help": "Triton kernels on CUDA (auto)"})
+    out_dir: str = field(default="out/dual_stream", metadata={"help": "checkpoints, logs and reports"})
+    resume: bool = field(default=False, metadata={"help": "continue from out_dir's checkpoint"})
+    train: bool = field(default=True, metadata={"help": "train (--no-train: load out_dir's checkpoints)"})
+    # analyses (the default run does all that apply)
+    sweep: bool = field(default=False, metadata={"help": "train the 7 sweep configurations on one budget and compare"})
+    amplify: str = field(default="1,2,4,8,16", metadata={"help": "attention amplification factors α ('' off)"})
+    ablation: bool = field(default=True, metadata={"help": "stream ablation (remove x_t or x_e)"})
+    ablate_at: Literal["readout", "all"] = field(default="readout", metadata={"help": "remove a stream at the readout, or at every layer too"})
+    specialization: bool = field(default=True, metadata={"help": "head distinctiveness, Kronecker hubs, coreference probe"})
+    analysis_windows: int = field(default=128, metadata={"help": "val windows for the amplification and ablation losses"})
+    sample: Optional[str] = field(default=None, metadata={"help": "generate from this prompt"})
+    sample_tokens: int = field(default=100, metadata={"help": "tokens per sample"})
+    bench: bool = field(default=False, metadata={"help": "benchmarks only (training tok/s per mixing, attention kernel)"})
+    report: bool = field(default=True, metadata={"help": "write out_dir/report.html"})
+
+
+# A CPU has ~1/1000 of a GPU's FLOPs: the preset keeps the six heads and the block but narrows the width to
+# d_h = 32, halves the depth and shortens context and run so that training and every analysis take ~5 minutes.
+CPU_PRESET = dict(layers=4, d_model=192, ctx=128, batch_size=16, max_iters=300, lr=2e-3, dropout=0.0,
+                  eval_interval=100, eval_iters=5, log_interval=20, analysis_windows=48)
+# A checkpoint fixes ARCH_KEYS (asking for other values is an error); --resume and --no-train take every other
+# setting from it too unless typed (MERGED_KEYS: all but how and where this invocation runs).
+ARCH_KEYS = ("mode", "mixing", "ffn_mixing", "v_source", "norm", "cln_gain", "cln_bias", "fts_cln_at_init", "layers",
+             "heads", "d_model", "dataset", "tokenizer", "compact", "max_tokens")
+RUNTIME_KEYS = ("mode", "mixing", "ffn_mixing", "preset", "device", "dtype", "compile", "kernels", "out_dir",
+                "cache_dir", "resume", "train", "sweep", "bench", "report", "sample", "amplify", "ablation",
+                "ablate_at", "specialization", "analysis_windows")
+MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS)
+
+
+# -----------------------------------------------------------------------------
+# Core op: amp_attention(q, k, v, alpha) -> (o, entropy, max_weight),   o = softmax(α·q·kᵀ/√d_h + causal) · v
+#
+# Causal attention with an inference-time amplification α of the logits, plus two per-head diagnostics of the
+# attention pattern, for every batch b, head h and query row t (keys s <= t):
+#
+#     p_ts       = softmax_s(α · q_t · k_s / √d_h)          (keys s > t masked to -inf)
+#     o_t        = Σ_s p_ts v_s
+#     entropy_t  = -Σ_s p_ts log p_ts                       nats; 0 for a one-hot row, log(t+1) for a uniform one
+#     max_weight = max_s p_ts
+#
+# Both statistics fall out of the online-softmax pass that computes o, without a T×T matrix. With the running
+# max m, l = Σ_s exp(x_s − m) and S = Σ_s exp(x_s − m)·(x_s − m) over the logits x_s seen so far, a new key
+# tile with max m' moves the max to m_new = max(m, m'), and with c = exp(m − m_new) the old sums become
+#
+#     l ← c · l                  S ← c · (S + (m − m_new) · l)          (then add the tile's own terms)
+#
+# and at the end, since log p_s = x_s − m − log l,
+#
+#     entropy = log l − S / l            max_weight = exp(m − m) / l = 1 / l
+#
+# S is kept relative to m (not Σ exp(x − m)·x) so that no large m cancels against S/l: with α = 16 the logits
+# reach tens while a peaked row's entropy is ~0.01. The kernels work in base 2 (x·log2(e), exp2), which only
+# rescales the identity by ln 2.
+#
+# Shapes: q, k, v [B, H, T, d_h], all the same shape; o [B, H, T, d_h] in q's dtype, differentiable in q, k, v.
+# entropy, max_weight [B, H, T] fp32 (fp64 for fp64 inputs in the reference and torch forms), non-differentiable:
+# they are read-outs, their gradients are never asked for and are ignored.
+#
+# The same op in three forms (fla's naive → fused):
+#   1. amp_attention_reference  explicit [T, T] scores in fp32 (fp64 for fp64 inputs), softmax, entr: the truth
+#   2. amp_attention_torch      o from F.scaled_dot_product_attention (CPU training); statistics without grad in
+#                               query blocks of `block` rows, so they hold O(block·T) scores, never T×T
+#   3. AmpAttention             Triton kernels in the style of the fused-attention tutorial (06): a forward that
+#                               writes o, the statistics and the logsumexp, and the usual recompute-p backward
+# Dispatch (`backend` in AMP_BACKENDS): "reference" → 1; "torch" → 2; "triton" → 3 (on CPU only under
+# TRITON_INTERPRET=1); "auto" → 3 for CUDA tensors when triton imports and d_h <= AMP_MAX_HEAD_DIM, else 2.
+# `stats=False` only saves work in the torch form; the kernels produce the statistics for free and return them.
+
+AMP_BACKENDS = ("auto", "triton", "torch", "reference")
+AMP_MAX_HEAD_DIM = 256  # widest head the kernels hold in registers (padded to a power of two >= 16)
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · log2(e)); the kernels spell it out (no globals in @jit)
+
+
+def _amp_up(t):
+    """Statistics precision: fp32, or fp64 for fp64 inputs (so the tests can build a float64 ground truth)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def amp_attention_reference(q, k, v, alpha=1.0):
+    T, d_h = q.shape[-2:]
+    scores = alpha / math.sqrt(d_h) * (_amp_up(q) @ _amp_up(k).transpose(-2, -1))  # [B, H, T, T]
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    p = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    o = (p @ _amp_up(v)).to(q.dtype)
+    p = p.detach()  # the statistics are read-outs, not part of the graph
+    return o, torch.special.entr(p).sum(-1), p.amax(-1)  # entr(p) = -p·log p, with entr(0) = 0
+
+
+def amp_attention_torch(q, k, v, alpha=1.0, stats=True, block=128):
+    T, d_h = q.shape[-2:]
+    scale = alpha / math.sqrt(d_h)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if not stats:
+        return o, None, None
+    entropy = q.new_empty(q.shape[:-1], dtype=_amp_up(q).dtype)
+    max_weight = torch.empty_like(entropy)
+    with torch.no_grad():
+        qf, kf = _amp_up(q), _amp_up(k)
+        for t0 in range(0, T, block):
+            t1 = min(t0 + block, T)  # rows t0..t1-1 see keys 0..t1-1 only
+            scores = scale * (qf[..., t0:t1, :] @ kf[..., :t1, :].transpose(-2, -1))  # [B, H, t1 - t0, t1]
+            future = torch.arange(t1, device=q.device) > torch.arange(t0, t1, device=q.device)[:, None]
+            p = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+            entropy[..., t0:t1] = torch.special.entr(p).sum(-1)
+            max_weight[..., t0:t1] = p.amax(-1)
+    return o, entropy, max_weight
+
+
+# Kernels. One program owns a [BLOCK, BLOCK_D] tile of one (batch, head) and walks the other sequence axis in
+# tiles, only up to (forward, dq) or from (dk, dv) the causal diagonal. The head dim is padded to BLOCK_D and the
+# sequence to a multiple of BLOCK with masked loads (padding reads 0), so any d_h <= AMP_MAX_HEAD_DIM and any T
+# work. Inputs are upcast to fp32 on load and all accumulation is fp32; tl.dot runs at IEEE fp32 precision for
+# fp32 inputs (TF32 would cost ~1e-3 relative error) and in TF32 for 16-bit inputs, which TF32 holds exactly
+# (p and dS then round to 2⁻¹¹, below the bf16 output's own rounding).
+
+@triton.jit
+def _amp_attn_fwd(
+    Q,  # pointer to the queries [B, H, T, DH]
+    K,  # pointer to the keys [B, H, T, DH]
+    V,  # pointer to the values [B, H, T, DH]
+    Out,  # pointer to the output [B, H, T, DH]
+    LSE,  # pointer to the logsumexp of the scaled logits [B, H, T] (fp32, nats), saved for the backward
+    ENT,  # pointer to the attention entropy [B, H, T] (fp32, nats)
+    MAXW,  # pointer to the largest attention weight [B, H, T] (fp32)
+    qk_scale,  # α / √d_h · log2(e): logits in base 2, so exp2 stands for exp
+    T,  # sequence length
+    DH,  # head dim
+    BLOCK_M: tl.constexpr,  # query rows per program
+    BLOCK_N: tl.constexpr,  # keys per inner step
+    BLOCK_D: tl.constexpr,  # next power of two >= DH, at least 16 (tl.dot's minimum)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" for 16-bit ones
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)  # B·H·T·DH can pass 2³¹
+    Q, K, V, Out = Q + bh * T * DH, K + bh * T * DH, V + bh * T * DH, Out + bh * T * DH
+    LSE, ENT, MAXW = LSE + bh * T, ENT + bh * T, MAXW + bh * T
+    rows = start_m + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok, dim_ok = rows < T, dims < DH
+    q = tl.load(Q + rows[:, None] * DH + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = q.to(tl.float32)
+    # Running max m, l = Σ 2^(x − m), S = Σ 2^(x − m)·(x − m) and acc = Σ 2^(x − m)·v (x in base 2). m starts
+    # finite so that the first rescale (m − m_new)·l is 0·finite; key 0 is visible to every row, so the first
+    # tile always lifts m to a real logit.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    s_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, tl.minimum(start_m + BLOCK_M, T), BLOCK_N):  # causal: no key tile past the diagonal
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < T
+        kT = tl.load(K + cols[None, :] * DH + dims[:, None], mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
+        v = tl.load(V + cols[:, None] * DH + dims[None, :], mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+        visible = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
+        x = tl.dot(q, kT.to(tl.float32), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        x = tl.where(visible, x, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(x, 1))
+        c = tl.exp2(m_i - m_new)
+        xc = x - m_new[:, None]
+        p = tl.exp2(xc)  # 0 on masked keys
+        s_i = c * (s_i + (m_i - m_new) * l_i) + tl.sum(p * tl.where(visible, xc, 0.0), 1)
+        l_i = c * l_i + tl.sum(p, 1)
+        acc = acc * c[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+        m_i = m_new
+    tl.store(Out + rows[:, None] * DH + dims[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
+    log2_l = tl.log2(l_i)
+    ln2 = 0.6931471805599453  # back from base 2 to nats
+    tl.store(LSE + rows, (m_i + log2_l) * ln2, mask=row_ok)
+    tl.store(ENT + rows, (log2_l - s_i / l_i) * ln2, mask=row_ok)
+    tl.store(MAXW + rows, 1.0 / l_i, mask=row_ok)
+
+
+# Backward, with P the softmax, dP = dO·Vᵀ and scale = α/√d_h:
+#
+#     dV = Pᵀ·dO      dS = P ⊙ (dP − Δ),   Δ_t = Σ_s P_ts dP_ts = dO_t · O_t
+#     dQ = scale · dS·K      dK = scale · dSᵀ·Q
+#
+# P is recomputed tile by tile from q, k and the saved logsumexp: P = 2^(x − LSE·log2(e)). Δ comes first from a
+# small kernel; then one kernel per key tile accumulates dK, dV over the query tiles at or after the diagonal, and
+# one per query tile accumulates dQ over the key tiles up to it. As in the tutorial every gradient tile has a
+# single owner, so there are no atomics; the tutorial runs both loops in one program, here they are two kernels.
+
+@triton.jit
+def _amp_attn_bwd_preprocess(
+    Out,  # pointer to the forward output [B, H, T, DH]
+    DO,  # pointer to the output gradient [B, H, T, DH]
+    Delta,  # pointer to Δ = rowsum(dO ⊙ O) [B, H, T] (fp32)
+    T,  # sequence length
+    DH,  # head dim
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_D: tl.constexpr,  # next power of two >= DH, at least 16
+):
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (rows < T)[:, None] & (dims < DH)[None, :]
+    offs = bh * T * DH + rows[:, None] * DH + dims[None, :]
+    o = tl.load(Out + offs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Delta + bh * T + rows, tl.sum(o * do, 1), mask=rows < T)
+
+
+@triton.jit
+def _amp_attn_bwd_dkdv(
+    Q,  # pointer to the queries [B, H, T, DH]
+    K,  # pointer to the keys [B, H, T, DH]
+    V,  # pointer to the values [B, H, T, DH]
+    DO,  # pointer to the output gradient [B, H, T, DH]
+    LSE,  # pointer to the forward's logsumexp [B, H, T] (fp32, nats)
+    Delta,  # pointer to Δ = rowsum(dO ⊙ O) [B, H, T] (fp32)
+    DK,  # pointer to the key gradient [B, H, T, DH]
+    DV,  # pointer to the value gradient [B, H, T, DH]
+    qk_scale,  # α / √d_h · log2(e)
+    sm_scale,  # α / √d_h
+    T,  # sequence length
+    DH,  # head dim
+    BLOCK_M: tl.constexpr,  # query rows per inner step
+    BLOCK_N: tl.constexpr,  # keys per program
+    BLOCK_D: tl.constexpr,  # next power of two >= DH, at least 16
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" for 16-bit ones
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1).to(tl.int64)
+    Q, K, V, DO = Q + bh * T * DH, K + bh * T * DH, V + bh * T * DH, DO + bh * T * DH
+    DK, DV, LSE, Delta = DK + bh * T * DH, DV + bh * T * DH, LSE + bh * T, Delta + bh * T
+    cols = start_n + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    tile_mask = (cols < T)[:, None] & (dims < DH)[None, :]
+    k = tl.load(K + cols[:, None] * DH + dims[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+    v = tl.load(V + cols[:, None] * DH + dims[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for start_m in range(start_n // BLOCK_M * BLOCK_M, T, BLOCK_M):  # causal: rows before start_n see none
+        rows = start_m + tl.arange(0, BLOCK_M)
+        row_ok = rows < T
+        qT = tl.load(Q + rows[None, :] * DH + dims[:, None], mask=(dims < DH)[:, None] & row_ok[None, :], other=0.0)
+        qT = qT.to(tl.float32)
+        do = tl.load(DO + rows[:, None] * DH + dims[None, :], mask=row_ok[:, None] & (dims < DH)[None, :],
+                     other=0.0).to(tl.float32)
+        lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634  # to base 2
+        delta = tl.load(Delta + rows, mask=row_ok, other=0.0)
+        # Everything transposed, [BLOCK_N, BLOCK_M]: key s, query t
+        visible = (cols[:, None] <= rows[None, :]) & row_ok[None, :]
+        pT = tl.exp2(tl.dot(k, qT, input_precision=DOT_PRECISION) * qk_scale - lse[None, :])
+        pT = tl.where(visible, pT, 0.0)
+        dv += tl.dot(pT, do, input_precision=DOT_PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT, tl.trans(qT), input_precision=DOT_PRECISION)
+    tl.store(DK + cols[:, None] * DH + dims[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=tile_mask)
+    tl.store(DV + cols[:, None] * DH + dims[None, :], dv.to(DV.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
+def _amp_attn_bwd_dq(
+    Q,  # pointer to the queries [B, H, T, DH]
+    K,  # pointer to the keys [B, H, T, DH]
+    V,  # pointer to the values [B, H, T, DH]
+    DO,  # pointer to the output gradient [B, H, T, DH]
+    LSE,  # pointer to the forward's logsumexp [B, H, T] (fp32, nats)
+    Delta,  # pointer to Δ = rowsum(dO ⊙ O) [B, H, T] (fp32)
+    DQ,  # pointer to the query gradient [B, H, T, DH]
+    qk_scale,  # α / √d_h · log2(e)
+    sm_scale,  # α / √d_h
+    T,  # sequence length
+    DH,  # head dim
+    BLOCK_M: tl.constexpr,  # query rows per program
+    BLOCK_N: tl.constexpr,  # keys per inner step
+    BLOCK_D: tl.constexpr,  # next power of two >= DH, at least 16
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" for 16-bit ones
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    Q, K, V, DO, DQ = Q + bh * T * DH, K + bh * T * DH, V + bh * T * DH, DO + bh * T * DH, DQ + bh * T * DH
+    LSE, Delta = LSE + bh * T, Delta + bh * T
+    rows = start_m + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok, dim_ok = rows < T, dims < DH
+    tile_mask = row_ok[:, None] & dim_ok[None, :]
+    q = tl.load(Q + rows[:, None] * DH + dims[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + rows[:, None] * DH + dims[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+    lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634  # to base 2
+    delta = tl.load(Delta + rows, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, tl.minimum(start_m + BLOCK_M, T), BLOCK_N):  # causal: no key tile past the diagonal
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < T
+        kT = tl.load(K + cols[None, :] * DH + dims[:, None], mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
+        vT = tl.load(V + cols[None, :] * DH + dims[:, None], mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
+        kT, vT = kT.to(tl.float32), vT.to(tl.float32)
+        visible = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
+        p = tl.exp2(tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale - lse[:, None])
+        p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds, tl.trans(kT), input_precision=DOT_PRECISION)
+    tl.store(DQ + rows[:, None] * DH + dims[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=tile_mask)
+
+
+def _amp_empty(shape, dtype, device):
+    """torch.empty for kernel outputs, NaN-filled under GLASSBOX_POISON=1 (tests) so unwritten tiles show up."""
+    if os.environ.get("GLASSBOX_POISON") == "1":
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _amp_launch_config(q):
+    """Tile sizes and dot precision. Square tiles (BLOCK_M = BLOCK_N) keep the causal loop bounds simple; wide
+    heads get smaller tiles so that the [BLOCK, BLOCK_D] fp32 accumulators still fit in registers."""
+    T, d_h = q.shape[-2:]
+    block_d = max(16, triton.next_power_of_2(d_h))
+    block = max(16, min(64 if block_d <= 64 else 32, triton.next_power_of_2(T)))
+    precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
+    return dict(BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, DOT_PRECISION=precision)
+
+
+class AmpAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, alpha):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        B, H, T, d_h = q.shape
+        o = _amp_empty(q.shape, q.dtype, q.device)
+        lse, entropy, max_weight = (_amp_empty((B, H, T), torch.float32, q.device) for _ in range(3))
+        cfg = _amp_launch_config(q)
+        sm_scale = alpha / math.sqrt(d_h)
+        _amp_attn_fwd[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
+            q, k, v, o, lse, entropy, max_weight, sm_scale * LOG2E, T, d_h, **cfg)
+        ctx.mark_non_differentiable(entropy, max_weight)
+        ctx.save_for_backward(q, k, v, o, lse)  # O(T·d_h) per head: p is recomputed, never stored
+        ctx.sm_scale = sm_scale
+        return o, entropy, max_weight
+
+    @staticmethod
+    def backward(ctx, do, dentropy, dmax_weight):  # the statistics are non-differentiable: their grads are ignored
+        q, k, v, o, lse = ctx.saved_tensors
+        do = do.contiguous()
+        B, H, T, d_h = q.shape
+        cfg = _amp_launch_config(q)
+        delta = _amp_empty((B, H, T), torch.float32, q.device)
+        _amp_attn_bwd_preprocess[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
+            o, do, delta, T, d_h, BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"])
+        dq, dk, dv = (_amp_empty(t.shape, t.dtype, t.device) for t in (q, k, v))
+        scales = (ctx.sm_scale * LOG2E, ctx.sm_scale, T, d_h)
+        _amp_attn_bwd_dkdv[(triton.cdiv(T, cfg["BLOCK_N"]), B * H)](q, k, v, do, lse, delta, dk, dv, *scales, **cfg)
+        _amp_attn_bwd_dq[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](q, k, v, do, lse, delta, dq, *scales, **cfg)
+        return dq, dk, dv, None
+
+
+# Triton launches stay out of torch.compile graphs: torch.compiler.disable makes dynamo graph-break here.
+@torch.compiler.disable
+def _amp_attention_triton(q, k, v, alpha):
+    return AmpAttention.apply(q, k, v, float(alpha))
+
+
+def amp_attention(q, k, v, alpha=1.0, stats=True, backend="auto"):
+    """Causal attention amplified by α, with per-row entropy and max weight: (o, entropy, max_weight).
+    q, k, v [B, H, T, d_h]. With stats=False the torch form returns None for the statistics."""
+    if backend not in AMP_BACKENDS:
+        raise ValueError(f"backend must be one of {AMP_BACKENDS}, got {backend!r}")
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"amp_attention: q, k, v must share one [B, H, T, d_h] shape, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if backend == "reference":
+        return amp_attention_reference(q, k, v, alpha)
+    fits = q.shape[-1] <= AMP_MAX_HEAD_DIM
+    if backend == "torch" or (backend == "auto" and not (HAS_TRITON and q.is_cuda and fits)):
+        return amp_attention_torch(q, k, v, alpha, stats)
+    if not HAS_TRITON:
+        raise RuntimeError(f"backend='triton' needs the triton package, which failed to import: {TRITON_ERROR}")
+    if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise RuntimeError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (Triton's CPU interpreter)")
+    if not fits:
+        raise ValueError(f"backend='triton' supports d_h <= {AMP_MAX_HEAD_DIM}, got {q.shape[-1]}; use 'torch'")
+    return _amp_attention_triton(q, k, v, alpha)
+
+
+# -----------------------------------------------------------------------------
+# Model
+
+
+def channel_norm(cfg: Config, dim: int) -> nn.Module:
+    """CLN (spec §2): LayerNorm statistics per head slice; --norm layernorm gives the standard LayerNorm."""
+    groups = cfg.heads if cfg.norm == "cln" else 1
+    return ChannelLayerNorm(dim, groups, per_group_gain=cfg.norm == "cln" and cfg.cln_gain == "head",
+                            bias=cfg.cln_bias, backend=cfg.kernels)
+
+
+class ChannelLayerNorm(nn.Module):
+    """CLN(x)_{h,i} = γ_{h,i} (x_{h,i} - μ_h) / sqrt(σ_h² + ε) + β_{h,i}, μ_h and σ_h² over the d_h entries of head h
+    (kernels.py's grouped LayerNorm). per_group_gain: one γ (and β) per head, broadcast over its d_h entries."""
+
+    def __init__(self, dim: int, groups: int, per_group_gain: bool = False, bias: bool = False, backend="auto"):
+        super().__init__()
+        self.groups, self.backend = groups, backend
+        n = groups if per_group_gain else dim
+        self.weight = nn.Parameter(torch.ones(n))
+        self.bias = nn.Parameter(torch.zeros(n)) if bias else None
+
+    def _full(self, p, dim):
+        return p if p is None or p.shape[0] == dim else p.repeat_interleave(dim // self.groups)
+
+    def forward(self, x):
+        D = x.shape[-1]
+        return layer_norm(x, self._full(self.weight, D), self._full(self.bias, D), self.groups, 1e-5, self.backend)
+
+
+class HeadMix(nn.Module):
+    """One channelized d×d map (spec §3) on x [..., H·d_h]; `matrix()` builds the equivalent d×d matrix (tests,
+    heatmaps) that forward never forms."""
+
+    def __init__(self, kind: str, heads: int, d: int, std: float):
+        super().__init__()
+        self.kind, self.H, self.dh = kind, heads, d // heads
+        shape = {"identity": None, "independent": (heads, self.dh, self.dh), "kronecker": (heads, heads),
+                 "dense": (d, d)}[kind]
+        self.weight = None if shape is None else nn.Parameter(torch.randn(shape) * std)
+
+    def forward(self, x):
+        if self.kind == "identity":
+            return x
+        if self.kind == "dense":
+            return F.linear(x, self.weight)
+        xs = x.unflatten(-1, (self.H, self.dh))                   # [..., H, d_h]
+        if self.kind == "independent":                           # y_g = W_g x_g: H batched d_h×d_h GEMMs
+            return torch.einsum("...hd,hed->...he", xs, self.weight).flatten(-2)
+        return torch.einsum("...hd,gh->...gd", xs, self.weight).flatten(-2)   # kronecker: y_g = Σ_h A[g,h] x_h
+
+    def matrix(self) -> torch.Tensor:
+        d = self.H * self.dh
+        if self.kind == "identity":
+            return torch.eye(d)
+        if self.kind == "dense":
+            return self.weight.detach()
+        if self.kind == "independent":
+            return torch.block_diag(*self.weight.detach())
+        return torch.kron(self.weight.detach(), torch.eye(self.dh))
+
+
+def rope(x, theta: float = 10000.0):
+    """Rotary embedding of x [B, H, T, d_h]: channel pairs (i, i + d_h/2) rotated by t·θ^(-2i/d_h) (LLaMA layout)."""
+    T, dh = x.shape[-2], x.shape[-1]
+    inv = theta ** (-torch.arange(0, dh, 2, device=x.device, dtype=torch.float32) / dh)
+    ang = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+
+class ChannelAttention(nn.Module):
+    """Eqs. (1)-(4) between the norms: dense Q, K of h; V = Mix_V(v_in); y = amp_attention; out = Mix_O(y).
+    `alpha` is the amplification (1 in training); with `record` set the forward keeps the per-head mean entropy
+    and max weight of the last call, and with `keep_maps` the explicit attention maps (analyses only)."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        d, H = cfg.d_model, cfg.heads
+        self.H, self.kernels = H, cfg.kernels
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, d, bias=False)
+        out_std = 0.02 / math.sqrt(2 * cfg.layers)
+        self.mix_v = HeadMix(cfg.mixing, H, d, 0.02)
+        kron_std = out_std if cfg.kron_out_init == "scaled" else 0.02
+        self.mix_o = HeadMix(cfg.mixing, H, d, kron_std if cfg.mixing == "kronecker" else out_std)
+        self.alpha, self.record, self.keep_maps, self.last = 1.0, False, False, {}
+
+    def heads_of(self, x):
+        B, T, _ = x.shape
+        return x.view(B, T, self.H, -1).transpose(1, 2)          # [B, H, T, d_h]
+
+    def forward(self, h, v_in):
+        q, k = rope(self.heads_of(self.q(h))), rope(self.heads_of(self.k(h)))
+        v = self.heads_of(self.mix_v(v_in))
+        y, entropy, max_weight = amp_attention(q, k, v, self.alpha, stats=self.record, backend=self.kernels)
+        if self.record:
+            self.last = {"entropy": entropy.float().mean((0, 2)), "max_weight": max_weight.float().mean((0, 2))}
+        if self.keep_maps:
+            s = self.alpha * (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+            causal = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+            self.last["maps"] = s.masked_fill(~causal, float("-inf")).softmax(-1)   # [B, H, T, T]
+        return self.mix_o(y.transpose(1, 2).flatten(2))
+
+
+class FFN(nn.Module):
+    """GELU MLP, d → 4d → d (dense), or one d_h → 4d_h → d_h MLP per head (independent: no flow between heads)."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        d, H = cfg.d_model, cfg.heads
+        self.H = H if cfg.ffn_mixing == "independent" else 1
+        n = d // self.H
+        out_std = 0.02 / math.sqrt(2 * cfg.layers)
+        self.up = nn.Parameter(torch.randn(self.H, 4 * n, n) * 0.02)
+        self.down = nn.Parameter(torch.randn(self.H, n, 4 * n) * out_std)
+
+    def forward(self, x):
+        if self.H == 1:
+            return F.linear(F.gelu(F.linear(x, self.up[0])), self.down[0])
+        xs = x.unflatten(-1, (self.H, -1))
+        hid = F.gelu(torch.einsum("...hd,hfd->...hf", xs, self.up))
+        return torch.einsum("...hf,hdf->...hd", hid, self.down).flatten(-2)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.mode, self.v_source = cfg.mode, cfg.v_source
+        self.ln_1 = channel_norm(cfg, cfg.d_model)
+        self.ln_v = channel_norm(cfg, cfg.d_model) if cfg.v_source == "xt-cln" and cfg.mode != "single" else None
+        self.attn = ChannelAttention(cfg)
+        self.ln_2 = channel_norm(cfg, cfg.d_model)
+        self.ffn = FFN(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_t, x_e):
+        """One block, Eqs. (1)-(5). Single mode carries its one stream in x_t (x_e is None)."""
+        h = self.ln_1(x_t if x_e is None else x_t + x_e)
+        if x_e is None or self.v_source == "combined":
+            v_in = h
+        else:
+            v_in = self.ln_v(x_t) if self.ln_v is not None else x_t
+        a = self.drop(self.attn(h, v_in))
+        if self.mode == "fts":
+            x_e = x_e + a                                        # x_t stays the (normalised) embedding
+        else:
+            x_t = x_t + a
+        f = self.drop(self.ffn(self.ln_2(x_t if x_e is None else x_t + x_e)))
+        if x_e is None:
+            return x_t + f, None
+        return x_t, x_e + f
+
+
+class DualStream(nn.Module):
+    """Embedding → blocks (two streams) → CLN_f(x_t + x_e) → tied head. forward(idx) gives logits; with targets,
+    the mean cross-entropy (kernels.py's fused kernel on CUDA)."""
+
+    def __init__(self, cfg: Config, vocab_size: int):
+        super().__init__()
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.wte = nn.Embedding(vocab_size, cfg.d_model)
+        nn.init.normal_(self.wte.weight, 0.0, 0.02)
+        self.ln_embed = channel_norm(cfg, cfg.d_model) if cfg.mode == "fts" and cfg.fts_cln_at_init else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = channel_norm(cfg, cfg.d_model)
+        for name, p in self.named_parameters():  # Q and K: N(0, 0.02) as every other input projection
+            if name.endswith((".q.weight", ".k.weight")):
+                nn.init.normal_(p, 0.0, 0.02)
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def attentions(self) -> list[ChannelAttention]:
+        return [b.attn for b in self.blocks]
+
+    def streams(self, idx, ablate: Optional[str] = None, at: str = "readout"):
+        """-> (x_t, x_e) after the last block (x_e None in single mode). ablate = "x_t" | "x_e" with at="all"
+        reads that stream as zero at the input of every block (its writes are dropped too)."""
+        x_t = self.wte(idx)
+        if self.ln_embed is not None:
+            x_t = self.ln_embed(x_t)
+        x_t = self.drop(x_t)
+        x_e = None if self.cfg.mode == "single" else torch.zeros_like(x_t)
+        for block in self.blocks:
+            if ablate is not None and at == "all":
+                x_t, x_e = (torch.zeros_like(x_t), x_e) if ablate == "x_t" else (x_t, torch.zeros_like(x_e))
+            x_t, x_e = block(x_t, x_e)
+        return x_t, x_e
+
+    def readout(self, x_t, x_e, ablate: Optional[str] = None):
+        """Eq. (6); ablate drops one stream from the sum (the authors' lm_head(ln_f(x_e)) and lm_head(ln_f(x_t)))."""
+        if x_e is None:
+            x = x_t
+        else:
+            x = x_e if ablate == "x_t" else x_t if ablate == "x_e" else x_t + x_e
+        return F.linear(self.ln_f(x), self.wte.weight)
+
+    def forward(self, idx, targets=None, ablate: Optional[str] = None, at: str = "readout"):
+        if ablate is not None and self.cfg.mode == "single":
+            raise ValueError("stream ablation needs two streams (--mode token-factor or fts)")
+        logits = self.readout(*self.streams(idx, ablate, at), ablate=ablate)
+        if targets is None:
+            return logits
+        return cross_entropy(logits.flatten(0, 1), targets.flatten(), backend=self.cfg.kernels).float()
+
+    @contextlib.contextmanager
+    def probe(self, alpha: float = 1.0, record: bool = False, keep_maps: bool = False):
+        """Inside the block every attention uses amplification α and keeps its statistics / maps."""
+        for a in self.attentions():
+            a.alpha, a.record, a.keep_maps, a.last = alpha, record, keep_maps, {}
+        try:
+            yield
+        finally:
+            for a in self.attentions():
+                a.alpha, a.record, a.keep_maps = 1.0, False, False
+
+    @torch.no_grad()
+    def generate(self, idx, new_tokens, temperature=0.8, top_k=40, generator=None):
+        """nanoGPT's sampler (the window cropped to ctx); temperature 0 is greedy."""
+        for _ in range(new_tokens):
+            logits = self(idx[:, -self.cfg.ctx:])[:, -1].float()
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], 1)
+        return idx
+
+
+# -----------------------------------------------------------------------------
+# Training
+
+
+class RunError(Exception):
+    """A user-fixable problem (bad checkpoint, bad flag combination, NaN loss): one line, non-zero exit."""
+
+
+def setup_device(cfg: Config):
+    """-> (device, autocast context, DDP info). torchrun sets RANK/LOCAL_RANK/WORLD_SIZE (nanoGPT's detection)."""
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    rank, local_rank, world = 0, 0, 1
+    if cfg.device == "auto":
+        device = "cuda" if torch.cuda.is_available() else ("mps" if torch.backends.mps.is_available() else "cpu")
+    else:
+        device = cfg.device
+    if ddp:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+        rank, local_rank, world = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_world_size()
+        if device.startswith("cuda"):
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise RunError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps") from None
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RunError(f"--device {device}: CUDA is not available")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise RunError("--device mps: MPS is not available on this machine")
+    if cfg.dtype == "bfloat16" and not device.startswith("cuda"):
+        raise RunError("--dtype bfloat16 is bf16 autocast on CUDA; on this device the run is float32 (drop the flag)")
+    device_type = "cuda" if device.startswith("cuda") else ("mps" if device == "mps" else "cpu")
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    if dtype == "bfloat16" and device_type == "cuda":
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    else:  # no autocast off CUDA (nanoGPT PR #698: MPS is treated as CPU here)
+        autocast = contextlib.nullcontext()
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return torch.device(device), autocast, dict(ddp=ddp, rank=rank, local_rank=local_rank, world=world)
+
+
+def get_lr(cfg: Config, it: int) -> float:
+    """Linear warmup over warmup_frac of the steps, then cosine from lr to min_lr_ratio·lr."""
+    warmup = max(1, int(cfg.warmup_frac * cfg.max_iters))
+    if it < warmup:
+        return cfg.lr * (it + 1) / warmup
+    progress = min(1.0, (it - warmup) / max(1, cfg.max_iters - warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model: nn.Module, cfg: Config, device_type: str):
+    """AdamW (0.9, 0.95) as the authors' trainer, weight decay on matrices (embedding, projections, mixes, FFN)
+    but not on norm gains and biases."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (no_decay if p.dim() < 2 else decay).append(p)
+    groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device_type == "cuda")
+
+
+def flops_per_token(model: DualStream, cfg: Config, ctx: int) -> float:
+    """Training FLOPs per token: 6·N for the matmuls (PaLM appendix B; the tied head once) plus attention's
+    12·L·d·T. The Kronecker and block-diagonal mixes are counted by their parameters, i.e. their true cost."""
+    return 6 * model.n_params() + 12 * cfg.layers * cfg.d_model * ctx
+
+
+# dense bf16 peaks; first match wins, so the PCIe H100 (756 TFLOP/s) is listed before the SXM one
+PEAK_BF16 = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
+             "4090": 165e12}
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def log_line(step, max_iters, loss, lr, ms, tok_s, mfu) -> str:
+    """The one log format of every glassbox script."""
+    mfu_s = f"{100 * mfu:.1f}%" if mfu is not None else "-"
+    return f"step {step}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | {ms:.1f} ms | {tok_s / 1e3:.1f}k tok/s | mfu {mfu_s}"
+
+
+@torch.no_grad()
+def estimate_loss(model, data, cfg: Config, autocast, batch_size) -> float:
+    """Mean val loss over eval_iters random val batches (the val generator, saved in checkpoints)."""
+    model.eval()
+    losses = []
+    for _ in range(cfg.eval_iters):
+        x, y = data.get_batch("val", batch_size, cfg.ctx)
+        with autocast:
+            losses.append(model(x, y).item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windows: Optional[int] = None,
+                 **forward_kw) -> dict:
+    """Exact token-weighted perplexity over the val split: every token predicted once (common.iter_eval), or over
+    its first max_windows windows. forward_kw (ablate, at) evaluates an ablated model."""
+    model.eval()
+    total, count = 0.0, 0
+    for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):
+        if max_windows is not None and i * batch_size >= max_windows:
+            break
+        with autocast:
+            logits = model(x, **forward_kw)
+        total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+        count += y.numel()
+    if dist_ready():
+        import torch.distributed as dist
+
+        t = torch.tensor([total, count], dtype=torch.float64, device=data.device)
+        dist.all_reduce(t)
+        total, count = t.tolist()
+    return {"loss": total / count, "ppl": math.exp(total / count), "tokens": int(count)}
+
+
+def dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def any_rank(flag: torch.Tensor) -> bool:
+    """True if `flag` is set on any rank (all ranks must stop together, or the others hang in a collective)."""
+    if dist_ready():
+        flag = flag.float()
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def variant(cfg: Config) -> str:
+    """The name of a configuration: update mode, V/O mixing, and the FFN when it is per head."""
+    return f"{cfg.mode}-{cfg.mixing}" + ("-ffn-independent" if cfg.ffn_mixing == "independent" else "")
+
+
+def ckpt_path(cfg: Config) -> Path:
+    return Path(cfg.out_dir) / f"ckpt-{variant(cfg)}.pt"
+
+
+def nan_message(step: int, path: Path) -> str:
+    keep = f"the last good checkpoint is {path}" if path.exists() else "no checkpoint was written"
+    return f"non-finite loss before step {step} (or non-finite weights); stopping ({keep})"
+
+
+def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: float, data_rng, data,
+                    history) -> None:
+    """One file: written to a temporary name, then renamed (a crash never leaves half a checkpoint)."""
+    state = {
+        "format": "glassbox-checkpoint/1", "script": "dual_stream", "config": asdict(cfg),
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "best_val_loss": best,
+        "tokenizer": data.tokenizer.state_dict(), "history": history,
+        "rng": {"torch": torch.get_rng_state(), "data": data_rng,
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]:
+    """Load with weights_only=True; the architecture comes from the checkpoint, and an architecture flag given
+    on the command line that disagrees with it is an error (one line) rather than a silent mismatch."""
+    if not path.exists():
+        raise RunError(f"no checkpoint at {path} (train first, or point --out-dir at one)")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+        saved = ck["config"]
+        ok = ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "dual_stream"
+    except Exception as e:  # truncated file, not a checkpoint, unpickling refused
+        raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None
+    if not ok:
+        raise RunError(f"{path} is not a dual_stream.py checkpoint")
+    bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k)]
+    if bad:
+        diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
+        raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
+    merged = replace(cfg, **{k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and k not in explicit})
+    return ck, merged
+
+
+def build_model(cfg: Config, vocab_size: int, device) -> DualStream:
+    torch.manual_seed(cfg.seed)
+    return DualStream(cfg, vocab_size).to(device)
+
+
+def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print, ck=None,
+          start_rng: Optional[dict] = None) -> tuple[DualStream, dict]:
+    """The nanoGPT-shaped loop. Returns the trained (unwrapped) model and its history. With cfg.resume it
+    continues from `ck`, the checkpoint already loaded by the caller (read from out_dir when not given).
+    `start_rng` is the data streams' state to start from: every configuration of a sweep trains and evaluates
+    on the same batches."""
+    rank, world = dist_info["rank"], dist_info["world"]
+    if cfg.batch_size % world:
+        raise RunError(f"--batch-size {cfg.batch_size} must be divisible by the {world} ranks")
+    micro = cfg.batch_size // world
+    path = ckpt_path(cfg)
+    if start_rng is not None and not cfg.resume:
+        data.set_rng_state(start_rng)
+    model = build_model(cfg, data.vocab_size, device)
+    optimizer = make_optimizer(model, cfg, device.type)
+    step, best, history = 0, float("inf"), {"step": [], "train": [], "val": []}
+    if rank:  # ranks other than 0 draw their own dropout masks (DDP broadcasts rank 0's initial weights)
+        torch.manual_seed(cfg.seed + rank)
+    if cfg.resume:
+        if ck is None:
+            ck, _ = load_checkpoint(path, cfg, explicit)
+        try:
+            model.load_state_dict(ck["model"])
+            optimizer.load_state_dict(ck["optimizer"])
+        except (RuntimeError, ValueError) as e:
+            raise RunError(f"{path} does not fit this model: {str(e).splitlines()[0]}") from None
+        step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
+        torch.set_rng_state(ck["rng"]["torch"])
+        data.set_rng_state(ck["rng"]["data"])
+        if ck["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(ck["rng"]["cuda"])
+        if rank:  # the checkpoint holds rank 0's generator: the other ranks keep dropout masks of their own
+            torch.manual_seed(cfg.seed + rank + step)
+        log(f"resumed from {path} at step {step}")
+    raw = model
+    if cfg.compile:
+        model = torch.compile(model)
+    if dist_info["ddp"]:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[dist_info["local_rank"]] if device.type == "cuda" else None)
+    fpt, peak = flops_per_token(raw, cfg, cfg.ctx), peak_flops(device)
+    tokens_per_step = cfg.batch_size * cfg.ctx
+    log(f"{variant(cfg)}: {raw.n_params() / 1e6:.2f}M parameters ({(raw.n_params() - raw.wte.weight.numel()) / 1e6:.2f}M "
+        f"without the embedding), vocab {data.vocab_size}, {tokens_per_step:,} tokens per step, {cfg.max_iters} steps")
+    # The data generator's state is taken before each prefetch, so a checkpoint resumes with the batch that the
+    # uninterrupted run would have used next (bit-exact resume on CPU).
+    data_rng = data.rng_state()
+    x, y = data.get_batch("train", micro, cfg.ctx)
+    t0, t0_step, mfu_ema, start = time.time(), step, None, step
+    bad = torch.zeros((), dtype=torch.bool, device=device)  # any non-finite loss since the last check
+    while True:
+        if step > start and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
+            if any_rank(bad):
+                raise RunError(nan_message(step, path))
+            val = estimate_loss(model, data, cfg, autocast, micro)
+            if dist_ready():
+                t = torch.tensor([val], device=device)
+                torch.distributed.all_reduce(t)
+                val = t.item() / world
+            if not math.isfinite(val) or not all(torch.isfinite(p).all() for p in raw.parameters()):
+                raise RunError(nan_message(step, path))  # never save non-finite weights
+            history["step"].append(step)
+            history["val"].append(val)
+            log(f"step {step}: val loss {val:.4f} (ppl {math.exp(val):.1f})")
+            best = min(best, val)
+            if rank == 0:  # the train stream as it was before the prefetch, the val stream as it is now
+                rng = {**data_rng, "val": data.rng_state()["val"]}
+                save_checkpoint(path, raw, optimizer, cfg, step, best, rng, data, history)
+            t0, t0_step = time.time(), step  # evaluation time is not training time
+        if step >= cfg.max_iters:
+            break
+        lr = get_lr(cfg, step)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        with autocast:
+            loss = model(x, y)
+        data_rng = data.rng_state()
+        x, y = data.get_batch("train", micro, cfg.ctx)  # prefetch while the backward runs (async on CUDA)
+        loss.backward()
+        bad |= ~torch.isfinite(loss.detach())
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if step % cfg.log_interval == 0 or step == cfg.max_iters:
+            lossf = loss.item()  # syncs the device, so the timing below is real
+            if any_rank(bad):
+                raise RunError(nan_message(step, path))
+            dt = (time.time() - t0) / (step - t0_step)
+            tok_s = tokens_per_step / dt
+            if peak and step > 5 * cfg.log_interval:  # skip warm-up/compile steps, smooth like nanoGPT
+                m = fpt * tok_s / (peak * world)
+                mfu_ema = m if mfu_ema is None else 0.9 * mfu_ema + 0.1 * m
+            history["train"].append([step, lossf])
+            log(log_line(step, cfg.max_iters, lossf, lr, dt * 1000, tok_s, mfu_ema))
+            t0, t0_step = time.time(), step
+    return raw, history
+
+
+# -----------------------------------------------------------------------------
+# Analyses: the sweep, attention amplification, stream ablation, head specialisation, benchmarks, report
+
+# The sweep (spec §3, §8, §10.1): V/O mixing varied jointly in token-factor mode with a dense FFN, plus the fully
+# independent model (FFN per head too), the frozen token stream (with independent V/O, the summary's
+# "safety-critical" operating point) and the single-stream dense baseline. Costs are relative to token-factor dense.
+SWEEP = {
+    "dense": dict(mode="token-factor", mixing="dense", ffn_mixing="dense"),
+    "kronecker": dict(mode="token-factor", mixing="kronecker", ffn_mixing="dense"),
+    "independent": dict(mode="token-factor", mixing="independent", ffn_mixing="dense"),
+    "identity": dict(mode="token-factor", mixing="identity", ffn_mixing="dense"),
+    "fully independent": dict(mode="token-factor", mixing="independent", ffn_mixing="independent"),
+    "fts independent": dict(mode="fts", mixing="independent", ffn_mixing="dense"),
+    "single-stream dense": dict(mode="single", mixing="dense", ffn_mixing="dense"),
+}
+PAPER_COST = {"kronecker": "+2.5%", "fully independent": "+8%"}
+
+
+def configurations(cfg: Config) -> dict[str, Config]:
+    """name -> config of every model this run trains or loads: the sweep, or the one configuration asked for."""
+    if cfg.sweep:
+        return {name: replace(cfg, **kw) for name, kw in SWEEP.items()}
+    name = next((n for n, kw in SWEEP.items() if all(getattr(cfg, k) == v for k, v in kw.items())), variant(cfg))
+    return {name: cfg}
+
+
+def sweep_table(models: dict, ppl: dict) -> list[dict]:
+    """Parameters, val loss and its relative cost to token-factor dense (spec §10.1)."""
+    base = ppl.get("dense", {}).get("loss")
+    rows = []
+    for name, m in models.items():
+        n, emb = m.n_params(), m.wte.weight.numel()
+        row = {"model": name, "config": variant(m.cfg), "params (M)": n / 1e6, "non-embedding (M)": (n - emb) / 1e6,
+               "val loss": ppl[name]["loss"], "ppl": ppl[name]["ppl"]}
+        if base is not None:
+            row["vs dense"] = f"{ppl[name]['loss'] / base - 1:+.2%}"
+            row["paper"] = PAPER_COST.get(name, "0%" if name == "dense" else "")
+        rows.append(row)
+    return rows
+
+
+def parse_alphas(spec: str) -> list[float]:
+    """'1,2,4,8,16' -> [1.0, 2.0, ...]; α must be > 0 (a one-line error otherwise)."""
+    try:
+        alphas = [float(a) for a in spec.split(",") if a.strip()]
+    except ValueError:
+        raise RunError(f"--amplify {spec!r}: expected comma-separated numbers such as 1,2,4,8,16") from None
+    if any(not (math.isfinite(a) and a > 0) for a in alphas):
+        raise RunError(f"--amplify {spec!r}: every α must be a finite number > 0")
+    return alphas
+
+
+@torch.no_grad()
+def amplification(model: DualStream, data, cfg: Config, alphas: list[float], autocast, prompt: str = "HAMLET:\n",
+                  sample_tokens: int = 40) -> dict:
+    """Attention amplification (spec §5): every head of every layer uses softmax(α·qkᵀ/√d_h) at inference. For each
+    α: val loss over analysis_windows windows and its relative increase over α = 1 (the first α should be 1), the
+    mean attention entropy (nats) and max weight per layer, from the kernel's statistics, and a greedy sample."""
+    model.eval()
+    rows, samples = [], {}
+    ids = torch.tensor([data.tokenizer.encode(prompt) or [data.tokenizer.eot]], device=data.device)
+    L = len(model.blocks)
+    for alpha in alphas:
+        total, count = 0.0, 0
+        ent, maxw, batches = torch.zeros(L), torch.zeros(L), 0
+        with model.probe(alpha=alpha, record=True):
+            for i, (x, y) in enumerate(data.iter_eval("val", 8, cfg.ctx)):
+                if i * 8 >= cfg.analysis_windows:
+                    break
+                with autocast:
+                    logits = model(x)
+                total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+                count += y.numel()
+                ent += torch.stack([a.last["entropy"].mean().cpu() for a in model.attentions()])
+                maxw += torch.stack([a.last["max_weight"].mean().cpu() for a in model.attentions()])
+                batches += 1
+            out = model.generate(ids, sample_tokens, temperature=0)
+        samples[str(alpha)] = data.tokenizer.decode(out[0].tolist())
+        rows.append({"alpha": alpha, "loss": total / count, "entropy": (ent / batches).tolist(),
+                     "max_weight": (maxw / batches).tolist()})
+    base = rows[0]["loss"]
+    for r in rows:
+        r["degradation"] = r["loss"] / base - 1
+    return {"rows": rows, "samples": samples}
+
+
+def ablation(model: DualStream, data, cfg: Config, autocast) -> list[dict]:
+    """Stream ablation (spec §6): remove x_t or x_e at the readout (and, with --ablate-at all, at every layer),
+    no retraining; relative change of the val loss (paper: +36% without x_t, +9.5% without x_e)."""
+    full = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=cfg.analysis_windows)["loss"]
+    rows = []
+    for at in ("readout",) if cfg.ablate_at == "readout" else ("readout", "all"):
+        for stream in ("x_t", "x_e"):
+            loss = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=cfg.analysis_windows, ablate=stream,
+                                at=at)["loss"]
+            rows.append({"removed": stream, "at": at, "loss": loss, "full": full, "change": loss / full - 1})
+    return rows
+
+
+def js_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Jensen–Shannon divergence in bits (so in [0, 1]) between distributions along the last dim."""
+    m = 0.5 * (p + q)
+    kl = lambda a: torch.where(a > 0, a * (a.clamp_min(1e-30).log2() - m.clamp_min(1e-30).log2()), 0.0).sum(-1)  # noqa: E731
+    return 0.5 * (kl(p) + kl(q))
+
+
+@torch.no_grad()
+def distinctiveness(model: DualStream, data, windows: int = 8, width: int = 128, skip: int = 8) -> list[float]:
+    """Attention-pattern distinctiveness per layer (spec §7, our operationalisation): the mean over head pairs and
+    query rows of the JS divergence between the two heads' attention rows, on `windows` val windows. The first
+    `skip` rows (a handful of keys, nearly forced patterns) are left out."""
+    model.eval()
+    width = min(width, model.cfg.ctx, len(data.tokens("val")) - 1)
+    x = next(iter(data.iter_eval("val", windows, width)))[0]
+    with model.probe(keep_maps=True):
+        model(x)
+        maps = [a.last["maps"][:, :, skip:] for a in model.attentions()]  # [B, H, T', T] per layer
+    H = maps[0].shape[1]
+    out = []
+    for p in maps:
+        pairs = [js_divergence(p[:, g], p[:, h]).mean() for g in range(H) for h in range(g + 1, H)]
+        out.append(torch.stack(pairs).mean().item() if pairs else 0.0)
+    return out
+
+
+def hubs(model: DualStream) -> Optional[list[dict]]:
+    """Hub structure of the Kronecker mixing matrices (spec §7, §10.4), per layer and for A_V and A_O: column mass
+    Σ_g |A[g, h]| (how much head h feeds the others), row mass, diagonal dominance |A[h, h]| / row mass, the hub (the
+    head of largest column mass) and its ratio to the mean column mass of the other heads."""
+    if model.cfg.mixing != "kronecker":
+        return None
+    rows = []
+    for i, a in enumerate(model.attentions()):
+        for name, mix in (("V", a.mix_v), ("O", a.mix_o)):
+            A = mix.weight.detach().float().abs().cpu()
+            col, row = A.sum(0), A.sum(1)
+            hub = int(col.argmax())
+            others = torch.cat([col[:hub], col[hub + 1:]])
+            rows.append({"layer": i, "matrix": name, "hub": hub,
+                         "hub ratio": (col[hub] / others.mean()).item() if len(others) else 1.0,
+                         "diag dominance": (A.diagonal() / row.clamp_min(1e-12)).mean().item(),
+                         "column mass": [round(v, 4) for v in col.tolist()], "row mass": [round(v, 4) for v in row.tolist()]})
+    return rows
+
+
+def kronecker_figure(model: DualStream) -> Optional[str]:
+    """Heatmaps of every layer's A_V and A_O (signed, one colour scale per matrix) as a base64 PNG."""
+    if model.cfg.mixing != "kronecker":
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    L = len(model.blocks)
+    fig, axes = plt.subplots(2, L, figsize=(2.2 * L, 4.6), squeeze=False)
+    for i, a in enumerate(model.attentions()):
+        for r, (name, mix) in enumerate((("A_V", a.mix_v), ("A_O", a.mix_o))):
+            A = mix.weight.detach().float().cpu()
+            lim = A.abs().max().item() or 1.0
+            ax = axes[r][i]
+            ax.imshow(A, cmap="RdBu_r", vmin=-lim, vmax=lim)
+            ax.set_title(f"layer {i} {name}", fontsize=8)
+            ax.set_xlabel("from head h", fontsize=7)
+            ax.set_ylabel("to head g", fontsize=7)
+            ax.tick_params(labelsize=6)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+# Built-in coreference probe (spec §7; the paper's metric is not public): two names of different gender, then a
+# pronoun that can only refer to one of them. Names are characters of the embedded plays.
+COREF_NAMES = (("Romeo", "Juliet"), ("Hamlet", "Ophelia"), ("Orlando", "Rosalind"), ("Benedick", "Beatrice"),
+               ("Antonio", "Portia"), ("Sebastian", "Viola"))
+COREF_TEMPLATES = ("{A} met {B} in the garden, and {p} said", "{A} wrote to {B} at night, and then {p} wept",
+                   "When {A} saw {B} at the gate, {p} smiled", "{A} gave {B} a ring because {p} loved")
+
+
+def coref_prompts() -> list[tuple[str, str, str, str]]:
+    """(text, pronoun, right name, wrong name): every pair, both orders, pronoun pointing at either name."""
+    out = []
+    for m, f in COREF_NAMES:
+        for t in COREF_TEMPLATES:
+            for a, b in ((m, f), (f, m)):
+                for right, pron in ((m, "he"), (f, "she")):
+                    out.append((t.format(A=a, B=b, p=pron), pron, right, f if right == m else m))
+    return out
+
+
+def coref_positions(tok, text: str, pron: str, right: str, wrong: str):
+    """-> (ids, pronoun's last token, right name's tokens, wrong name's tokens), or None when the text does not
+    decode token by token (then character spans are unknown). Spans come from decoding one token at a time."""
+    ids = tok.encode(text)
+    pieces = [tok.decode([i]) for i in ids]
+    if "".join(pieces) != text:
+        return None
+    ends = [sum(len(p) for p in pieces[:i + 1]) for i in range(len(pieces))]
+    spans = list(zip([0] + ends[:-1], ends))
+
+    def covering(start, n):
+        return [i for i, (s, e) in enumerate(spans) if s < start + n and e > start]
+    q = covering(text.index(f" {pron} ") + 1, len(pron))
+    r, w = covering(text.index(right), len(right)), covering(text.index(wrong), len(wrong))
+    return ids, q[-1], r, w
+
+
+@torch.no_grad()
+def coreference(model: DualStream, tok, device) -> dict:
+    """Per (layer, head): mean over the probe of the attention mass from the pronoun's token to the right name's
+    tokens minus the mass to the wrong name's, and the fraction of prompts where the right name gets more."""
+    model.eval()
+    L, H = len(model.blocks), model.cfg.heads
+    margin, correct, n = torch.zeros(L, H), torch.zeros(L, H), 0
+    for prompt in coref_prompts():
+        pos = coref_positions(tok, *prompt)
+        if pos is None or len(pos[0]) > model.cfg.ctx:
+            continue
+        ids, q, r, w = pos
+        with model.probe(keep_maps=True):
+            model(torch.tensor([ids], device=device))
+            maps = torch.stack([a.last["maps"][0, :, q].float().cpu() for a in model.attentions()])  # [L, H, T]
+        m_right, m_wrong = maps[..., r].sum(-1), maps[..., w].sum(-1)
+        margin += m_right - m_wrong
+        correct += (m_right > m_wrong).float()
+        n += 1
+    if n == 0:
+        return {"prompts": 0}
+    margin, correct = margin / n, correct / n
+    best = int(margin.flatten().argmax())
+    return {"prompts": n, "margin": margin.tolist(), "accuracy": correct.tolist(),
+            "best": {"layer": best // H, "head": best % H, "margin": margin.flatten()[best].item(),
+                     "accuracy": correct.flatten()[best].item()},
+            "layer_best_margin": margin.max(1).values.tolist()}
+
+
+@torch.no_grad()
+def head_specialization(model: DualStream, data, device) -> dict:
+    return {"distinctiveness": distinctiveness(model, data), "hubs": hubs(model),
+            "coreference": coreference(model, data.tokenizer, device)}
+
+
+def sample_text(model, tok, prompt: str, n: int, device, seed: int) -> str:
+    ids = tok.encode(prompt.replace("\\n", "\n").replace("\\t", "\t")) or [tok.eot]  # "\n" typed in a shell
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(torch.tensor([ids], device=device), n, generator=g)
+    return tok.decode(out[0].tolist())
+
+
+BENCH_VOCAB = 50304  # GPT-2's vocabulary padded to a multiple of 64 (nanoGPT)
+
+
+def bench_time(fn, device, reps=3) -> float:
+    """Median seconds of fn() after one warm-up call; triton.testing.do_bench on CUDA."""
+    if device.type == "cuda" and HAS_TRITON:
+        return triton.testing.do_bench(fn, quantiles=[0.5]) / 1e3
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
+    """Training tokens/s of each V/O mixing strategy (token-factor, dense FFN) and of the fully independent model,
+    relative to dense, measured side by side (steps alternated so drift hits all alike, random tokens); then the
+    attention kernel against SDPA and the explicit reference."""
+    B, T = min(cfg.batch_size, 16), cfg.ctx
+    res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "batch": B, "ctx": T}
+    log(f"bench: {cfg.layers} layers, d={cfg.d_model}, {cfg.heads} heads, vocab {vocab_size}, batch {B}x{T}, "
+        f"kernels {cfg.kernels}")
+    runs = {}
+    for name in ("dense", "kronecker", "independent", "identity", "fully independent"):
+        c = replace(cfg, **SWEEP[name], dropout=0.0)
+        torch.manual_seed(cfg.seed)
+        m = DualStream(c, vocab_size).to(device)
+        runs[name] = (m, make_optimizer(m, c, device.type))
+    x = torch.randint(0, vocab_size, (B, T), device=device)
+    y = torch.randint(0, vocab_size, (B, T), device=device)
+
+    def step(name):
+        m, opt = runs[name]
+        with autocast:
+            loss = m(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    times = {n: [] for n in runs}
+    reps = 20 if device.type == "cuda" else 5
+    for i in range(reps + 2):
+        for n in runs:
+            t = time.perf_counter()
+            step(n)
+            if i >= 2:  # two warm-up rounds
+                times[n].append(time.perf_counter() - t)
+    tok_s = {n: B * T / sorted(v)[len(v) // 2] for n, v in times.items()}
+    res["train_tok_s"] = tok_s
+    res["ratio_to_dense"] = {n: tok_s[n] / tok_s["dense"] for n in tok_s}
+    log("training tokens/s: " + ", ".join(f"{n} {v:,.0f} ({res['ratio_to_dense'][n]:.1%})" for n, v in tok_s.items())
+        + " (ratios to dense; goal: kronecker and independent >= 95%)")
+    res["kernel"] = bench_kernel(cfg, device, log)
+    return res
+
+
+def bench_kernel(cfg: Config, device, log=print) -> dict:
+    """amp_attention's Triton kernel (o plus entropy and max weight) against SDPA (o only) and the explicit
+    reference, forward and forward + backward, bf16, B·H = 4·6 heads of d_h = 64, ctx 256 … 4096."""
+    if device.type != "cuda" or not HAS_TRITON:
+        log("kernel: the Triton attention kernel needs a CUDA GPU; skipped")
+        return {}
+    out = {}
+    B, H, dh = 4, 6, 64
+    forms = {"triton": lambda q, k, v: amp_attention(q, k, v, 1.0, backend="triton")[0],
+             "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+             "reference": lambda q, k, v: amp_attention_reference(q, k, v, 1.0)[0]}
+    for T in (256, 512, 1024, 2048, 4096):
+        q, k, v = (torch.randn(B, H, T, dh, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        do = torch.randn_like(q)
+        row = {}
+        for name, fn in forms.items():
+            fwd = bench_time(lambda: fn(q, k, v), device)
+            fb = bench_time(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), device)
+            row[name] = {"fwd_ms": 1e3 * fwd, "fwd_bwd_ms": 1e3 * fb}
+        row["fwd_vs_sdpa"] = row["triton"]["fwd_ms"] / row["sdpa"]["fwd_ms"]
+        row["fwd_bwd_vs_sdpa"] = row["triton"]["fwd_bwd_ms"] / row["sdpa"]["fwd_bwd_ms"]
+        out[f"T{T}"] = row
+        log(f"kernel T={T}: triton fwd {row['triton']['fwd_ms']:.3f} ms ({row['fwd_vs_sdpa']:.2f}x SDPA, goal <= 1.3x), "
+            f"fwd+bwd {row['triton']['fwd_bwd_ms']:.3f} ms ({row['fwd_bwd_vs_sdpa']:.2f}x SDPA); reference fwd "
+            f"{row['reference']['fwd_ms']:.3f} ms")
+    return out
+
+
+def figure(draw, size=(6, 3.5)) -> str:
+    """draw(fig) on a fresh matplotlib figure -> base64 PNG (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=size)
+    draw(fig)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def loss_figure(histories: dict) -> str:
+    def draw(fig):
+        ax = fig.add_subplot()
+        for name, h in histories.items():
+            if h["train"]:
+                ax.plot(*zip(*h["train"]), label=f"{name} train", alpha=0.6)
+            if h["val"]:
+                ax.plot(h["step"], h["val"], "o-", ms=3, label=f"{name} val")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=7)
+    return figure(draw)
+
+
+def amplification_figure(amp: dict) -> str:
+    """Relative val-loss increase against α per model, and mean attention entropy per layer against α."""
+    def draw(fig):
+        ax1, ax2 = fig.subplots(1, 2)
+        for name, a in amp.items():
+            alphas = [r["alpha"] for r in a["rows"]]
+            ax1.plot(alphas, [100 * r["degradation"] for r in a["rows"]], "o-", label=name)
+        ax1.set_xscale("log", base=2)
+        ax1.set_xlabel("α")
+        ax1.set_ylabel("val loss increase (%)")
+        ax1.legend(fontsize=7)
+        name, a = next(iter(amp.items()))
+        for r in a["rows"]:
+            ax2.plot(range(len(r["entropy"])), r["entropy"], "o-", label=f"α={r['alpha']:g}")
+        ax2.set_xlabel("layer")
+        ax2.set_ylabel(f"mean attention entropy (nats), {name}")
+        ax2.legend(fontsize=7)
+    return figure(draw, (10, 3.5))
+
+
+def table_html(rows: list[dict], cols: list[str]) -> str:
+    def fmt(v):
+        return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{fmt(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, name: str = "report") -> Path:
+    img = '<img src="data:image/png;base64,{}">'.format
+    parts = [f"<h1>Dual-Stream Transformer report</h1><p>{html.escape(time.strftime('%Y-%m-%d %H:%M'))}, preset "
+             f"{html.escape(results.get('preset', ''))}, device {html.escape(results.get('device', ''))}</p>",
+             "<h2>Configuration</h2>" + table_html([asdict(cfg)], list(asdict(cfg)))]
+    if histories:
+        parts.append("<h2>Training</h2>" + img(loss_figure(histories)))
+    if results.get("models"):
+        parts.append("<h2>Validation (every token once)</h2>" + table_html(results["models"], list(results["models"][0])))
+    if results.get("amplification"):
+        amp = results["amplification"]
+        rows = [{"model": m, "alpha": r["alpha"], "val loss": r["loss"], "increase": f"{r['degradation']:+.1%}",
+                 "entropy per layer": " ".join(f"{e:.2f}" for e in r["entropy"]),
+                 "max weight per layer": " ".join(f"{e:.2f}" for e in r["max_weight"])}
+                for m, a in amp.items() for r in a["rows"]]
+        parts.append("<h2>Attention amplification</h2><p>paper: 16% (Kronecker) to 27% (independent) at α = 16</p>"
+                     + img(amplification_figure(amp)) + table_html(rows, list(rows[0])))
+        for m, a in amp.items():
+            parts.append(f"<h3>Greedy samples, {html.escape(m)}</h3>" + "".join(
+                f"<pre>α={html.escape(k)}: {html.escape(s)}</pre>" for k, s in a["samples"].items()))
+    if results.get("ablation"):
+        rows = [{"model": m, **{k: (f"{v:+.1%}" if k == "change" else v) for k, v in r.items()}}
+                for m, rs in results["ablation"].items() for r in rs]
+        parts.append("<h2>Stream ablation</h2><p>paper: +36% without x_t, +9.5% without x_e</p>"
+                     + table_html(rows, list(rows[0])))
+    for m, s in results.get("specialization", {}).items():
+        parts.append(f"<h2>Head specialisation, {html.escape(m)}</h2><p>distinctiveness (mean pairwise JS, bits) per "
+                     "layer: " + " ".join(f"{v:.3f}" for v in s["distinctiveness"]) + "</p>")
+        if s.get("hubs"):
+            parts.append(img(s["figure"]) + table_html(s["hubs"], list(s["hubs"][0])))
+        c = s["coreference"]
+        if c.get("prompts"):
+            b = c["best"]
+            parts.append(f"<p>coreference probe, {c['prompts']} prompts: best head layer {b['layer']} head {b['head']} "
+                         f"(attention margin {b['margin']:+.3f}, right > wrong in {b['accuracy']:.0%}); best margin per "
+                         "layer " + " ".join(f"{v:+.3f}" for v in c["layer_best_margin"]) + "</p>")
+    for m, samples in results.get("samples", {}).items():
+        parts.append(f"<h2>Samples ({html.escape(m)})</h2>" + "".join(f"<pre>{html.escape(s)}</pre>" for s in samples))
+    path = out_dir / f"{name}.html"
+    path.write_text("<!doctype html><meta charset=utf-8><title>Dual-Stream report</title><style>body{font-family:"
+                    "sans-serif;max-width:1100px}table{border-collapse:collapse;font-size:12px}td,th{border:1px "
+                    "solid #ccc;padding:2px 6px}pre{background:#f6f6f6;padding:6px;white-space:pre-wrap}</style>"
+                    + "".join(parts))
+    return path
+
+
+# -----------------------------------------------------------------------------
+# main
+
+
+class Logger:
+    """print() on rank 0, and the same lines appended to out_dir/log.txt."""
+
+    def __init__(self, path: Optional[Path], rank: int):
+        self.path, self.rank = path, rank
+        if path is not None and rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, msg: str) -> None:
+        if self.rank != 0:
+            return
+        print(msg, flush=True)
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(msg + "\n")
+
+
+def apply_preset(cfg: Config, explicit) -> str:
+    preset = cfg.preset if cfg.preset != "auto" else ("paper" if torch.cuda.is_available() else "cpu")
+    if preset == "cpu":
+        for k, v in CPU_PRESET.items():
+            if k not in explicit:
+                setattr(cfg, k, v)
+    return preset
+
+
+def validate(cfg: Config) -> None:
+    """Every bad flag value found before anything is trained, each as one line."""
+    checks = [(cfg.layers >= 1, "--layers must be >= 1"), (cfg.heads >= 1, "--heads must be >= 1"),
+              (cfg.d_model % cfg.heads == 0, f"--d-model {cfg.d_model} must split into --heads {cfg.heads} heads"),
+              ((cfg.d_model // max(cfg.heads, 1)) % 2 == 0, "the head size d_model/heads must be even (RoPE rotates pairs)"),
+              (cfg.ctx >= 1, "--ctx must be >= 1"), (cfg.batch_size >= 1, "--batch-size must be >= 1"),
+              (cfg.max_iters >= 1, "--max-iters must be >= 1"),
+              (cfg.eval_interval >= 1 and cfg.log_interval >= 1 and cfg.eval_iters >= 1, "intervals must be >= 1"),
+              (cfg.lr > 0, "--lr must be > 0"), (0 <= cfg.dropout < 1, "--dropout must be in [0, 1)"),
+              (0 <= cfg.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
+              (0 <= cfg.warmup_frac <= 1, "--warmup-frac must be in [0, 1]"),
+              (cfg.weight_decay >= 0, "--weight-decay must be >= 0"), (cfg.grad_clip >= 0, "--grad-clip must be >= 0"),
+              (cfg.analysis_windows >= 1, "--analysis-windows must be >= 1"),
+              (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"),
+              (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file")]
+    for ok, msg in checks:
+        if not ok:
+            raise RunError(msg)
+    bad = [f.name for f in fields(cfg) if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
+    if bad:
+        raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number")
+    parse_alphas(cfg.amplify)
+
+
+def check_tokenizer(ck: dict, data, path: Path) -> None:
+    """A checkpoint only makes sense with the token map it was trained with."""
+    saved, current = ck["tokenizer"], data.tokenizer.state_dict()
+    if saved["name"] != current["name"] or saved["compacted"] != current["compacted"] or \
+            not torch.equal(saved["kept"], current["kept"]):
+        raise RunError(f"{path} was trained with another token map ({saved['name']}, "
+                       f"{len(saved['kept']) + 1 if saved['compacted'] else 'full'} ids) than this data's "
+                       f"({current['name']}, {data.vocab_size} ids); the corpus or its cache changed")
+
+
+def load_model(ck: dict, c: Config, data, device, path: Path) -> DualStream:
+    check_tokenizer(ck, data, path)
+    model = DualStream(c, data.vocab_size).to(device)
+    try:
+        model.load_state_dict(ck["model"])
+    except RuntimeError as e:
+        raise RunError(f"{path} does not fit this model ({str(e).splitlines()[-1].strip()})") from None
+    return model
+
+
+def run(cfg: Config, explicit) -> int:
+    from common import DataError, load_data
+
+    preset = apply_preset(cfg, explicit)
+    validate(cfg)
+    alphas = parse_alphas(cfg.amplify)
+    device, autocast, dist_info = setup_device(cfg)
+    if cfg.kernels == "triton" and not HAS_TRITON:
+        raise RunError(f"--kernels triton needs the triton package, which failed to import ({TRITON_ERROR})")
+    if cfg.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RunError("--kernels triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
+    rank = dist_info["rank"]
+    confs = configurations(cfg)
+    loaded = {}  # --no-train / --resume: the architecture and the data come from the checkpoints
+    if (not cfg.train or cfg.resume) and not cfg.bench:
+        for name, c in confs.items():
+            path = ckpt_path(c)
+            if cfg.sweep and not path.exists():  # a sweep uses what exists (--resume trains the rest from scratch)
+                continue
+            loaded[name] = (path, *load_checkpoint(path, c, explicit))
+        if not loaded:
+            raise RunError(f"no sweep checkpoints in {cfg.out_dir} (run --sweep first)")
+        saved = next(iter(loaded.values()))[2]
+        cfg = replace(cfg, **{k: getattr(saved, k) for k in ARCH_KEYS + MERGED_KEYS if k not in SWEEP["dense"]})
+        confs = {name: (loaded[name][2] if name in loaded else replace(c, **{k: getattr(cfg, k) for k in MERGED_KEYS}))
+                 for name, c in confs.items() if cfg.train or name in loaded}
+    out_dir = Path(cfg.out_dir)
+    log = Logger(None if cfg.bench else out_dir / "log.txt", rank)
+    if preset == "cpu" and not cfg.bench and cfg.train:
+        log("no GPU: running the CPU preset (" + ", ".join(f"{k}={getattr(cfg, k)}" for k in CPU_PRESET)
+            + f"), about {5 * len(confs)} minutes; --preset paper runs the paper's configuration")
+    log("config: " + json.dumps(asdict(cfg)))
+    log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
+        f"{getattr(triton, '__version__', 'absent')}, device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    torch.manual_seed(cfg.seed + rank)
+    if cfg.bench:  # random tokens: no corpus needed
+        res = bench(cfg, BENCH_VOCAB, device, autocast, log)
+        if rank == 0:
+            print(json.dumps(res, indent=1, default=str))
+        return 0
+
+    def get_data():
+        return load_data(cfg.dataset, cfg.tokenizer, cfg.compact, cfg.max_tokens, cfg.cache_dir, device, cfg.seed,
+                         rank, dist_info["world"])
+    error = None
+    if rank == 0:  # rank 0 builds the token cache; the others wait, then reuse it (or meet the same error)
+        try:
+            data = get_data()
+        except DataError as e:
+            error = e
+    if dist_info["ddp"]:
+        torch.distributed.barrier()
+    if error is not None:
+        raise error
+    if rank != 0:
+        data = get_data()
+    results = {"preset": preset, "device": str(device)}
+    histories, models = {}, {}
+    start_rng = data.rng_state()
+    for name, c in confs.items():
+        c = replace(c, resume=cfg.resume and name in loaded)
+        if cfg.train:
+            ck = None
+            if name in loaded:  # --resume
+                path, ck, _ = loaded[name]
+                check_tokenizer(ck, data, path)
+            t0 = time.time()
+            models[name], histories[name] = train(c, data, device, autocast, dist_info, explicit, log, ck, start_rng)
+            log(f"{name}: trained in {time.time() - t0:.0f}s; checkpoint {ckpt_path(c)}")
+        else:
+            path, ck, c = loaded[name]
+            models[name], histories[name] = load_model(ck, c, data, device, path), ck["history"]
+    if dist_info["ddp"]:  # the analyses run on rank 0 alone, over the whole val split
+        torch.distributed.destroy_process_group()
+        data.rank, data.world_size = 0, 1
+    if rank != 0:
+        return 0
+    ppl = {}
+    for name, m in models.items():
+        ppl[name] = evaluate_ppl(m, data, cfg.ctx, autocast)
+        log(f"{name}: val loss {ppl[name]['loss']:.4f}, perplexity {ppl[name]['ppl']:.2f} over "
+            f"{ppl[name]['tokens']:,} tokens")
+    results["models"] = sweep_table(models, ppl)
+    if len(models) > 1:
+        log("sweep (val loss relative to token-factor dense; paper: Kronecker +2.5%, fully independent +8%):")
+        for r in results["models"]:
+            log(f"  {r['model']:<20} {r['params (M)']:6.2f}M params ({r['non-embedding (M)']:5.2f}M non-embedding) "
+                f"val loss {r['val loss']:.4f}  {r.get('vs dense', '')}")
+    if alphas:
+        results["amplification"] = {}
+        for name, m in models.items():
+            a = results["amplification"][name] = amplification(m, data, cfg, alphas, autocast)
+            log(f"amplification, {name}: " + ", ".join(
+                f"α={r['alpha']:g} loss {r['loss']:.3f} ({r['degradation']:+.1%}, entropy {sum(r['entropy']) / len(r['entropy']):.2f})"
+                for r in a["rows"]))
+            log(f"  greedy at α={alphas[-1]:g}: " + a["samples"][str(alphas[-1])].replace("\n", " / ")[:160])
+    if cfg.ablation:
+        results["ablation"] = {}
+        for name, m in models.items():
+            if m.cfg.mode == "single":
+                log(f"ablation, {name}: one stream, nothing to remove")
+                continue
+            rows = results["ablation"][name] = ablation(m, data, cfg, autocast)
+            log(f"ablation, {name}: " + ", ".join(f"without {r['removed']} at {r['at']} {r['change']:+.1%}" for r in rows)
+                + " (paper: x_t +36%, x_e +9.5%)")
+    if cfg.specialization:
+        results["specialization"] = {}
+        for name, m in models.items():
+            s = results["specialization"][name] = head_specialization(m, data, device)
+            line = "distinctiveness per layer " + " ".join(f"{v:.3f}" for v in s["distinctiveness"])
+            fig = kronecker_figure(m)
+            if fig is not None:
+                png = out_dir / f"kronecker-{variant(m.cfg)}.png"
+                png.write_bytes(base64.b64decode(fig))
+                s["figure"] = fig
+                deep = [h for h in s["hubs"] if h["matrix"] == "O"]
+                line += "; A_O hubs " + " ".join(f"L{h['layer']}:h{h['hub']}({h['hub ratio']:.1f}x)" for h in deep) + f"; {png}"
+            c = s["coreference"]
+            if c.get("prompts"):
+                line += (f"; coreference: best head L{c['best']['layer']}h{c['best']['head']} margin "
+                         f"{c['best']['margin']:+.3f} ({c['best']['accuracy']:.0%} of {c['prompts']})")
+            log(f"specialisation, {name}: {line}")
+    if cfg.sample is not None or cfg.train:
+        prompts = [cfg.sample] if cfg.sample is not None else ["HAMLET:\n"]
+        results["samples"] = {}
+        for name, m in models.items():
+            m.eval()
+            results["samples"][name] = [sample_text(m, data.tokenizer, p, cfg.sample_tokens, device, cfg.seed)
+                                        for p in prompts]
+            for s in results["samples"][name]:
+                log(f"sample ({name}): " + s.replace("\n", "\n        "))
+    tag = "results" if cfg.train else "analysis"  # an analysis-only run never overwrites the training run's report
+    strip = {k: v for k, v in results.items() if k != "specialization"}
+    strip["specialization"] = {m: {k: v for k, v in s.items() if k != "figure"}
+                               for m, s in results.get("specialization", {}).items()}
+    (out_dir / f"{tag}.json").write_text(json.dumps(strip, default=str))
+    if cfg.report:
+        log(f"report: {write_report(out_dir, cfg, results, histories, 'report' if cfg.train else 'analysis')}")
+    return 0
+
+
+def main(argv=None) -> int:
+    from common import DataError, parse_config
+
+    cfg, args = parse_config(Config, argv, "The Dual-Stream Transformer: channelized mixing and its diagnostics "
+                                           "(arXiv 2603.07461).")
+    try:
+        return run(cfg, args.explicit)
+    except (RunError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if dist_ready():
+            torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

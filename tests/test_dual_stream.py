@@ -1,0 +1,304 @@
+"""dual_stream.py beyond the core op: the spec's parameter table, the structural guarantees (head isolation under
+independent mixing, the frozen token stream, single-stream = a standard pre-norm GPT), amplification at α = 1,
+the ablations, the analyses, training (resume, NaN, DDP), checkpoints, the command line, and that the script
+works when copied alone."""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import common
+import dual_stream as ds
+from conftest import call_main
+from dual_stream import Config, DualStream
+
+ROOT = Path(__file__).resolve().parents[1]
+V = 40
+DIST = dict(ddp=False, rank=0, local_rank=0, world=1)
+TINY = ["--layers", "2", "--d-model", "24", "--heads", "3", "--ctx", "32", "--batch-size", "4", "--max-iters", "30",
+        "--eval-interval", "15", "--eval-iters", "2", "--log-interval", "10", "--analysis-windows", "4",
+        "--sample-tokens", "8", "--amplify", "1,4,16"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def run_script(*args, cwd=ROOT, env=None, timeout=600):
+    """Run a command the way a user would: offline, and without the tests' Triton interpreter."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+def tiny_model(vocab=V, **kw):
+    cfg = Config(**{**dict(layers=2, d_model=24, heads=3, ctx=16, dropout=0.0, kernels="torch"), **kw})
+    torch.manual_seed(0)
+    return DualStream(cfg, vocab).double()
+
+
+def tokens(B=2, T=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+# ---------------------------------------------------------------- structure
+
+# spec §8: d = 384, L = 6, H = 6, GPT-2 vocabulary, tied, no biases; (total, non-embedding) in millions
+SPEC_TABLE = {("dense", "dense"): (29.92, 10.62), ("independent", "dense"): (28.45, 9.15),
+              ("kronecker", "dense"): (28.15, 8.85), ("identity", "dense"): (28.15, 8.85),
+              ("independent", "independent"): (22.55, 3.25), ("kronecker", "independent"): (22.25, 2.95)}
+
+
+@pytest.mark.parametrize("mixing,ffn", list(SPEC_TABLE))
+def test_parameter_counts_match_the_spec_table(mixing, ffn):
+    """The table counts two norms per block (gains only): V read from x_t directly. With CLN_v (the default
+    xt-cln) every block has one more CLN, d gains more."""
+    counts = {}
+    for v_source in ("xt-raw", "xt-cln"):
+        with torch.device("meta"):
+            m = DualStream(Config(mixing=mixing, ffn_mixing=ffn, v_source=v_source), 50257)
+        counts[v_source] = m.n_params()
+        emb = m.wte.weight.numel()
+    total, non_emb = SPEC_TABLE[(mixing, ffn)]
+    assert (round(counts["xt-raw"] / 1e6, 2), round((counts["xt-raw"] - emb) / 1e6, 2)) == (total, non_emb)
+    assert counts["xt-cln"] - counts["xt-raw"] == 6 * 384
+    d, H = 384, 6  # and exactly, term by term
+    mix = {"dense": d * d, "independent": d * d // H, "kronecker": H * H, "identity": 0}[mixing]
+    ffn_params = 8 * d * d // (H if ffn == "independent" else 1)
+    assert counts["xt-raw"] == emb + 6 * (2 * d * d + 2 * mix + ffn_params + 2 * d) + d
+
+
+@pytest.mark.parametrize("kind", ["identity", "independent", "kronecker", "dense"])
+def test_head_mix_equals_its_matrix(kind):
+    """Forward never builds the d×d matrix; the result is the matrix's (blockdiag(W_h) or A ⊗ I for the
+    structured ones)."""
+    torch.manual_seed(0)
+    mix = ds.HeadMix(kind, 4, 32, 0.3).double()
+    x = torch.randn(3, 5, 32, dtype=torch.float64)
+    torch.testing.assert_close(mix(x), x @ mix.matrix().double().T)
+    n = {"identity": 0, "independent": 4 * 8 * 8, "kronecker": 16, "dense": 32 * 32}[kind]
+    assert sum(p.numel() for p in mix.parameters()) == n
+
+
+def test_cln_is_layernorm_per_head_slice():
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 24, dtype=torch.float64) * 3 + 1
+    for gain in ("element", "head"):
+        cln = ds.channel_norm(Config(heads=3, cln_gain=gain, cln_bias=True, kernels="torch"), 24).double()
+        with torch.no_grad():
+            cln.weight.uniform_(0.5, 1.5)
+            cln.bias.uniform_(-1, 1)
+        w = cln.weight if gain == "element" else cln.weight.repeat_interleave(8)
+        b = cln.bias if gain == "element" else cln.bias.repeat_interleave(8)
+        ref = F.layer_norm(x.view(2, 5, 3, 8), (8,), eps=1e-5).flatten(-2) * w + b
+        torch.testing.assert_close(cln(x), ref)
+        assert cln.weight.shape == ((24,) if gain == "element" else (3,))
+
+
+def test_independent_mixing_keeps_heads_isolated():
+    """With independent V/O mixing and the attention pattern held fixed (Q, K inputs unchanged), a perturbation in
+    one head of x_t changes only that head of the attention output; Kronecker mixing spreads it (so the check can
+    fail)."""
+    for mixing, isolated in (("independent", True), ("kronecker", False), ("dense", False)):
+        m = tiny_model(mixing=mixing)
+        block = m.blocks[0]
+        torch.manual_seed(1)
+        x_t, h = torch.randn(2, 9, 24, dtype=torch.float64), torch.randn(2, 9, 24, dtype=torch.float64)
+        bumped = x_t.clone()
+        bumped[..., 8:16] += torch.randn(2, 9, 8, dtype=torch.float64)  # head 1 of 3
+        delta = (block.attn(h, block.ln_v(bumped)) - block.attn(h, block.ln_v(x_t))).abs().view(2, 9, 3, 8)
+        assert delta[:, :, 1].max() > 1e-6
+        others = max(delta[:, :, 0].max(), delta[:, :, 2].max()).item()
+        assert (others == 0.0) == isolated, (mixing, others)
+
+
+def test_fts_keeps_the_token_stream_frozen():
+    """In FTS mode x_t is bit-identical at the input of every layer (the normalised embedding); attention writes x_e."""
+    m = tiny_model(mode="fts", layers=3)
+    seen = []
+    for b in m.blocks:
+        b.register_forward_pre_hook(lambda mod, args: seen.append(args[0].clone()))
+    x, _ = tokens()
+    x_t, x_e = m.streams(x)
+    assert len(seen) == 3 and all(torch.equal(s, seen[0]) for s in seen) and torch.equal(x_t, seen[0])
+    torch.testing.assert_close(seen[0], m.ln_embed(m.wte(x)))
+    assert x_e.abs().sum() > 0
+
+
+def test_token_factor_streams_are_written_by_their_own_sublayers():
+    """Attention writes only x_t, the FFN only x_e: zeroing every FFN leaves x_e at zero, zeroing every attention
+    output leaves x_t at the embedding."""
+    m = tiny_model()
+    x, _ = tokens()
+    with torch.no_grad():
+        for b in m.blocks:
+            b.ffn.down.zero_()
+    x_t, x_e = m.streams(x)
+    assert x_e.abs().max() == 0 and not torch.equal(x_t, m.wte(x))
+    m = tiny_model()
+    with torch.no_grad():
+        for b in m.blocks:
+            b.attn.mix_o.weight.zero_()
+    x_t, x_e = m.streams(x)
+    assert torch.equal(x_t, m.wte(x)) and x_e.abs().max() > 0
+
+
+def rotate_half_rope(x, theta=10000.0):
+    """RoPE written the GPT-NeoX way (x·cos + rotate_half(x)·sin), independently of dual_stream.rope."""
+    T, dh = x.shape[-2], x.shape[-1]
+    freqs = 1.0 / theta ** (torch.arange(0, dh, 2, dtype=torch.float64) / dh)
+    ang = torch.outer(torch.arange(T, dtype=torch.float64), freqs)
+    emb = torch.cat([ang, ang], -1)
+    rot = torch.cat([-x[..., dh // 2:], x[..., : dh // 2]], -1)
+    return x * emb.cos() + rot * emb.sin()
+
+
+def test_single_stream_dense_is_a_standard_prenorm_gpt():
+    """--mode single --mixing dense --norm layernorm is a plain pre-LN GPT (RoPE, GELU MLP, tied head), written
+    here from scratch with the model's weights."""
+    m = tiny_model(mode="single", mixing="dense", norm="layernorm")
+    x, _ = tokens()
+    H, dh = 3, 8
+    with torch.no_grad():
+        for p in m.parameters():  # norms away from 1 so they matter
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+        h = m.wte.weight[x]
+        for b in m.blocks:
+            a = F.layer_norm(h, (24,), b.ln_1.weight, eps=1e-5)
+            q, k, v = (t.view(2, 16, H, dh).transpose(1, 2) for t in
+                       (a @ b.attn.q.weight.T, a @ b.attn.k.weight.T, a @ b.attn.mix_v.weight.T))
+            q, k = rotate_half_rope(q), rotate_half_rope(k)
+            s = (q @ k.transpose(-1, -2)) / math.sqrt(dh)
+            s = s.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+            y = (s.softmax(-1) @ v).transpose(1, 2).reshape(2, 16, 24)
+            h = h + y @ b.attn.mix_o.weight.T
+            f = F.layer_norm(h, (24,), b.ln_2.weight, eps=1e-5)
+            h = h + F.gelu(f @ b.ffn.up[0].T) @ b.ffn.down[0].T
+        ref = F.layer_norm(h, (24,), m.ln_f.weight, eps=1e-5) @ m.wte.weight.T
+    torch.testing.assert_close(m(x), ref)
+
+
+# ---------------------------------------------------------------- amplification and ablation
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_alpha_one_reproduces_the_training_loss_exactly(backend):
+    m = tiny_model(kernels=backend).float()
+    x, y = tokens()
+    loss = m(x, y)
+    with m.probe(alpha=1.0, record=True):
+        probed = m(x, y)
+        ent = [a.last["entropy"] for a in m.attentions()]
+    assert torch.equal(loss, probed) and all(e.shape == (3,) for e in ent)
+    with m.probe(alpha=16.0):
+        assert not torch.equal(m(x, y), loss)
+    assert all(a.alpha == 1.0 and not a.record for a in m.attentions())  # the probe restores training mode
+
+
+def test_amplification_sharpens_attention():
+    m = tiny_model()
+    x, _ = tokens()
+    ent = {}
+    for alpha in (1.0, 16.0, 1e4):
+        with m.probe(alpha=alpha, record=True):
+            m(x)
+            ent[alpha] = torch.stack([a.last["entropy"] for a in m.attentions()])
+    assert (ent[16.0] < ent[1.0]).all() and ent[1e4].max() < 0.1
+
+
+def test_readout_ablation_reads_one_stream():
+    m = tiny_model()
+    x, _ = tokens()
+    x_t, x_e = m.streams(x)
+    torch.testing.assert_close(m(x, ablate="x_e"), F.linear(m.ln_f(x_t), m.wte.weight))
+    torch.testing.assert_close(m(x, ablate="x_t"), F.linear(m.ln_f(x_e), m.wte.weight))
+
+
+def test_ablation_at_every_layer_is_a_model_without_that_stream():
+    """Removing x_e at every layer = the same model with every FFN output zeroed (x_e never written)."""
+    m = tiny_model()
+    x, _ = tokens()
+    ablated = m(x, ablate="x_e", at="all")
+    with torch.no_grad():
+        for b in m.blocks:
+            b.ffn.down.zero_()
+    torch.testing.assert_close(ablated, m(x))
+    with pytest.raises(ValueError, match="two streams"):
+        tiny_model(mode="single")(x, ablate="x_t")
+
+
+# ---------------------------------------------------------------- analyses
+
+def test_js_divergence_bounds():
+    p = torch.tensor([[1.0, 0.0, 0.0], [0.2, 0.3, 0.5]])
+    q = torch.tensor([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]])
+    torch.testing.assert_close(ds.js_divergence(p, q), torch.tensor([1.0, 0.0]))
+
+
+def test_hubs_find_the_heaviest_column():
+    m = tiny_model(mixing="kronecker").float()
+    with torch.no_grad():
+        for a in m.attentions():
+            a.mix_o.weight.copy_(torch.eye(3) * 0.1)
+            a.mix_o.weight[:, 2] = 1.0
+    rows = [r for r in ds.hubs(m) if r["matrix"] == "O"]
+    assert all(r["hub"] == 2 for r in rows)
+    assert rows[0]["hub ratio"] == pytest.approx(3.0 / 0.1)  # column 2: three 1s; columns 0, 1: one 0.1 each
+    assert ds.hubs(tiny_model(mixing="dense")) is None
+
+
+def test_coref_prompts_point_at_the_right_name():
+    prompts = ds.coref_prompts()
+    assert len(prompts) == len(ds.COREF_NAMES) * len(ds.COREF_TEMPLATES) * 4
+    male = {m for m, _ in ds.COREF_NAMES}
+    for text, pron, right, wrong in prompts:
+        assert f" {pron} " in text and right in text and wrong in text
+        assert (pron == "he") == (right in male)
+
+
+def test_coref_positions_with_bytes():
+    """One token per character: the pronoun is its last letter, each name its letters."""
+    tok = common.Tokenizer("bytes")
+    text = "Romeo met Juliet in the garden, and she said"
+    ids, q, r, w = ds.coref_positions(tok, text, "she", "Juliet", "Romeo")
+    assert len(ids) == len(text) and q == text.index(" she ") + 3
+    assert r == list(range(10, 16)) and w == list(range(0, 5))
+
+
+def test_coreference_scores_an_oracle_head(monkeypatch):
+    """Attention maps replaced by an oracle: head 0 puts all of the pronoun's mass on the right name, heads 1-2
+    split it between the two names. Head 0 must score margin 1 and accuracy 1, the others margin 0."""
+    tok = common.Tokenizer("bytes")
+    m = tiny_model(tok.vocab_size, ctx=64).float()
+    where = {tuple(ds.coref_positions(tok, *p)[0]): ds.coref_positions(tok, *p)[1:] for p in ds.coref_prompts()}
+    seen = {}
+    real_model, real_attn = DualStream.forward, ds.ChannelAttention.forward
+
+    def model_forward(self, idx, *a, **k):
+        seen["ids"] = tuple(idx[0].tolist())
+        return real_model(self, idx, *a, **k)
+
+    def attn_forward(self, h, v_in):
+        out = real_attn(self, h, v_in)
+        if self.keep_maps:
+            q, r, w = where[seen["ids"]]
+            T = h.shape[1]
+            maps = torch.zeros(1, 3, T, T)
+            maps[0, 0, q, r[0]] = 1.0
+            maps[0, 1:, q, r[0]] = maps[0, 1:, q, w[0]] = 0.5
+            self.last["maps"] = maps
+        return out
+    monkeypatch.setattr(DualStream, "forward", model_forward)
+    monkeypatch.setattr(ds.ChannelAttention, "forward", attn_forward)
+    res = ds.coreference(m, tok, "cpu")
+    assert res["prompts"] == len(ds.coref_prompts())
+    assert res["best"] == {"layer": 0, "head": 0, "margin": 1.0, "accuracy": 1.0}
+    assert res["margin"][1][2] == 0.0 and res["accuracy"][1][2] == 0.0

@@ -1,0 +1,208 @@
+"""dual_stream.py's core op, amp_attention: the explicit reference in float64 is the ground truth; the torch form
+(SDPA plus blocked statistics) and the Triton kernels (under Triton's interpreter without a GPU, see conftest.py)
+must match it on o, the entropy, the max weight and on dq, dk, dv, driven by a random cotangent. Kernel outputs
+are NaN-poisoned (GLASSBOX_POISON=1)."""
+import math
+import os
+
+import pytest
+import torch
+
+import dual_stream as op
+from conftest import check_close
+
+
+needs_triton = pytest.mark.skipif(
+    not op.HAS_TRITON or (os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available()),
+    reason="needs triton and CUDA or TRITON_INTERPRET=1")
+
+
+def _inputs(B, H, T, d_h, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(B, H, T, d_h, generator=g).to(dtype) for _ in range(4))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return [t.to(device) for t in (q, k, v, do)]
+
+
+def _run(fn, q, k, v, do):
+    """Forward and backward of `fn`: (o, entropy, max_weight, dq, dk, dv)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o, ent, maxw = fn(*leaves)
+    dq, dk, dv = torch.autograd.grad(o, leaves, do)
+    return o, ent, maxw, dq, dk, dv
+
+
+def _truth(q, k, v, do, alpha):
+    """The reference in float64 on the same (possibly bf16-rounded) inputs."""
+    return _run(lambda *x: op.amp_attention_reference(*x, alpha), q.double(), k.double(), v.double(), do.double())
+
+
+def _compare(ref, out, ratio=None, atol=None):
+    """check_close on (o, entropy, max_weight, dq, dk, dv); `ratio` and `atol` map a name to an override."""
+    for name, r, o in zip(("o", "entropy", "max_weight", "dq", "dk", "dv"), ref, out):
+        check_close(name, r, o, ratio=(ratio or {}).get(name), atol=(atol or {}).get(name))
+
+
+def _single_key_atol(q, k, v, do, alpha):
+    """With T = 1 the only weight is p = 1 whatever the logits, so dq = dk = 0 exactly and a relative error means
+    nothing. The fp32 forms return the roundoff of dS = p·(dP − Δ), with dP = dO·v and Δ = dO·o equal in exact
+    arithmetic (o = v), scaled by α/√d_h·k for dq (q for dk): bounded by eps32·α/√d_h·|dO|·|v|·max(|q|, |k|)."""
+    scale = alpha / math.sqrt(q.shape[-1])
+    q, k, v, do = (t.double().norm(dim=-1) for t in (q, k, v, do))  # per-row norms over d_h
+    bound = (2**-23 * scale * do * v * torch.maximum(q, k)).max().item()
+    return {"dq": bound, "dk": bound}
+
+
+SHAPES = [(2, 2, T, d_h) for T in (1, 33, 200) for d_h in (16, 64)]
+
+
+@needs_triton
+@pytest.mark.parametrize("alpha", [1.0, 16.0])
+@pytest.mark.parametrize("shape", SHAPES + [(1, 3, 77, 24), (1, 2, 77, 100)], ids=str)  # odd T, d_h
+def test_triton_matches_reference(shape, alpha):
+    q, k, v, do = _inputs(*shape)
+    out = _run(lambda *x: op.amp_attention(*x, alpha, backend="triton"), q, k, v, do)
+    assert out[0].dtype == q.dtype and out[1].dtype == out[2].dtype == torch.float32
+    _compare(_truth(q, k, v, do, alpha), out, atol=_single_key_atol(q, k, v, do, alpha) if shape[2] == 1 else None)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 16.0])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_torch_matches_reference(shape, alpha):
+    q, k, v, do = _inputs(*shape)
+    out = _run(lambda *x: op.amp_attention(*x, alpha, backend="torch"), q, k, v, do)
+    _compare(_truth(q, k, v, do, alpha), out, atol=_single_key_atol(q, k, v, do, alpha) if shape[2] == 1 else None)
+
+
+# With 16-bit inputs Δ = rowsum(dO ⊙ O) reads the bf16-rounded O (as in FlashAttention). In dS = P ⊙ (dP − Δ)
+# that rounding is not relative to dS: as α grows the rows saturate, dP − Δ shrinks and dq, dk with it, while the
+# error of Δ stays ~2⁻⁹·|dO|·|O|. At α = 16 this alone costs dq, dk a relative error of 6e-3 to 9e-3 with
+# round-to-nearest (GPU; torch's own bf16 SDPA backward is at 7e-3 to 1e-2 here), and 2e-2 to 3.5e-2 under
+# TRITON_INTERPRET=1, whose fp32 → bf16 casts truncate. Hence 5e-2 for dq, dk at α = 16, still far below what a
+# wrong term gives (O(1)); everything else holds the bf16 default.
+BF16_CASES = [((2, 2, 200, 64), 1.0, None), ((1, 3, 77, 24), 1.0, None),
+              ((1, 3, 77, 24), 16.0, {"dq": 5e-2, "dk": 5e-2})]
+
+
+@needs_triton
+@pytest.mark.parametrize("shape,alpha,ratio", BF16_CASES, ids=str)
+def test_triton_bf16(shape, alpha, ratio):
+    # o and the gradients are bf16 (8e-3, the bf16 default). The statistics are fp32 computed from bf16 inputs
+    # that convert to fp32 exactly, so they meet the fp32 tolerance: only the logits' fp32 rounding enters.
+    q, k, v, do = _inputs(*shape, dtype=torch.bfloat16)
+    out = _run(lambda *x: op.amp_attention(*x, alpha, backend="triton"), q, k, v, do)
+    assert out[0].dtype == torch.bfloat16 and out[1].dtype == torch.float32
+    _compare(_truth(q, k, v, do, alpha), out, ratio=ratio)
+
+
+FORMS = {
+    "reference": lambda *x: op.amp_attention(*x, backend="reference"),
+    "torch": lambda *x: op.amp_attention(*x, backend="torch"),
+    "triton": pytest.param(lambda *x: op.amp_attention(*x, backend="triton"), marks=needs_triton),
+}
+
+
+@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
+def test_statistics_bounds(form):
+    q, k, v, _ = _inputs(2, 2, 33, 16)
+    _, ent, maxw = form(q, k, v, 2.0)
+    assert ent[..., 0].abs().max() < 1e-6 and (maxw[..., 0] - 1).abs().max() < 1e-6  # row 0 sees key 0 only
+    log_n = torch.arange(1, 34, dtype=torch.float64, device=q.device).log()
+    assert (ent.double() <= log_n + 1e-5).all() and (ent >= -1e-6).all()  # 0 <= H <= log(t + 1)
+    assert (maxw.double() >= (-log_n).exp() - 1e-6).all() and (maxw <= 1 + 1e-6).all()  # 1/(t+1) <= max p <= 1
+    # Equal keys make every row uniform: the entropy reaches log(t + 1) and the max weight 1/(t + 1)
+    _, ent, maxw = form(q, k[..., :1, :].expand_as(k).contiguous(), v, 2.0)
+    check_close("uniform entropy", log_n.expand_as(ent), ent)
+    check_close("uniform max_weight", (-log_n).exp().expand_as(maxw), maxw)
+
+
+@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
+def test_large_alpha_is_hard_attention(form):
+    alpha = 1e4
+    q, k, v, _ = _inputs(1, 2, 33, 16, seed=1)
+    x = alpha / 4 * (q.double() @ k.double().transpose(-2, -1))  # logits, √16 = 4
+    x = x.masked_fill(torch.ones(33, 33, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    top2 = x[..., 1:, :].topk(2, dim=-1).values
+    assert (top2[..., 0] - top2[..., 1]).min() > 20  # the premise: a winner by e^20 in every row
+    o, ent, maxw = form(q, k, v, alpha)
+    assert ent.abs().max() < 1e-6 and (maxw - 1).abs().max() < 1e-6
+    hard = torch.take_along_dim(v, x.argmax(-1)[..., None], dim=-2)  # v of the argmax key, per row
+    check_close("o", hard, o)
+
+
+@needs_triton
+def test_triton_statistics_are_non_differentiable():
+    q, k, v, do = _inputs(2, 2, 33, 16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, ent, maxw = op.amp_attention(*leaves, 4.0, backend="triton")
+    assert o.requires_grad and not ent.requires_grad and not maxw.requires_grad
+    # The statistics can sit in a loss without changing the gradients
+    loss = (o * do).sum() + 10 * ent.sum() + 10 * maxw.sum()
+    grads = torch.autograd.grad(loss, leaves)
+    ref = _truth(q, k, v, do, 4.0)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref[3:]):
+        check_close(name, r, g)
+
+
+def test_torch_statistics_are_non_differentiable():
+    q, k, v, _ = _inputs(1, 2, 33, 16)
+    o, ent, maxw = op.amp_attention(*(t.clone().requires_grad_() for t in (q, k, v)), backend="torch")
+    assert o.requires_grad and not ent.requires_grad and not maxw.requires_grad
+
+
+def _saved_sizes(fn, *args):
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sizes
+
+
+@needs_triton
+def test_triton_saves_no_attention_matrix():
+    T, d_h = 200, 16  # T·T = 40000 elements, far above one head's q, k, v, o (3200) or lse (200)
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 1, T, d_h)[:3])
+    saved = _saved_sizes(lambda *x: op.amp_attention(*x, backend="triton"), q, k, v)
+    assert T * d_h in saved and max(saved) < T * T, saved  # q, k, v, o, lse and nothing of size T×T
+    # The hook does see a T×T tensor where there is one: the reference saves p
+    assert max(_saved_sizes(lambda *x: op.amp_attention(*x, backend="reference"), q, k, v)) >= T * T
+
+
+def test_torch_block_statistics():
+    q, k, v, _ = _inputs(2, 2, 33, 16)
+    _, ent, maxw = op.amp_attention_torch(q, k, v, 3.0, block=7)  # 5 query blocks, the last one of 5 rows
+    _, ref_ent, ref_maxw = op.amp_attention_reference(q.double(), k.double(), v.double(), 3.0)
+    check_close("entropy", ref_ent, ent)
+    check_close("max_weight", ref_maxw, maxw)
+
+
+def test_dispatch():
+    q, k, v, _ = _inputs(1, 2, 9, 16)
+    o, ent, maxw = op.amp_attention(q, k, v, stats=False, backend="torch")
+    assert ent is None and maxw is None
+    if not q.is_cuda:  # auto takes the torch form on CPU: its stats=False gives None
+        assert op.amp_attention(q, k, v, stats=False)[1] is None
+    with pytest.raises(ValueError, match="backend must be one of"):
+        op.amp_attention(q, k, v, backend="cuda")
+    with pytest.raises(ValueError, match=r"\(2, 9, 16\)"):
+        op.amp_attention(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="shape"):
+        op.amp_attention(q, k[..., :8, :], v)
+
+
+@needs_triton
+def test_triton_returns_free_statistics():
+    q, k, v, _ = _inputs(1, 2, 9, 16)
+    o, ent, maxw = op.amp_attention(q, k, v, stats=False, backend="triton")
+    ref = op.amp_attention_reference(q.double(), k.double(), v.double())
+    check_close("entropy", ref[1], ent)
+    check_close("max_weight", ref[2], maxw)
+
+
+def test_poison_fills_nan():
+    assert torch.isnan(op._amp_empty((3,), torch.float32, "cpu")).all() == (os.environ["GLASSBOX_POISON"] == "1")
+    assert math.isnan(op._amp_empty((1,), torch.bfloat16, "cpu").item()) == (os.environ["GLASSBOX_POISON"] == "1")
