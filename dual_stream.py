@@ -269,9 +269,10 @@ def amp_attention_torch(q, k, v, alpha=1.0, stats=True, block=128):
 # Kernels. One program owns a [BLOCK, BLOCK_D] tile of one (batch, head) and walks the other sequence axis in
 # tiles, only up to (forward, dq) or from (dk, dv) the causal diagonal. The head dim is padded to BLOCK_D and the
 # sequence to a multiple of BLOCK with masked loads (padding reads 0), so any d_h <= AMP_MAX_HEAD_DIM and any T
-# work. Inputs are upcast to fp32 on load and all accumulation is fp32; tl.dot runs at IEEE fp32 precision for
-# fp32 inputs (TF32 would cost ~1e-3 relative error) and in TF32 for 16-bit inputs, which TF32 holds exactly
-# (p and dS then round to 2⁻¹¹, below the bf16 output's own rounding).
+# work. All accumulation is fp32. The dot operands (DOT_T) are the inputs' own 16-bit type on CUDA, with p and dS
+# rounded to it before their products (FlashAttention's choice, tensor-core speed); fp32 inputs, and every input
+# under the interpreter (numpy has no bf16), use fp32 operands at IEEE precision (TF32 would cost ~1e-3 relative
+# error), so the CPU tests compare the same maths in fp32.
 
 @triton.jit
 def _amp_attn_fwd(
@@ -289,6 +290,7 @@ def _amp_attn_fwd(
     BLOCK_N: tl.constexpr,  # keys per inner step
     BLOCK_D: tl.constexpr,  # next power of two >= DH, at least 16 (tl.dot's minimum)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" for 16-bit ones
+    DOT_T: tl.constexpr,  # operand dtype of tl.dot: the inputs' own 16-bit type on CUDA, else tl.float32
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)  # B·H·T·DH can pass 2³¹
@@ -298,7 +300,7 @@ def _amp_attn_fwd(
     dims = tl.arange(0, BLOCK_D)
     row_ok, dim_ok = rows < T, dims < DH
     q = tl.load(Q + rows[:, None] * DH + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    q = q.to(tl.float32)
+    q = q.to(DOT_T)
     # Running max m, l = Σ 2^(x − m), S = Σ 2^(x − m)·(x − m) and acc = Σ 2^(x − m)·v (x in base 2). m starts
     # finite so that the first rescale (m − m_new)·l is 0·finite; key 0 is visible to every row, so the first
     # tile always lifts m to a real logit.
@@ -312,7 +314,7 @@ def _amp_attn_fwd(
         kT = tl.load(K + cols[None, :] * DH + dims[:, None], mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
         v = tl.load(V + cols[:, None] * DH + dims[None, :], mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
         visible = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
-        x = tl.dot(q, kT.to(tl.float32), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        x = tl.dot(q, kT.to(DOT_T), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         x = tl.where(visible, x, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(x, 1))
         c = tl.exp2(m_i - m_new)
@@ -320,7 +322,7 @@ def _amp_attn_fwd(
         p = tl.exp2(xc)  # 0 on masked keys
         s_i = c * (s_i + (m_i - m_new) * l_i) + tl.sum(p * tl.where(visible, xc, 0.0), 1)
         l_i = c * l_i + tl.sum(p, 1)
-        acc = acc * c[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+        acc = acc * c[:, None] + tl.dot(p.to(DOT_T), v.to(DOT_T), input_precision=DOT_PRECISION)
         m_i = m_new
     tl.store(Out + rows[:, None] * DH + dims[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
@@ -379,6 +381,7 @@ def _amp_attn_bwd_dkdv(
     BLOCK_N: tl.constexpr,  # keys per program
     BLOCK_D: tl.constexpr,  # next power of two >= DH, at least 16
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" for 16-bit ones
+    DOT_T: tl.constexpr,  # operand dtype of tl.dot: the inputs' own 16-bit type on CUDA, else tl.float32
 ):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
@@ -387,27 +390,27 @@ def _amp_attn_bwd_dkdv(
     cols = start_n + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     tile_mask = (cols < T)[:, None] & (dims < DH)[None, :]
-    k = tl.load(K + cols[:, None] * DH + dims[None, :], mask=tile_mask, other=0.0).to(tl.float32)
-    v = tl.load(V + cols[:, None] * DH + dims[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+    k = tl.load(K + cols[:, None] * DH + dims[None, :], mask=tile_mask, other=0.0).to(DOT_T)
+    v = tl.load(V + cols[:, None] * DH + dims[None, :], mask=tile_mask, other=0.0).to(DOT_T)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for start_m in range(start_n // BLOCK_M * BLOCK_M, T, BLOCK_M):  # causal: rows before start_n see none
         rows = start_m + tl.arange(0, BLOCK_M)
         row_ok = rows < T
         qT = tl.load(Q + rows[None, :] * DH + dims[:, None], mask=(dims < DH)[:, None] & row_ok[None, :], other=0.0)
-        qT = qT.to(tl.float32)
+        qT = qT.to(DOT_T)
         do = tl.load(DO + rows[:, None] * DH + dims[None, :], mask=row_ok[:, None] & (dims < DH)[None, :],
-                     other=0.0).to(tl.float32)
+                     other=0.0).to(DOT_T)
         lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634  # to base 2
         delta = tl.load(Delta + rows, mask=row_ok, other=0.0)
         # Everything transposed, [BLOCK_N, BLOCK_M]: key s, query t
         visible = (cols[:, None] <= rows[None, :]) & row_ok[None, :]
         pT = tl.exp2(tl.dot(k, qT, input_precision=DOT_PRECISION) * qk_scale - lse[None, :])
         pT = tl.where(visible, pT, 0.0)
-        dv += tl.dot(pT, do, input_precision=DOT_PRECISION)
+        dv += tl.dot(pT.to(DOT_T), do, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT, tl.trans(qT), input_precision=DOT_PRECISION)
+        dk += tl.dot(dsT.to(DOT_T), tl.trans(qT), input_precision=DOT_PRECISION)
     tl.store(DK + cols[:, None] * DH + dims[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=tile_mask)
     tl.store(DV + cols[:, None] * DH + dims[None, :], dv.to(DV.dtype.element_ty), mask=tile_mask)
 
@@ -429,6 +432,7 @@ def _amp_attn_bwd_dq(
     BLOCK_N: tl.constexpr,  # keys per inner step
     BLOCK_D: tl.constexpr,  # next power of two >= DH, at least 16
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" for 16-bit ones
+    DOT_T: tl.constexpr,  # operand dtype of tl.dot: the inputs' own 16-bit type on CUDA, else tl.float32
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
@@ -438,8 +442,8 @@ def _amp_attn_bwd_dq(
     dims = tl.arange(0, BLOCK_D)
     row_ok, dim_ok = rows < T, dims < DH
     tile_mask = row_ok[:, None] & dim_ok[None, :]
-    q = tl.load(Q + rows[:, None] * DH + dims[None, :], mask=tile_mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + rows[:, None] * DH + dims[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+    q = tl.load(Q + rows[:, None] * DH + dims[None, :], mask=tile_mask, other=0.0).to(DOT_T)
+    do = tl.load(DO + rows[:, None] * DH + dims[None, :], mask=tile_mask, other=0.0).to(DOT_T)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * 1.4426950408889634  # to base 2
     delta = tl.load(Delta + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -448,13 +452,13 @@ def _amp_attn_bwd_dq(
         col_ok = cols < T
         kT = tl.load(K + cols[None, :] * DH + dims[:, None], mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
         vT = tl.load(V + cols[None, :] * DH + dims[:, None], mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
-        kT, vT = kT.to(tl.float32), vT.to(tl.float32)
+        kT, vT = kT.to(DOT_T), vT.to(DOT_T)
         visible = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
         p = tl.exp2(tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale - lse[:, None])
         p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds, tl.trans(kT), input_precision=DOT_PRECISION)
+        dq += tl.dot(ds.to(DOT_T), tl.trans(kT), input_precision=DOT_PRECISION)
     tl.store(DQ + rows[:, None] * DH + dims[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=tile_mask)
 
 
@@ -472,7 +476,11 @@ def _amp_launch_config(q):
     block_d = max(16, triton.next_power_of_2(d_h))
     block = max(16, min(64 if block_d <= 64 else 32, triton.next_power_of_2(T)))
     precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
-    return dict(BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, DOT_PRECISION=precision)
+    # On CUDA 16-bit inputs go to the tensor cores as they are (p and dS rounded to that type, as FlashAttention
+    # does); the interpreter has no bf16 (numpy), so there, and for fp32 inputs, the dots run in fp32.
+    native = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    dot_t = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[q.dtype] if native else tl.float32
+    return dict(BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, DOT_PRECISION=precision, DOT_T=dot_t)
 
 
 class AmpAttention(torch.autograd.Function):

@@ -22,7 +22,7 @@ from dual_stream import Config, DualStream
 ROOT = Path(__file__).resolve().parents[1]
 V = 40
 DIST = dict(ddp=False, rank=0, local_rank=0, world=1)
-TINY = ["--layers", "2", "--d-model", "24", "--heads", "3", "--ctx", "32", "--batch-size", "4", "--max-iters", "30",
+TINY = ["--layers", "2", "--d-model", "24", "--heads", "3", "--ctx", "32", "--batch-size", "8", "--max-iters", "30", "--lr", "1e-2",
         "--eval-interval", "15", "--eval-iters", "2", "--log-interval", "10", "--analysis-windows", "4",
         "--sample-tokens", "8", "--amplify", "1,4,16"]
 
@@ -302,3 +302,188 @@ def test_coreference_scores_an_oracle_head(monkeypatch):
     assert res["prompts"] == len(ds.coref_prompts())
     assert res["best"] == {"layer": 0, "head": 0, "margin": 1.0, "accuracy": 1.0}
     assert res["margin"][1][2] == 0.0 and res["accuracy"][1][2] == 0.0
+
+
+# ---------------------------------------------------------------- training, checkpoints, command line
+
+def tiny_cfg(tmp_path, cache_dir, **kw):
+    base = dict(layers=1, d_model=24, heads=3, ctx=32, batch_size=4, max_iters=20, eval_interval=10, eval_iters=2,
+                log_interval=5, out_dir=str(tmp_path), cache_dir=str(cache_dir), kernels="torch", dropout=0.1)
+    return Config(**{**base, **kw})
+
+
+def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch):
+    dev, auto = torch.device("cpu"), torch.autocast("cpu", enabled=False)
+
+    def fresh_data():
+        return common.load_data(cache_dir=cache_dir, seed=3)
+    straight, hist_a = ds.train(tiny_cfg(tmp_path / "a", cache_dir), fresh_data(), dev, auto, DIST, log=lambda m: None)
+    real_save = ds.save_checkpoint
+
+    def save_and_keep(path, *a, **k):  # keep a copy of the step-10 checkpoint
+        real_save(path, *a, **k)
+        if a[3] == 10:
+            (tmp_path / "b10").mkdir()
+            shutil.copy(path, tmp_path / "b10" / path.name)
+    monkeypatch.setattr(ds, "save_checkpoint", save_and_keep)
+    ds.train(tiny_cfg(tmp_path / "b", cache_dir), fresh_data(), dev, auto, DIST, log=lambda m: None)
+    monkeypatch.setattr(ds, "save_checkpoint", real_save)
+    resumed, hist = ds.train(tiny_cfg(tmp_path / "b10", cache_dir, resume=True), fresh_data(), dev, auto, DIST,
+                             log=lambda m: None)
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert hist["step"] == [10, 20] and hist["val"] == hist_a["val"]
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache_dir, monkeypatch):
+    real_forward, calls = DualStream.forward, []
+
+    def forward(self, idx, targets=None, **kw):
+        out = real_forward(self, idx, targets, **kw)
+        if targets is not None and self.training:
+            calls.append(1)
+            if len(calls) > 12:
+                return out * float("nan")
+        return out
+    monkeypatch.setattr(DualStream, "forward", forward)
+    cfg = tiny_cfg(tmp_path, cache_dir)
+    with pytest.raises(ds.RunError, match="non-finite loss before step 15 \\(or non-finite weights\\); stopping \\(the last good checkpoint is"):
+        ds.train(cfg, common.load_data(cache_dir=cache_dir), torch.device("cpu"), torch.autocast("cpu", enabled=False),
+                 DIST, log=lambda m: None)
+    ck = torch.load(ds.ckpt_path(cfg), weights_only=True)
+    assert ck["step"] == 10 and all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
+
+
+def test_sweep_configurations_train_on_the_same_batches(tmp_path, cache_dir):
+    """The sweep names its seven configurations, and each trains from the same data state: a second run after
+    the first has advanced the streams still sees the same batches (identical histories)."""
+    names = list(ds.configurations(Config(sweep=True)))
+    assert names == ["dense", "kronecker", "independent", "identity", "fully independent", "fts independent",
+                     "single-stream dense"]
+    assert ds.configurations(Config(mixing="independent", ffn_mixing="independent")).keys() == {"fully independent"}
+    data = common.load_data(cache_dir=cache_dir, seed=3)
+    start = data.rng_state()
+    dev, auto = torch.device("cpu"), torch.autocast("cpu", enabled=False)
+    _, a = ds.train(tiny_cfg(tmp_path / "a", cache_dir, max_iters=5, log_interval=1), data, dev, auto, DIST,
+                    log=lambda m: None, start_rng=start)
+    _, b = ds.train(tiny_cfg(tmp_path / "b", cache_dir, max_iters=5, log_interval=1), data, dev, auto, DIST,
+                    log=lambda m: None, start_rng=start)
+    assert a["train"] == b["train"] and a["val"] == b["val"]
+
+
+def test_tiny_run_end_to_end(tmp_path, cache_dir):
+    """The issue's tiny run: falling loss, a checkpoint, samples and the report with the amplification, ablation
+    and specialisation results; then the same analyses on the checkpoint without training."""
+    r = run_script("dual_stream.py", *TINY, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "no GPU: running the CPU preset" in out
+    lines = [ln for ln in out.splitlines() if ln.startswith("step ") and "| loss" in ln]
+    assert len(lines) == 3 and " ms | " in lines[0] and "tok/s | mfu -" in lines[0]
+    losses = [float(ln.split("| loss ")[1].split()[0]) for ln in lines]
+    assert losses[-1] < losses[0] - 0.5
+    for f in ("ckpt-token-factor-kronecker.pt", "report.html", "results.json", "kronecker-token-factor-kronecker.png"):
+        assert (tmp_path / f).is_file(), f
+    res = json.loads((tmp_path / "results.json").read_text())
+    amp = res["amplification"]["kronecker"]
+    assert [r["alpha"] for r in amp["rows"]] == [1.0, 4.0, 16.0] and amp["rows"][0]["degradation"] == 0.0
+    assert amp["rows"][2]["entropy"][0] < amp["rows"][0]["entropy"][0] and set(amp["samples"]) == {"1.0", "4.0", "16.0"}
+    assert [(r["removed"], r["at"]) for r in res["ablation"]["kronecker"]] == [("x_t", "readout"), ("x_e", "readout")]
+    spec = res["specialization"]["kronecker"]
+    assert len(spec["distinctiveness"]) == 2 and len(spec["hubs"]) == 4 and spec["coreference"]["prompts"] > 0
+    report = (tmp_path / "report.html").read_text()
+    for needle in ("Attention amplification", "Stream ablation", "Head specialisation", "data:image/png;base64"):
+        assert needle in report, needle
+
+    r = run_script("dual_stream.py", "--no-train", "--amplify", "1,2", "--ablate-at", "all", "--no-specialization",
+                   "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "analysis.json").read_text())
+    assert [(r["removed"], r["at"]) for r in res["ablation"]["kronecker"]][2:] == [("x_t", "all"), ("x_e", "all")]
+    assert "specialization" not in res or not res["specialization"]
+    r = run_script("dual_stream.py", "--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir",
+                   str(cache_dir))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert "was trained with layers=2 (asked 3); drop those flags or use another --out-dir" in r.stderr
+
+
+def test_sweep_from_the_command_line(tmp_path, cache_dir):
+    """--sweep trains the seven configurations and prints the cost table; --no-train --sweep reads what exists."""
+    args = ["--layers", "1", "--d-model", "24", "--heads", "3", "--ctx", "64", "--batch-size", "2", "--max-iters", "4",
+            "--eval-interval", "4", "--eval-iters", "1", "--log-interval", "4", "--analysis-windows", "2",
+            "--amplify", "1,16", "--no-specialization", "--no-report", "--sample-tokens", "2", "--out-dir",
+            str(tmp_path), "--cache-dir", str(cache_dir)]
+    r = run_script("dual_stream.py", "--sweep", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "sweep (val loss relative to token-factor dense" in r.stdout
+    res = json.loads((tmp_path / "results.json").read_text())
+    rows = {row["model"]: row for row in res["models"]}
+    assert len(rows) == 7 and rows["dense"]["vs dense"] == "+0.00%"
+    assert rows["kronecker"]["params (M)"] < rows["dense"]["params (M)"]
+    assert "single-stream dense" not in res["ablation"] and "ablation, single-stream dense: one stream" in r.stdout
+    (tmp_path / "ckpt-token-factor-identity.pt").unlink()
+    r = run_script("dual_stream.py", "--sweep", "--no-train", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(json.loads((tmp_path / "analysis.json").read_text())["models"]) == 6
+
+
+@pytest.mark.parametrize("args,code,needle", [
+    (["--mixing", "circulant"], 2, "invalid choice: 'circulant'"),
+    (["--mode", "triple"], 2, "invalid choice: 'triple'"),
+    (["--layerz", "6"], 2, "unrecognized arguments: --layerz"),
+    (["--layers", "0"], 1, "error: --layers must be >= 1"),
+    (["--d-model", "30", "--heads", "4"], 1, "must split into --heads 4 heads"),
+    (["--d-model", "30", "--heads", "6"], 1, "the head size d_model/heads must be even"),
+    (["--amplify", "1,x"], 1, "--amplify '1,x': expected comma-separated numbers"),
+    (["--amplify", "1,-2"], 1, "every α must be a finite number > 0"),
+    (["--no-train"], 1, "error: no checkpoint at"),
+    (["--no-train", "--sweep"], 1, "no sweep checkpoints in"),
+    (["--device", "tpu"], 1, "--device tpu: expected auto, cpu, cuda, cuda:N or mps"),
+    (["--dataset", "tinystories"], 1, "needs the Hugging Face hub, which is unreachable"),
+    (["--kernels", "triton"], 1, "--kernels triton needs a CUDA device"),
+    (["--lr", "nan"], 1, "--lr must be > 0"),
+    (["--grad-clip", "inf"], 1, "--grad-clip must be a finite number"),
+])
+def test_bad_input_is_one_line_and_nonzero(tmp_path, cache_dir, args, code, needle, capsys, monkeypatch):
+    """In-process main() (what `python dual_stream.py ...` runs), offline and without the tests' Triton interpreter;
+    the subprocess form of the same path is covered by test_corrupt_checkpoint_is_one_line."""
+    rc, err = call_main(ds.main, [*args, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys,
+                        monkeypatch)
+    assert rc == code and needle in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_corrupt_checkpoint_is_one_line(tmp_path, cache_dir):
+    (tmp_path / "ckpt-token-factor-kronecker.pt").write_bytes(b"not a checkpoint")
+    r = run_script("dual_stream.py", "--no-train", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    assert r.returncode == 1 and "is not a readable checkpoint" in r.stderr and r.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
+    """torchrun with 2 gloo processes, each rank half of the global batch: the same weights as one process."""
+    args = ["--layers", "1", "--d-model", "24", "--heads", "3", "--ctx", "32", "--batch-size", "8", "--max-iters", "6",
+            "--eval-interval", "3", "--eval-iters", "2", "--log-interval", "3", "--dropout", "0", "--amplify", "",
+            "--no-ablation", "--no-specialization", "--no-report", "--sample-tokens", "5", "--cache-dir", str(cache_dir)]
+    common.load_data(cache_dir=cache_dir)  # the cache exists before the ranks start
+    one = run_script("dual_stream.py", *args, "--out-dir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "dual_stream.py", *args,
+                     "--out-dir", str(tmp_path / "two"), env={"OMP_NUM_THREADS": "1"})
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = torch.load(tmp_path / "one" / "ckpt-token-factor-kronecker.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "two" / "ckpt-token-factor-kronecker.pt", weights_only=True)["model"]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+def test_script_copied_alone_runs_its_model(tmp_path):
+    """The model and its core op need neither common.py nor kernels.py (fallback to plain torch)."""
+    shutil.copy(ROOT / "dual_stream.py", tmp_path / "dual_stream.py")
+    code = ("import sys, torch, dual_stream as ds; assert 'common' not in sys.modules; "
+            "m = ds.DualStream(ds.Config(layers=2, d_model=24, heads=3, ctx=16), 50); "
+            "x = torch.randint(0, 50, (2, 16)); loss = m(x, x); loss.backward(); "
+            "print(ds.layer_norm.__module__, m.blocks[0].attn.mix_v.weight.grad.abs().sum().item() > 0)")
+    r = run_script("-c", code, cwd=tmp_path, env={"PYTHONPATH": ""})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["dual_stream", "True"]  # the fallback layer_norm, defined in dual_stream.py itself
