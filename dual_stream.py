@@ -37,7 +37,9 @@ Choices where the spec is open (each a switch where the result may depend on it)
     CLN for a standard LayerNorm everywhere.
   * FFN mixing: dense by default (the headline sweep varies V and O jointly); --ffn-mixing independent.
   * Ablation point: a stream is removed at the readout (the authors' tooling: lm_head(ln_f(x_t)) or x_e alone),
-    or, with --ablate-at all, read as zero at every layer too.
+    or, with --ablate-at all, also has its writes dropped in every block (x_t stays the embedding, x_e stays
+    zero), so the other stream is computed without it. Reading a stream as zero instead would zero every
+    activation of this bias-free model when x_t is the one removed: the loss would be ln V whatever the weights.
   * Initialisation: N(0, 0.02) for embeddings, Q, K, dense/independent V and the Kronecker A's (lineage code);
     the output projections (O, FFN down) N(0, 0.02/√(2L)) as GPT-2; --kron-out-init scaled gives the Kronecker
     A_O the same scaling (tft-gtp). FTS normalises the frozen x_t once with a CLN (--fts-cln-at-init, default on).
@@ -123,7 +125,7 @@ class Config:
         default="kronecker", metadata={"help": "channelized mixing of the attention V and O projections"})
     ffn_mixing: Literal["dense", "independent"] = field(default="dense", metadata={"help": "dense FFN, or one MLP per head"})
     v_source: Literal["xt-cln", "xt-raw", "combined"] = field(
-        default="xt-cln", metadata={"help": "V reads CLN_v(x_t), x_t, or CLN_1(x_t + x_e)"})
+        default="xt-cln", metadata={"help": "V reads CLN_v(x_t), x_t, or CLN_1(x_t + x_e) (single mode: always CLN_1(x))"})
     norm: Literal["cln", "layernorm"] = field(default="cln", metadata={"help": "channel-aware LayerNorm, or a standard one"})
     cln_gain: Literal["element", "head"] = field(default="element", metadata={"help": "CLN gain per element or one per head"})
     cln_bias: bool = field(default=False, metadata={"help": "norms have a bias"})
@@ -174,7 +176,7 @@ class Config:
 
 
 # A CPU has ~1/1000 of a GPU's FLOPs: the preset keeps the six heads and the block but narrows the width to
-# d_h = 32, halves the depth and shortens context and run so that training and every analysis take ~5 minutes.
+# d_h = 32, trims the depth to 4 and shortens context and run so that training and every analysis take ~5 minutes.
 CPU_PRESET = dict(layers=4, d_model=192, ctx=128, batch_size=16, max_iters=300, lr=2e-3, dropout=0.0,
                   eval_interval=100, eval_iters=5, log_interval=20, analysis_windows=48)
 # A checkpoint fixes ARCH_KEYS (asking for other values is an error); --resume and --no-train take every other
@@ -227,7 +229,7 @@ MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS
 # `stats=False` only saves work in the torch form; the kernels produce the statistics for free and return them.
 
 AMP_BACKENDS = ("auto", "triton", "torch", "reference")
-AMP_MAX_HEAD_DIM = 256  # widest head the kernels hold in registers (padded to a power of two >= 16)
+AMP_MAX_HEAD_DIM = 128  # widest head given to the kernels (compiled for sm_90 up to here, <= 115 KB of shared memory)
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · log2(e)); the kernels spell it out (no globals in @jit)
 
 
@@ -289,7 +291,6 @@ def _amp_attn_fwd(
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per inner step
     BLOCK_D: tl.constexpr,  # next power of two >= DH, at least 16 (tl.dot's minimum)
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" for 16-bit ones
     DOT_T: tl.constexpr,  # operand dtype of tl.dot: the inputs' own 16-bit type on CUDA, else tl.float32
 ):
     start_m = tl.program_id(0) * BLOCK_M
@@ -314,7 +315,7 @@ def _amp_attn_fwd(
         kT = tl.load(K + cols[None, :] * DH + dims[:, None], mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
         v = tl.load(V + cols[:, None] * DH + dims[None, :], mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
         visible = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
-        x = tl.dot(q, kT.to(DOT_T), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        x = tl.dot(q, kT.to(DOT_T), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
         x = tl.where(visible, x, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(x, 1))
         c = tl.exp2(m_i - m_new)
@@ -322,7 +323,7 @@ def _amp_attn_fwd(
         p = tl.exp2(xc)  # 0 on masked keys
         s_i = c * (s_i + (m_i - m_new) * l_i) + tl.sum(p * tl.where(visible, xc, 0.0), 1)
         l_i = c * l_i + tl.sum(p, 1)
-        acc = acc * c[:, None] + tl.dot(p.to(DOT_T), v.to(DOT_T), input_precision=DOT_PRECISION)
+        acc = acc * c[:, None] + tl.dot(p.to(DOT_T), v.to(DOT_T), input_precision="ieee")
         m_i = m_new
     tl.store(Out + rows[:, None] * DH + dims[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
@@ -380,7 +381,6 @@ def _amp_attn_bwd_dkdv(
     BLOCK_M: tl.constexpr,  # query rows per inner step
     BLOCK_N: tl.constexpr,  # keys per program
     BLOCK_D: tl.constexpr,  # next power of two >= DH, at least 16
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" for 16-bit ones
     DOT_T: tl.constexpr,  # operand dtype of tl.dot: the inputs' own 16-bit type on CUDA, else tl.float32
 ):
     start_n = tl.program_id(0) * BLOCK_N
@@ -405,12 +405,12 @@ def _amp_attn_bwd_dkdv(
         delta = tl.load(Delta + rows, mask=row_ok, other=0.0)
         # Everything transposed, [BLOCK_N, BLOCK_M]: key s, query t
         visible = (cols[:, None] <= rows[None, :]) & row_ok[None, :]
-        pT = tl.exp2(tl.dot(k, qT, input_precision=DOT_PRECISION) * qk_scale - lse[None, :])
+        pT = tl.exp2(tl.dot(k, qT, input_precision="ieee") * qk_scale - lse[None, :])
         pT = tl.where(visible, pT, 0.0)
-        dv += tl.dot(pT.to(DOT_T), do, input_precision=DOT_PRECISION)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dv += tl.dot(pT.to(DOT_T), do, input_precision="ieee")
+        dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
         dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(DOT_T), tl.trans(qT), input_precision=DOT_PRECISION)
+        dk += tl.dot(dsT.to(DOT_T), tl.trans(qT), input_precision="ieee")
     tl.store(DK + cols[:, None] * DH + dims[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=tile_mask)
     tl.store(DV + cols[:, None] * DH + dims[None, :], dv.to(DV.dtype.element_ty), mask=tile_mask)
 
@@ -431,7 +431,6 @@ def _amp_attn_bwd_dq(
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per inner step
     BLOCK_D: tl.constexpr,  # next power of two >= DH, at least 16
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" for 16-bit ones
     DOT_T: tl.constexpr,  # operand dtype of tl.dot: the inputs' own 16-bit type on CUDA, else tl.float32
 ):
     start_m = tl.program_id(0) * BLOCK_M
@@ -454,11 +453,11 @@ def _amp_attn_bwd_dq(
         vT = tl.load(V + cols[None, :] * DH + dims[:, None], mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
         kT, vT = kT.to(DOT_T), vT.to(DOT_T)
         visible = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
-        p = tl.exp2(tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale - lse[:, None])
+        p = tl.exp2(tl.dot(q, kT, input_precision="ieee") * qk_scale - lse[:, None])
         p = tl.where(visible, p, 0.0)
-        dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
+        dp = tl.dot(do, vT, input_precision="ieee")
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(DOT_T), tl.trans(kT), input_precision=DOT_PRECISION)
+        dq += tl.dot(ds.to(DOT_T), tl.trans(kT), input_precision="ieee")
     tl.store(DQ + rows[:, None] * DH + dims[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=tile_mask)
 
 
@@ -470,17 +469,16 @@ def _amp_empty(shape, dtype, device):
 
 
 def _amp_launch_config(q):
-    """Tile sizes and dot precision. Square tiles (BLOCK_M = BLOCK_N) keep the causal loop bounds simple; wide
+    """Tile sizes and the dot operand type. Square tiles (BLOCK_M = BLOCK_N) keep the causal loop bounds simple; wide
     heads get smaller tiles so that the [BLOCK, BLOCK_D] fp32 accumulators still fit in registers."""
     T, d_h = q.shape[-2:]
     block_d = max(16, triton.next_power_of_2(d_h))
     block = max(16, min(64 if block_d <= 64 else 32, triton.next_power_of_2(T)))
-    precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
     # On CUDA 16-bit inputs go to the tensor cores as they are (p and dS rounded to that type, as FlashAttention
     # does); the interpreter has no bf16 (numpy), so there, and for fp32 inputs, the dots run in fp32.
     native = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     dot_t = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[q.dtype] if native else tl.float32
-    return dict(BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, DOT_PRECISION=precision, DOT_T=dot_t)
+    return dict(BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, DOT_T=dot_t)
 
 
 class AmpAttention(torch.autograd.Function):
@@ -638,7 +636,7 @@ class ChannelAttention(nn.Module):
 
     def forward(self, h, v_in):
         q, k = rope(self.heads_of(self.q(h))), rope(self.heads_of(self.k(h)))
-        v = self.heads_of(self.mix_v(v_in))
+        v = self.heads_of(self.mix_v(v_in)).to(q.dtype)  # identity mixing under autocast leaves v in fp32
         y, entropy, max_weight = amp_attention(q, k, v, self.alpha, stats=self.record, backend=self.kernels)
         if self.record:
             self.last = {"entropy": entropy.float().mean((0, 2)), "max_weight": max_weight.float().mean((0, 2))}
@@ -680,8 +678,9 @@ class Block(nn.Module):
         self.ffn = FFN(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x_t, x_e):
-        """One block, Eqs. (1)-(5). Single mode carries its one stream in x_t (x_e is None)."""
+    def forward(self, x_t, x_e, drop: Optional[str] = None):
+        """One block, Eqs. (1)-(5). Single mode carries its one stream in x_t (x_e is None). drop = "x_t" | "x_e"
+        discards the writes into that stream (ablation at every layer), so later sublayers never see them."""
         h = self.ln_1(x_t if x_e is None else x_t + x_e)
         if x_e is None or self.v_source == "combined":
             v_in = h
@@ -689,13 +688,13 @@ class Block(nn.Module):
             v_in = self.ln_v(x_t) if self.ln_v is not None else x_t
         a = self.drop(self.attn(h, v_in))
         if self.mode == "fts":
-            x_e = x_e + a                                        # x_t stays the (normalised) embedding
-        else:
+            x_e = x_e + a if drop != "x_e" else x_e              # x_t stays the (normalised) embedding
+        elif drop != "x_t":
             x_t = x_t + a
         f = self.drop(self.ffn(self.ln_2(x_t if x_e is None else x_t + x_e)))
         if x_e is None:
             return x_t + f, None
-        return x_t, x_e + f
+        return x_t, x_e + f if drop != "x_e" else x_e
 
 
 class DualStream(nn.Module):
@@ -723,16 +722,19 @@ class DualStream(nn.Module):
 
     def streams(self, idx, ablate: Optional[str] = None, at: str = "readout"):
         """-> (x_t, x_e) after the last block (x_e None in single mode). ablate = "x_t" | "x_e" with at="all"
-        reads that stream as zero at the input of every block (its writes are dropped too)."""
+        drops that stream's writes in every block: x_t stays the embedding (no attention writes), x_e stays zero
+        (no FFN writes), so the other stream is computed without them. (Reading x_t as zero instead would zero
+        every activation of a bias-free model: the loss would be ln V whatever the weights.)"""
         x_t = self.wte(idx)
         if self.ln_embed is not None:
             x_t = self.ln_embed(x_t)
         x_t = self.drop(x_t)
         x_e = None if self.cfg.mode == "single" else torch.zeros_like(x_t)
+        if at not in ("readout", "all"):
+            raise ValueError(f"at must be 'readout' or 'all', not {at!r}")
+        drop = ablate if at == "all" else None
         for block in self.blocks:
-            if ablate is not None and at == "all":
-                x_t, x_e = (torch.zeros_like(x_t), x_e) if ablate == "x_t" else (x_t, torch.zeros_like(x_e))
-            x_t, x_e = block(x_t, x_e)
+            x_t, x_e = block(x_t, x_e, drop)
         return x_t, x_e
 
     def readout(self, x_t, x_e, ablate: Optional[str] = None):
@@ -809,6 +811,11 @@ def setup_device(cfg: Config):
         raise RunError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RunError(f"--device {device}: CUDA is not available")
+    if device.startswith("cuda:"):  # Triton launches on the current device: make it the one asked for
+        index = torch.device(device).index
+        if index >= torch.cuda.device_count():
+            raise RunError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA devices")
+        torch.cuda.set_device(index)
     if device == "mps" and not torch.backends.mps.is_available():
         raise RunError("--device mps: MPS is not available on this machine")
     if cfg.dtype == "bfloat16" and not device.startswith("cuda"):
@@ -847,7 +854,8 @@ def make_optimizer(model: nn.Module, cfg: Config, device_type: str):
 
 def flops_per_token(model: DualStream, cfg: Config, ctx: int) -> float:
     """Training FLOPs per token: 6·N for the matmuls (PaLM appendix B; the tied head once) plus attention's
-    12·L·d·T. The Kronecker and block-diagonal mixes are counted by their parameters, i.e. their true cost."""
+    12·L·d·T. The mixes are counted by their parameters: exact for dense and block-diagonal; a Kronecker mix costs
+    d·H multiply-adds per token against its H² parameters, so MFU slightly understates Kronecker models."""
     return 6 * model.n_params() + 12 * cfg.layers * cfg.d_model * ctx
 
 
@@ -1127,16 +1135,16 @@ def parse_alphas(spec: str) -> list[float]:
 
 
 @torch.no_grad()
-def amplification(model: DualStream, data, cfg: Config, alphas: list[float], autocast, prompt: str = "HAMLET:\n",
-                  sample_tokens: int = 40) -> dict:
+def amplification(model: DualStream, data, cfg: Config, alphas: list[float], autocast) -> dict:
     """Attention amplification (spec §5): every head of every layer uses softmax(α·qkᵀ/√d_h) at inference. For each
-    α: val loss over analysis_windows windows and its relative increase over α = 1 (the first α should be 1), the
+    α: val loss over analysis_windows windows and its relative increase over α = 1 (always measured), the
     mean attention entropy (nats) and max weight per layer, from the kernel's statistics, and a greedy sample."""
     model.eval()
     rows, samples = [], {}
+    prompt = (cfg.sample or "HAMLET:\n").replace("\\n", "\n")
     ids = torch.tensor([data.tokenizer.encode(prompt) or [data.tokenizer.eot]], device=data.device)
     L = len(model.blocks)
-    for alpha in alphas:
+    for alpha in [1.0] + [a for a in alphas if a != 1.0]:  # α = 1 first: the base of every increase
         total, count = 0.0, 0
         ent, maxw, batches = torch.zeros(L), torch.zeros(L), 0
         with model.probe(alpha=alpha, record=True):
@@ -1150,7 +1158,7 @@ def amplification(model: DualStream, data, cfg: Config, alphas: list[float], aut
                 ent += torch.stack([a.last["entropy"].mean().cpu() for a in model.attentions()])
                 maxw += torch.stack([a.last["max_weight"].mean().cpu() for a in model.attentions()])
                 batches += 1
-            out = model.generate(ids, sample_tokens, temperature=0)
+            out = model.generate(ids, min(cfg.sample_tokens, 40), temperature=0)
         samples[str(alpha)] = data.tokenizer.decode(out[0].tolist())
         rows.append({"alpha": alpha, "loss": total / count, "entropy": (ent / batches).tolist(),
                      "max_weight": (maxw / batches).tolist()})
@@ -1161,8 +1169,9 @@ def amplification(model: DualStream, data, cfg: Config, alphas: list[float], aut
 
 
 def ablation(model: DualStream, data, cfg: Config, autocast) -> list[dict]:
-    """Stream ablation (spec §6): remove x_t or x_e at the readout (and, with --ablate-at all, at every layer),
-    no retraining; relative change of the val loss (paper: +36% without x_t, +9.5% without x_e)."""
+    """Stream ablation (spec §6): remove x_t or x_e at the readout (and, with --ablate-at all, also drop its writes
+    in every layer, see DualStream.streams), no retraining; relative change of the val loss (paper: +36% without
+    x_t, +9.5% without x_e)."""
     full = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=cfg.analysis_windows)["loss"]
     rows = []
     for at in ("readout",) if cfg.ablate_at == "readout" else ("readout", "all"):
@@ -1188,6 +1197,7 @@ def distinctiveness(model: DualStream, data, windows: int = 8, width: int = 128,
     model.eval()
     width = min(width, model.cfg.ctx, len(data.tokens("val")) - 1)
     x = next(iter(data.iter_eval("val", windows, width)))[0]
+    skip = min(skip, width - 1)  # at least one row left
     with model.probe(keep_maps=True):
         model(x)
         maps = [a.last["maps"][:, :, skip:] for a in model.attentions()]  # [B, H, T', T] per layer
@@ -1199,22 +1209,36 @@ def distinctiveness(model: DualStream, data, windows: int = 8, width: int = 128,
     return out
 
 
+def hub_ratio(A: torch.Tensor) -> tuple[int, float, torch.Tensor]:
+    """-> (hub, ratio, column mass): the off-diagonal column mass Σ_{g≠h} |A[g, h]| (how much head h feeds the
+    others), the head where it is largest, and its ratio to the mean of the other heads'."""
+    A = A.abs() * (1 - torch.eye(A.shape[0], device=A.device))
+    col = A.sum(0)
+    hub = int(col.argmax())
+    others = torch.cat([col[:hub], col[hub + 1:]])
+    return hub, (col[hub] / others.mean().clamp_min(1e-12)).item() if len(others) else 1.0, col
+
+
+def chance_hub_ratio(H: int, draws: int = 2000) -> float:
+    """The mean hub ratio of random N(0, 1) H×H matrices: a ratio near it says nothing about learned hubs."""
+    g = torch.Generator().manual_seed(0)
+    return sum(hub_ratio(torch.randn(H, H, generator=g))[1] for _ in range(draws)) / draws
+
+
 def hubs(model: DualStream) -> Optional[list[dict]]:
-    """Hub structure of the Kronecker mixing matrices (spec §7, §10.4), per layer and for A_V and A_O: column mass
-    Σ_g |A[g, h]| (how much head h feeds the others), row mass, diagonal dominance |A[h, h]| / row mass, the hub (the
-    head of largest column mass) and its ratio to the mean column mass of the other heads."""
+    """Hub structure of the Kronecker mixing matrices (spec §7, §10.4), per layer and for A_V and A_O: the hub
+    (hub_ratio), its ratio against the chance level of random matrices, the row mass Σ_h |A[g, h]| and the
+    diagonal dominance |A[g, g]| / row mass."""
     if model.cfg.mixing != "kronecker":
         return None
-    rows = []
+    rows, chance = [], chance_hub_ratio(model.cfg.heads)
     for i, a in enumerate(model.attentions()):
         for name, mix in (("V", a.mix_v), ("O", a.mix_o)):
-            A = mix.weight.detach().float().abs().cpu()
-            col, row = A.sum(0), A.sum(1)
-            hub = int(col.argmax())
-            others = torch.cat([col[:hub], col[hub + 1:]])
-            rows.append({"layer": i, "matrix": name, "hub": hub,
-                         "hub ratio": (col[hub] / others.mean()).item() if len(others) else 1.0,
-                         "diag dominance": (A.diagonal() / row.clamp_min(1e-12)).mean().item(),
+            A = mix.weight.detach().float().cpu()
+            hub, ratio, col = hub_ratio(A)
+            row = A.abs().sum(1)
+            rows.append({"layer": i, "matrix": name, "hub": hub, "hub ratio": ratio, "chance ratio": chance,
+                         "diag dominance": (A.diagonal().abs() / row.clamp_min(1e-12)).mean().item(),
                          "column mass": [round(v, 4) for v in col.tolist()], "row mass": [round(v, 4) for v in row.tolist()]})
     return rows
 
@@ -1286,10 +1310,11 @@ def coref_positions(tok, text: str, pron: str, right: str, wrong: str):
 @torch.no_grad()
 def coreference(model: DualStream, tok, device) -> dict:
     """Per (layer, head): mean over the probe of the attention mass from the pronoun's token to the right name's
-    tokens minus the mass to the wrong name's, and the fraction of prompts where the right name gets more."""
+    tokens minus the mass to the wrong name's, and the fraction of prompts where the right name gets more (chance
+    50%). The best head is the largest of L·H noisy means: its standard error and the mean over heads come with it."""
     model.eval()
     L, H = len(model.blocks), model.cfg.heads
-    margin, correct, n = torch.zeros(L, H), torch.zeros(L, H), 0
+    margin, margin_sq, correct, n = torch.zeros(L, H), torch.zeros(L, H), torch.zeros(L, H), 0
     for prompt in coref_prompts():
         pos = coref_positions(tok, *prompt)
         if pos is None or len(pos[0]) > model.cfg.ctx:
@@ -1300,15 +1325,17 @@ def coreference(model: DualStream, tok, device) -> dict:
             maps = torch.stack([a.last["maps"][0, :, q].float().cpu() for a in model.attentions()])  # [L, H, T]
         m_right, m_wrong = maps[..., r].sum(-1), maps[..., w].sum(-1)
         margin += m_right - m_wrong
+        margin_sq += (m_right - m_wrong) ** 2
         correct += (m_right > m_wrong).float()
         n += 1
     if n == 0:
         return {"prompts": 0}
     margin, correct = margin / n, correct / n
+    stderr = ((margin_sq / n - margin ** 2).clamp_min(0) / max(n - 1, 1)).sqrt()
     best = int(margin.flatten().argmax())
-    return {"prompts": n, "margin": margin.tolist(), "accuracy": correct.tolist(),
+    return {"prompts": n, "margin": margin.tolist(), "accuracy": correct.tolist(), "mean_margin": margin.mean().item(),
             "best": {"layer": best // H, "head": best % H, "margin": margin.flatten()[best].item(),
-                     "accuracy": correct.flatten()[best].item()},
+                     "stderr": stderr.flatten()[best].item(), "accuracy": correct.flatten()[best].item()},
             "layer_best_margin": margin.max(1).values.tolist()}
 
 
@@ -1385,30 +1412,32 @@ def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
 
 
 def bench_kernel(cfg: Config, device, log=print) -> dict:
-    """amp_attention's Triton kernel (o plus entropy and max weight) against SDPA (o only) and the explicit
-    reference, forward and forward + backward, bf16, B·H = 4·6 heads of d_h = 64, ctx 256 … 4096."""
-    if device.type != "cuda" or not HAS_TRITON:
-        log("kernel: the Triton attention kernel needs a CUDA GPU; skipped")
-        return {}
-    out = {}
+    """amp_attention (o plus entropy and max weight) against SDPA (o only) and the explicit reference, forward and
+    forward + backward, B·H = 4·6 heads of d_h = 64. On CUDA the Triton kernel in bf16 at ctx 256 … 4096; without
+    one the blocked torch form (what the model runs there) in fp32 at ctx 256 … 1024."""
+    cuda = device.type == "cuda" and HAS_TRITON
+    name, backend = ("triton", "triton") if cuda else ("torch", "torch")
+    dtype, lengths = (torch.bfloat16, (256, 512, 1024, 2048, 4096)) if cuda else (torch.float32, (256, 512, 1024))
+    out = {"form": name, "dtype": str(dtype).removeprefix("torch.")}
     B, H, dh = 4, 6, 64
-    forms = {"triton": lambda q, k, v: amp_attention(q, k, v, 1.0, backend="triton")[0],
+    forms = {name: lambda q, k, v: amp_attention(q, k, v, 1.0, backend=backend)[0],
              "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
              "reference": lambda q, k, v: amp_attention_reference(q, k, v, 1.0)[0]}
-    for T in (256, 512, 1024, 2048, 4096):
-        q, k, v = (torch.randn(B, H, T, dh, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    for T in lengths:
+        q, k, v = (torch.randn(B, H, T, dh, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
         do = torch.randn_like(q)
         row = {}
-        for name, fn in forms.items():
+        for form, fn in forms.items():
             fwd = bench_time(lambda: fn(q, k, v), device)
             fb = bench_time(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), device)
-            row[name] = {"fwd_ms": 1e3 * fwd, "fwd_bwd_ms": 1e3 * fb}
-        row["fwd_vs_sdpa"] = row["triton"]["fwd_ms"] / row["sdpa"]["fwd_ms"]
-        row["fwd_bwd_vs_sdpa"] = row["triton"]["fwd_bwd_ms"] / row["sdpa"]["fwd_bwd_ms"]
+            row[form] = {"fwd_ms": 1e3 * fwd, "fwd_bwd_ms": 1e3 * fb}
+        row["fwd_vs_sdpa"] = row[name]["fwd_ms"] / row["sdpa"]["fwd_ms"]
+        row["fwd_bwd_vs_sdpa"] = row[name]["fwd_bwd_ms"] / row["sdpa"]["fwd_bwd_ms"]
+        row["fwd_vs_reference"] = row[name]["fwd_ms"] / row["reference"]["fwd_ms"]
         out[f"T{T}"] = row
-        log(f"kernel T={T}: triton fwd {row['triton']['fwd_ms']:.3f} ms ({row['fwd_vs_sdpa']:.2f}x SDPA, goal <= 1.3x), "
-            f"fwd+bwd {row['triton']['fwd_bwd_ms']:.3f} ms ({row['fwd_bwd_vs_sdpa']:.2f}x SDPA); reference fwd "
-            f"{row['reference']['fwd_ms']:.3f} ms")
+        log(f"kernel ({name}, {out['dtype']}) T={T}: fwd {row[name]['fwd_ms']:.3f} ms ({row['fwd_vs_sdpa']:.2f}x "
+            f"SDPA{', goal <= 1.3x' if cuda else ''}; {row['fwd_vs_reference']:.2f}x the reference), fwd+bwd "
+            f"{row[name]['fwd_bwd_ms']:.3f} ms ({row['fwd_bwd_vs_sdpa']:.2f}x SDPA)")
     return out
 
 
@@ -1504,8 +1533,9 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         if c.get("prompts"):
             b = c["best"]
             parts.append(f"<p>coreference probe, {c['prompts']} prompts: best head layer {b['layer']} head {b['head']} "
-                         f"(attention margin {b['margin']:+.3f}, right > wrong in {b['accuracy']:.0%}); best margin per "
-                         "layer " + " ".join(f"{v:+.3f}" for v in c["layer_best_margin"]) + "</p>")
+                         f"(attention margin {b['margin']:+.3f} ± {b['stderr']:.3f}, right > wrong in {b['accuracy']:.0%}, "
+                         f"chance 50%); mean margin over heads {c['mean_margin']:+.3f}; best margin per layer "
+                         + " ".join(f"{v:+.3f}" for v in c["layer_best_margin"]) + "</p>")
     for m, samples in results.get("samples", {}).items():
         parts.append(f"<h2>Samples ({html.escape(m)})</h2>" + "".join(f"<pre>{html.escape(s)}</pre>" for s in samples))
     path = out_dir / f"{name}.html"
@@ -1521,7 +1551,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
 
 
 class Logger:
-    """print() on rank 0, and the same lines appended to out_dir/log.txt."""
+    """print() on rank 0, and the same lines appended to out_dir/log-<variant>.txt (log-sweep.txt for a sweep)."""
 
     def __init__(self, path: Optional[Path], rank: int):
         self.path, self.rank = path, rank
@@ -1546,11 +1576,14 @@ def apply_preset(cfg: Config, explicit) -> str:
     return preset
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config, explicit=()) -> None:
     """Every bad flag value found before anything is trained, each as one line."""
-    checks = [(cfg.layers >= 1, "--layers must be >= 1"), (cfg.heads >= 1, "--heads must be >= 1"),
+    for ok, msg in ((cfg.heads >= 1, "--heads must be >= 1"), (cfg.d_model >= 1, "--d-model must be >= 1")):
+        if not ok:  # before the checks below divide by them
+            raise RunError(msg)
+    checks = [(cfg.layers >= 1, "--layers must be >= 1"),
               (cfg.d_model % cfg.heads == 0, f"--d-model {cfg.d_model} must split into --heads {cfg.heads} heads"),
-              ((cfg.d_model // max(cfg.heads, 1)) % 2 == 0, "the head size d_model/heads must be even (RoPE rotates pairs)"),
+              ((cfg.d_model // cfg.heads) % 2 == 0, "the head size d_model/heads must be even (RoPE rotates pairs)"),
               (cfg.ctx >= 1, "--ctx must be >= 1"), (cfg.batch_size >= 1, "--batch-size must be >= 1"),
               (cfg.max_iters >= 1, "--max-iters must be >= 1"),
               (cfg.eval_interval >= 1 and cfg.log_interval >= 1 and cfg.eval_iters >= 1, "intervals must be >= 1"),
@@ -1568,6 +1601,9 @@ def validate(cfg: Config) -> None:
     if bad:
         raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number")
     parse_alphas(cfg.amplify)
+    typed = [k for k in SWEEP["dense"] if k in explicit]
+    if cfg.sweep and typed:
+        raise RunError(f"--sweep trains its own seven configurations; drop --{typed[0].replace('_', '-')}")
 
 
 def check_tokenizer(ck: dict, data, path: Path) -> None:
@@ -1594,13 +1630,16 @@ def run(cfg: Config, explicit) -> int:
     from common import DataError, load_data
 
     preset = apply_preset(cfg, explicit)
-    validate(cfg)
+    validate(cfg, explicit)
     alphas = parse_alphas(cfg.amplify)
     device, autocast, dist_info = setup_device(cfg)
     if cfg.kernels == "triton" and not HAS_TRITON:
         raise RunError(f"--kernels triton needs the triton package, which failed to import ({TRITON_ERROR})")
     if cfg.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RunError("--kernels triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
+    if cfg.kernels == "triton" and cfg.d_model // cfg.heads > AMP_MAX_HEAD_DIM:
+        raise RunError(f"--kernels triton: the attention kernel takes heads up to {AMP_MAX_HEAD_DIM} wide, not "
+                       f"{cfg.d_model // cfg.heads}; use --kernels auto (the torch form for wide heads)")
     rank = dist_info["rank"]
     confs = configurations(cfg)
     loaded = {}  # --no-train / --resume: the architecture and the data come from the checkpoints
@@ -1610,14 +1649,15 @@ def run(cfg: Config, explicit) -> int:
             if cfg.sweep and not path.exists():  # a sweep uses what exists (--resume trains the rest from scratch)
                 continue
             loaded[name] = (path, *load_checkpoint(path, c, explicit))
-        if not loaded:
+        if not loaded and not cfg.train:
             raise RunError(f"no sweep checkpoints in {cfg.out_dir} (run --sweep first)")
+    if loaded:
         saved = next(iter(loaded.values()))[2]
         cfg = replace(cfg, **{k: getattr(saved, k) for k in ARCH_KEYS + MERGED_KEYS if k not in SWEEP["dense"]})
         confs = {name: (loaded[name][2] if name in loaded else replace(c, **{k: getattr(cfg, k) for k in MERGED_KEYS}))
                  for name, c in confs.items() if cfg.train or name in loaded}
     out_dir = Path(cfg.out_dir)
-    log = Logger(None if cfg.bench else out_dir / "log.txt", rank)
+    log = Logger(None if cfg.bench else out_dir / f"log-{'sweep' if cfg.sweep else variant(cfg)}.txt", rank)
     if preset == "cpu" and not cfg.bench and cfg.train:
         log("no GPU: running the CPU preset (" + ", ".join(f"{k}={getattr(cfg, k)}" for k in CPU_PRESET)
             + f"), about {5 * len(confs)} minutes; --preset paper runs the paper's configuration")
@@ -1707,11 +1747,13 @@ def run(cfg: Config, explicit) -> int:
                 png.write_bytes(base64.b64decode(fig))
                 s["figure"] = fig
                 deep = [h for h in s["hubs"] if h["matrix"] == "O"]
-                line += "; A_O hubs " + " ".join(f"L{h['layer']}:h{h['hub']}({h['hub ratio']:.1f}x)" for h in deep) + f"; {png}"
+                line += ("; A_O hubs " + " ".join(f"L{h['layer']}:h{h['hub']}({h['hub ratio']:.1f}x)" for h in deep)
+                         + f" (random matrices: {deep[0]['chance ratio']:.1f}x); {png}")
             c = s["coreference"]
             if c.get("prompts"):
-                line += (f"; coreference: best head L{c['best']['layer']}h{c['best']['head']} margin "
-                         f"{c['best']['margin']:+.3f} ({c['best']['accuracy']:.0%} of {c['prompts']})")
+                line += (f"; coreference ({c['prompts']} prompts): best head L{c['best']['layer']}h{c['best']['head']} "
+                         f"margin {c['best']['margin']:+.3f} ± {c['best']['stderr']:.3f}, right name first in "
+                         f"{c['best']['accuracy']:.0%} (chance 50%); mean over heads {c['mean_margin']:+.3f}")
             log(f"specialisation, {name}: {line}")
     if cfg.sample is not None or cfg.train:
         prompts = [cfg.sample] if cfg.sample is not None else ["HAMLET:\n"]

@@ -24,7 +24,7 @@ V = 40
 DIST = dict(ddp=False, rank=0, local_rank=0, world=1)
 TINY = ["--layers", "2", "--d-model", "24", "--heads", "3", "--ctx", "32", "--batch-size", "8", "--max-iters", "30", "--lr", "1e-2",
         "--eval-interval", "15", "--eval-iters", "2", "--log-interval", "10", "--analysis-windows", "4",
-        "--sample-tokens", "8", "--amplify", "1,4,16"]
+        "--sample-tokens", "8", "--amplify", "4,16"]
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +118,31 @@ def test_independent_mixing_keeps_heads_isolated():
         assert delta[:, :, 1].max() > 1e-6
         others = max(delta[:, :, 0].max(), delta[:, :, 2].max()).item()
         assert (others == 0.0) == isolated, (mixing, others)
+
+
+def test_independent_ffn_keeps_heads_isolated():
+    """One MLP per head: a perturbation in head 1 of the FFN input changes head 1 of its output only."""
+    for ffn, isolated in (("independent", True), ("dense", False)):
+        f = tiny_model(ffn_mixing=ffn).blocks[0].ffn
+        x = torch.randn(2, 5, 24, dtype=torch.float64)
+        bumped = x.clone()
+        bumped[..., 8:16] += 1.0
+        delta = (f(bumped) - f(x)).abs().view(2, 5, 3, 8)
+        assert delta[:, :, 1].max() > 1e-6 and (max(delta[:, :, 0].max(), delta[:, :, 2].max()) == 0) == isolated
+
+
+@pytest.mark.parametrize("v_source", ["xt-cln", "xt-raw", "combined"])
+def test_v_source(v_source):
+    """V reads CLN_v(x_t), x_t itself, or the block's CLN_1(x_t + x_e)."""
+    m = tiny_model(v_source=v_source)
+    block, seen = m.blocks[1], {}
+    block.attn.register_forward_pre_hook(lambda mod, args: seen.update(h=args[0], v_in=args[1]))
+    x_t, x_e = (torch.randn(2, 5, 24, dtype=torch.float64) for _ in range(2))
+    block(x_t, x_e)
+    want = {"xt-cln": lambda: block.ln_v(x_t), "xt-raw": lambda: x_t, "combined": lambda: seen["h"]}[v_source]()
+    torch.testing.assert_close(seen["v_in"], want)
+    torch.testing.assert_close(seen["h"], block.ln_1(x_t + x_e))
+    assert (block.ln_v is not None) == (v_source == "xt-cln")
 
 
 def test_fts_keeps_the_token_stream_frozen():
@@ -223,7 +248,8 @@ def test_readout_ablation_reads_one_stream():
 
 
 def test_ablation_at_every_layer_is_a_model_without_that_stream():
-    """Removing x_e at every layer = the same model with every FFN output zeroed (x_e never written)."""
+    """Removing x_e at every layer = the same model with every FFN output zeroed (x_e never written); removing
+    x_t = every attention output zeroed (x_t stays the embedding) and the readout from x_e alone."""
     m = tiny_model()
     x, _ = tokens()
     ablated = m(x, ablate="x_e", at="all")
@@ -231,6 +257,14 @@ def test_ablation_at_every_layer_is_a_model_without_that_stream():
         for b in m.blocks:
             b.ffn.down.zero_()
     torch.testing.assert_close(ablated, m(x))
+    m = tiny_model()
+    ablated = m(x, ablate="x_t", at="all")
+    with torch.no_grad():
+        for b in m.blocks:
+            b.attn.mix_o.weight.zero_()
+    x_t, x_e = m.streams(x)
+    torch.testing.assert_close(ablated, F.linear(m.ln_f(x_e), m.wte.weight))
+    assert ablated.std() > 0  # not the constant a zeroed x_t would give
     with pytest.raises(ValueError, match="two streams"):
         tiny_model(mode="single")(x, ablate="x_t")
 
@@ -247,11 +281,12 @@ def test_hubs_find_the_heaviest_column():
     m = tiny_model(mixing="kronecker").float()
     with torch.no_grad():
         for a in m.attentions():
-            a.mix_o.weight.copy_(torch.eye(3) * 0.1)
+            a.mix_o.weight.fill_(0.1)
             a.mix_o.weight[:, 2] = 1.0
     rows = [r for r in ds.hubs(m) if r["matrix"] == "O"]
     assert all(r["hub"] == 2 for r in rows)
-    assert rows[0]["hub ratio"] == pytest.approx(3.0 / 0.1)  # column 2: three 1s; columns 0, 1: one 0.1 each
+    # off the diagonal, column 2 holds two 1s and columns 0, 1 two 0.1s each; the diagonal never counts
+    assert rows[0]["hub ratio"] == pytest.approx(2.0 / 0.2)
     assert ds.hubs(tiny_model(mixing="dense")) is None
 
 
@@ -300,7 +335,7 @@ def test_coreference_scores_an_oracle_head(monkeypatch):
     monkeypatch.setattr(ds.ChannelAttention, "forward", attn_forward)
     res = ds.coreference(m, tok, "cpu")
     assert res["prompts"] == len(ds.coref_prompts())
-    assert res["best"] == {"layer": 0, "head": 0, "margin": 1.0, "accuracy": 1.0}
+    assert res["best"] == {"layer": 0, "head": 0, "margin": 1.0, "accuracy": 1.0, "stderr": 0.0}
     assert res["margin"][1][2] == 0.0 and res["accuracy"][1][2] == 0.0
 
 
@@ -386,7 +421,7 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
         assert (tmp_path / f).is_file(), f
     res = json.loads((tmp_path / "results.json").read_text())
     amp = res["amplification"]["kronecker"]
-    assert [r["alpha"] for r in amp["rows"]] == [1.0, 4.0, 16.0] and amp["rows"][0]["degradation"] == 0.0
+    assert [r["alpha"] for r in amp["rows"]] == [1.0, 4.0, 16.0] and amp["rows"][0]["degradation"] == 0.0  # α = 1 added
     assert amp["rows"][2]["entropy"][0] < amp["rows"][0]["entropy"][0] and set(amp["samples"]) == {"1.0", "4.0", "16.0"}
     assert [(r["removed"], r["at"]) for r in res["ablation"]["kronecker"]] == [("x_t", "readout"), ("x_e", "readout")]
     spec = res["specialization"]["kronecker"]
@@ -427,11 +462,30 @@ def test_sweep_from_the_command_line(tmp_path, cache_dir):
     assert len(json.loads((tmp_path / "analysis.json").read_text())["models"]) == 6
 
 
+def test_resume_from_the_command_line(tmp_path, cache_dir):
+    """--resume takes the run's settings from the checkpoint (not the preset's) and extends a finished run when
+    --max-iters is raised."""
+    args = ["--layers", "1", "--d-model", "24", "--heads", "3", "--ctx", "64", "--batch-size", "2", "--eval-interval",
+            "5", "--eval-iters", "1", "--log-interval", "5", "--amplify", "", "--no-ablation", "--no-specialization",
+            "--no-report", "--sample-tokens", "2", "--cache-dir", str(cache_dir)]
+    r = run_script("dual_stream.py", *args, "--max-iters", "10", "--out-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_script("dual_stream.py", "--resume", "--max-iters", "15", "--out-dir", str(tmp_path), "--cache-dir",
+                   str(cache_dir), "--amplify", "", "--no-ablation", "--no-specialization", "--no-report")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed from" in r.stdout and "ckpt-token-factor-kronecker.pt at step 10" in r.stdout
+    ck = torch.load(tmp_path / "ckpt-token-factor-kronecker.pt", weights_only=True)
+    assert ck["step"] == 15 and ck["config"]["batch_size"] == 2 and ck["config"]["d_model"] == 24
+
+
 @pytest.mark.parametrize("args,code,needle", [
     (["--mixing", "circulant"], 2, "invalid choice: 'circulant'"),
     (["--mode", "triple"], 2, "invalid choice: 'triple'"),
     (["--layerz", "6"], 2, "unrecognized arguments: --layerz"),
     (["--layers", "0"], 1, "error: --layers must be >= 1"),
+    (["--heads", "0"], 1, "error: --heads must be >= 1"),
+    (["--d-model", "-12"], 1, "error: --d-model must be >= 1"),
+    (["--sweep", "--mixing", "dense"], 1, "--sweep trains its own seven configurations; drop --mixing"),
     (["--d-model", "30", "--heads", "4"], 1, "must split into --heads 4 heads"),
     (["--d-model", "30", "--heads", "6"], 1, "the head size d_model/heads must be even"),
     (["--amplify", "1,x"], 1, "--amplify '1,x': expected comma-separated numbers"),
@@ -451,6 +505,19 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, cache_dir, args, code, need
                         monkeypatch)
     assert rc == code and needle in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bench_on_cpu(tmp_path):
+    """--bench without a GPU: the mixing throughput table (ratios to dense), and the torch form of the op against
+    SDPA and the reference."""
+    r = run_script("dual_stream.py", "--bench", "--layers", "1", "--d-model", "24", "--heads", "3", "--ctx", "16",
+                   "--batch-size", "2", "--out-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "training tokens/s: dense" in r.stdout and "kernel (torch, float32) T=1024" in r.stdout
+    res = json.loads(r.stdout[r.stdout.index("\n{") + 1:])
+    assert set(res["ratio_to_dense"]) == {"dense", "kronecker", "independent", "identity", "fully independent"}
+    assert res["ratio_to_dense"]["dense"] == 1.0
+    assert res["kernel"]["form"] == "torch" and set(res["kernel"]["T256"]) >= {"torch", "sdpa", "reference"}
 
 
 def test_corrupt_checkpoint_is_one_line(tmp_path, cache_dir):
