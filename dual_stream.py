@@ -64,6 +64,12 @@ Commands
     python dual_stream.py --bench                  # training tok/s per mixing vs dense; kernel vs SDPA
     python dual_stream.py --dataset tinystories --max-tokens 100000000     # online
     torchrun --standalone --nproc_per_node=8 dual_stream.py               # DDP
+
+Expected (CPU preset, 2 cores, 2026-12-01): `python dual_stream.py` takes about 4.5 minutes (4 min 29 s with
+the token cache built, 243 s of it training); the logged loss falls from 6.95 (step 20) to ~5.2 and val
+perplexity ends near 335 (cl100k compacted to 19,447 ids, 614k tokens seen). At this budget amplification
+barely moves the loss (+0.2% at α = 16, against the paper's 16-27%) and removing x_e hurts far more than
+removing x_t (+86% vs +3%; the paper: +9.5% vs +36%): a short run on plays is not the paper's regime, and the README says so.
 """
 from __future__ import annotations
 

@@ -267,6 +267,8 @@ def test_ablation_at_every_layer_is_a_model_without_that_stream():
     assert ablated.std() > 0  # not the constant a zeroed x_t would give
     with pytest.raises(ValueError, match="two streams"):
         tiny_model(mode="single")(x, ablate="x_t")
+    with pytest.raises(ValueError, match="at must be"):
+        m(x, ablate="x_t", at="layer")
 
 
 # ---------------------------------------------------------------- analyses
