@@ -1,0 +1,358 @@
+"""Tests of clvq_vae.py's analyses section: baselines (§6.4), concept-ablation fidelity (§6.1), concept cards and
+the coherence proxy (§7, §6.2), and --bench. Offline, CPU, on a tiny random BERT built in tmp_path."""
+import pytest
+import torch
+
+import clvq_vae as cv
+
+# A hand-made WordPiece vocabulary: "unbelievably" -> un ##believ ##ably and "cats" -> cat ##s, so a word's
+# score (max over its subwords) differs from its first and its last subword.
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "##s", "sat", "un", "##believ", "##ably",
+         "tragic", "o", "'", "er", ",", "!", ".", "a", "dog", "ran", "on", "mat", "hills", "my", "house"]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    """A tiny random 3-layer BERT (hidden 32) loaded through the --model PATH route."""
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        folder = tmp_path_factory.mktemp("tiny-bert")
+        (folder / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+        tok = BertTokenizer(vocab=str(folder / "vocab.txt"))
+        torch.manual_seed(0)
+        cfg = BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=64)
+        BertModel(cfg).save_pretrained(folder)
+        tok.save_pretrained(folder)
+        return cv.load_source_model(str(folder))
+
+
+def _texts(n, seed=0):
+    """n short sentences over the tiny vocabulary; label 1 iff the sentence mentions a cat."""
+    g = torch.Generator().manual_seed(seed)
+    nouns, verbs, rest = ["cat", "dog", "house", "mat", "hills"], ["sat", "ran"], ["the", "a", "my", "tragic", "on"]
+    texts, labels = [], []
+    for i in range(n):
+        pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
+        noun = "cat" if i % 2 else pick(nouns[1:])
+        words = [pick(rest), noun, pick(verbs), pick(rest), pick(nouns[1:]), pick([".", "!", ","])]
+        texts.append(" ".join(words))
+        labels.append(int(noun == "cat"))
+    return texts, labels
+
+
+# ---- Integrated Gradients -------------------------------------------------------------------------------------
+
+def test_ig_is_complete(bert):
+    """Σ_t a_t = f(x) - f(baseline) (completeness), with enough Gauss-Legendre steps, through a real HF model.
+    (The pad baseline: from the zero baseline a post-LN block is scale-invariant along the path except within
+    ~LN-eps of α = 0, a near-jump no quadrature resolves; integrated_gradients' docstring says so.)"""
+    baseline = "pad"
+    torch.manual_seed(1)
+    head = torch.nn.Linear(32, 2).requires_grad_(False)
+    enc = bert.tokenizer("the cats unbelievably sat on my mat !", return_special_tokens_mask=True)
+    ig = cv.integrated_gradients(bert, head, enc["input_ids"], enc["special_tokens_mask"], layer=1, steps=40,
+                                 baseline=baseline, batch=16)
+    gap = ig["f_x"] - ig["f_base"]
+    assert abs(gap) > 1e-3  # a non-trivial path
+    assert abs(ig["attr"].sum().item() - gap) < 1e-3 * max(1.0, abs(gap))
+    assert ig["attr"].shape == (len(enc["input_ids"]),)
+    # the target is the head's prediction on the unmodified sentence
+    out = bert.model(input_ids=torch.tensor([enc["input_ids"]]), output_hidden_states=True)
+    assert ig["target"] == int(head(out.hidden_states[-1][:, 0]).argmax())
+
+
+def test_ig_too_few_steps_is_visibly_incomplete(bert):
+    """The completeness check has power: one step leaves a gap that 40 steps close."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(32, 2).requires_grad_(False)
+    enc = bert.tokenizer("the cats unbelievably sat on my mat !", return_special_tokens_mask=True)
+    ig1 = cv.integrated_gradients(bert, head, enc["input_ids"], enc["special_tokens_mask"], 1, steps=1)
+    gap = ig1["f_x"] - ig1["f_base"]
+    assert abs(ig1["attr"].sum().item() - gap) > 1e-2 * abs(gap)
+
+
+def test_word_scores_take_the_max_over_subwords(bert):
+    words = cv.split_words("the cats unbelievably sat!")
+    enc = bert.tokenizer(" ".join(words), return_offsets_mapping=True, return_special_tokens_mask=True)
+    toks = bert.tokenizer.convert_ids_to_tokens(enc["input_ids"])
+    assert toks == ["[CLS]", "the", "cat", "##s", "un", "##believ", "##ably", "sat", "!", "[SEP]"]
+    attr = torch.tensor([9.0, 1.0, -4.0, 2.0, 0.5, -3.0, 1.0, 0.0, 2.0, 7.0])
+    s = cv.word_scores(attr, words, enc["offset_mapping"], enc["special_tokens_mask"])
+    a = (attr / attr.norm()).abs()
+    torch.testing.assert_close(s, torch.stack([a[1], a[2], a[5], a[7], a[8]]))  # specials never count
+
+
+# ---- ablation ---------------------------------------------------------------------------------------------------
+
+def test_projection_removes_the_direction_exactly():
+    g = torch.Generator().manual_seed(0)
+    r, e = torch.randn(50, 64, generator=g), 5 * torch.randn(50, 64, generator=g)
+    rp = cv.project_out(r, e)
+    eh = e / e.norm(dim=-1, keepdim=True)
+    assert (rp * eh).sum(-1).abs().max() < 1e-5 * r.norm(dim=-1).max()
+    # what is left is r minus its component along ê, nothing else
+    torch.testing.assert_close(rp, r - (r * eh).sum(-1, keepdim=True) * eh, atol=1e-5, rtol=1e-5)
+    # a zero direction (id -1) removes nothing
+    torch.testing.assert_close(cv.project_out(r[:3], torch.zeros(3, 64)), r[:3])
+
+
+def test_subspace_projection_removes_every_basis_vector():
+    g = torch.Generator().manual_seed(1)
+    r, B = torch.randn(20, 32, generator=g), torch.randn(20, 3, 32, generator=g)
+    B = torch.cat([B, (B[:, :1] + 2 * B[:, 1:2])], 1)  # a 4th, dependent vector: the span is still 3-d
+    rp = cv.project_out(r, B)
+    assert torch.einsum("sd,smd->sm", rp, B).abs().max() < 1e-4
+    # rank 3 removed, no more: |r'|² = |r|² - |P r|² with P the 3-d projector
+    Q = torch.linalg.qr(B[:, :3].double().transpose(1, 2))[0]
+    left = r.double().pow(2).sum(-1) - torch.einsum("sd,sdm->sm", r.double(), Q).pow(2).sum(-1)
+    torch.testing.assert_close(rp.double().pow(2).sum(-1), left, atol=1e-4, rtol=1e-5)
+
+
+# ---- baselines ------------------------------------------------------------------------------------------------
+
+def test_sae_keeps_exactly_k_latents():
+    torch.manual_seed(0)
+    sae = cv.TopKTranscoderSAE(16, 64, 5)
+    x = torch.randn(40, 16)
+    f, idx = sae.encode(x)
+    pre = torch.relu(sae.enc(x))
+    assert ((f != 0).sum(-1) == 5).all()  # the encoder bias 0.1 keeps more than k positive here
+    torch.testing.assert_close(f.gather(1, idx), pre.topk(5, -1).values)
+    assert (idx[:, 0] == pre.argmax(-1)).all()  # the concept is the argmax latent
+    y, _ = sae(x)
+    assert y.shape == x.shape
+
+
+def test_sae_method_ablates_the_top_encoder_rows():
+    torch.manual_seed(0)
+    cfg = cv.Config(d_model=16)
+    cfg.sae_ablate_k = 3
+    sae = cv.TopKTranscoderSAE(16, 64, 5)
+    m = cv.sae_method(cfg, sae, torch.device("cpu"), dict(seconds=0.0))
+    x = torch.randn(7, 16)
+    ids = m.assign(x)
+    B = m.ablation(x, ids)
+    top = sae.encode(x)[1][:, :3]
+    assert B.shape == (7, 3, 16) and (ids == top[:, 0]).all()
+    torch.testing.assert_close(B, sae.enc.weight.detach()[top])
+
+
+def test_kmeans_baseline_assigns_each_row_its_nearest_centroid():
+    g = torch.Generator().manual_seed(0)
+    centers = 10 * torch.randn(6, 8, generator=g)
+    x = (centers[torch.arange(300) % 6] + torch.randn(300, 8, generator=g))
+    cfg = cv.Config(d_model=8, codebook_size=6, kernels="torch")
+    cfg.kmeans_restarts, cfg.kmeans_iters = 2, 10
+    m = cv.kmeans_method(cfg, x, torch.device("cpu"), log=lambda s: None)
+    ids = m.assign(x)
+    C = m.ablation(x[:6], torch.arange(6))[:, 0]  # the centroids
+    assert (ids == torch.cdist(x, C).argmin(-1)).all()
+    # Lloyd's fixed point: each centroid is its members' mean, and the 6 planted clusters are found
+    for k in range(6):
+        torch.testing.assert_close(C[k], x[ids == k].mean(0), atol=1e-4, rtol=1e-4)
+    assert len(torch.unique(ids)) == 6
+    assert m.ablation(x[:1], torch.tensor([-1])).abs().sum() == 0
+
+
+# ---- the probe test -------------------------------------------------------------------------------------------
+
+def test_fidelity_drops_only_for_the_carrying_direction():
+    """Synthetic §6.1: the label lives along one known direction u. Removing u (every sentence's concept) takes
+    the probe to chance; removing a random direction, or a direction orthogonal to u, barely moves it."""
+    g = torch.Generator().manual_seed(0)
+    S, d = 240, 16
+    u = torch.zeros(d)
+    u[0] = 1.0
+    y = torch.arange(S) % 2
+    r = torch.randn(S, d, generator=g) * torch.cat([torch.tensor([0.3]), torch.ones(d - 1)]) + \
+        (2.0 * y[:, None] - 1) * 1.5 * u
+    other = torch.zeros(d)
+    other[1] = 1.0
+    rows = cv.probe_fidelity(r, y.tolist(), {"carrier": u.expand(S, 1, d).clone(),
+                                             "orthogonal": other.expand(S, 1, d).clone()}, folds=4, seed=42)
+    by = {w["method"]: w for w in rows}
+    assert by["carrier"]["acc_orig"] > 0.95 and by["carrier"]["acc_orig"] == by["orthogonal"]["acc_orig"]
+    assert by["carrier"]["acc_concept"] < 0.7 and by["carrier"]["drop_concept"] > 0.25
+    assert by["carrier"]["acc_random"] > 0.85
+    assert by["orthogonal"]["acc_concept"] > 0.9
+    assert all(w["folds"] == 4 and w["n_sentences"] == S and w["rank"] == 1 for w in rows)
+
+
+def test_stratified_folds_balance_classes():
+    y = torch.tensor([0] * 30 + [1] * 10)
+    f = cv.stratified_folds(y, 5, seed=42)
+    for k in range(5):
+        assert ((f == k) & (y == 0)).sum() == 6 and ((f == k) & (y == 1)).sum() == 2
+
+
+# ---- cards and coherence ----------------------------------------------------------------------------------------
+
+def _acts(words_per_sent, d=4):
+    """Activations for hand sentences: [CLS] + words + [SEP] per sentence, rows in order."""
+    words, sent, pos, special, texts = [], [], [], [], []
+    for s, ws in enumerate(words_per_sent):
+        texts.append(" ".join(ws))
+        units = [("[CLS]", -1, True)] + [(w, i, False) for i, w in enumerate(ws)] + [("[SEP]", len(ws), True)]
+        for w, p, sp in units:
+            words.append(w), sent.append(s), pos.append(p), special.append(sp)
+    n = len(words)
+    return cv.Activations(torch.zeros(n, d), torch.zeros(n, d), torch.tensor(sent), torch.tensor(pos),
+                          torch.tensor(special), words, texts, [0] * len(texts), (1, 2), "encoder",
+                          {"start": "[CLS]", "end": "[SEP]"}, {})
+
+
+def test_cards_escape_and_highlight():
+    acts = _acts([["a", "<b>", "&", "c"], ["x", "<b>", "y"], ["p", "q"]])
+    codes = torch.tensor([0 if w == "[CLS]" else 1 if w == "<b>" else 2 for w in acts.words])
+    m = cv.ConceptMethod("toy <i>", 3, lambda x: codes, lambda x, i: None, {})
+    cards = cv.concept_cards(m, acts, codes, n_cards=3)
+    by = {c["code"]: c for c in cards}
+    assert by[1]["top_words"] == [("<b>", 2)] and len(by[1]["examples"]) == 2 and by[1]["sentences"] == []
+    assert len(by[0]["sentences"]) == 3 and by[0]["special_fraction"] == 1.0  # a sentence-level code
+    page = cv.cards_html({m.name: cards})
+    assert "<mark>&lt;b&gt;</mark>" in page and "toy &lt;i&gt;" in page
+    assert "<b>" not in page and "<i>" not in page and "&amp;" in page
+    assert page.count('class="card"') == 3
+
+
+def test_coherence_proxy_beats_chance_only_for_coherent_codes():
+    g = torch.Generator().manual_seed(0)
+    d = 32
+    base = torch.randn(2, d, generator=g)
+    vecs = {f"a{i}": base[0] + 0.2 * torch.randn(d, generator=g) for i in range(10)}
+    vecs.update({f"b{i}": base[1] + 0.2 * torch.randn(d, generator=g) for i in range(10)})
+    vecs.update({f"r{i}": torch.randn(d, generator=g) for i in range(40)})
+    words = [w for w in vecs for _ in range(3)]
+    coherent = torch.tensor([0 if w[0] == "a" else 1 if w[0] == "b" else 2 + int(w[1:]) % 4 for w in words])
+    good = cv.coherence_proxy(words, coherent, vecs, draws=5)
+    assert good["score"] > good["chance"] + 0.2
+    shuffled = coherent[torch.randperm(len(words), generator=g)]
+    bad = cv.coherence_proxy(words, shuffled, vecs, draws=5)
+    assert abs(bad["score"] - bad["chance"]) < 0.1 and bad["score"] < good["score"] - 0.2
+
+
+def test_type_vectors_use_the_last_subword(bert):
+    v = cv.type_vectors(bert, ["cats", "unbelievably", "[CLS]"], how="last")
+    W = bert.model.get_input_embeddings().weight
+    ids = bert.tokenizer.convert_tokens_to_ids
+    torch.testing.assert_close(v["cats"], W[ids("##s")])
+    torch.testing.assert_close(v["unbelievably"], W[ids("##ably")])
+    torch.testing.assert_close(v["[CLS]"], W[ids("[CLS]")])
+    m = cv.type_vectors(bert, ["cats"], how="mean")
+    torch.testing.assert_close(m["cats"], W[[ids("cat"), ids("##s")]].mean(0))
+
+
+# ---- bench and the whole section ---------------------------------------------------------------------------------
+
+def test_bench_runs_on_cpu_at_tiny_sizes():
+    out = cv.bench(cv.Config(), torch.device("cpu"), log=lambda s: None, sizes=[(64, 16, 8), (100, 20, 12)])
+    assert out["kernel"] == "torch" and len(out["rows"]) == 2
+    for r in out["rows"]:
+        assert r["agree"] == 1.0  # the chunked form draws the same codes as the reference from the same uniforms
+        assert r["kernel_ms"] > 0 and r["reference_ms"] > 0 and r["cdist+topk_ms"] > 0
+        assert r["kernel_peak_mb"] is None  # CPU: time only
+
+
+def _tiny_fit(calls):
+    def fit_fn(cfg, train, dev, device, log, variant):
+        calls.append((variant, torch.equal(train.x_h, train.x_l)))
+        torch.manual_seed(0)
+        model = cv.CLVQVAE(cfg).to(device)
+        xl, xh, mask = cv.pad_sentences(train, range(len(train.texts)))
+        model.init_codebook(xl, mask)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for _ in range(5):
+            loss = model(xl, xh, mask)["loss"]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return model.eval()
+    return fit_fn
+
+
+def test_run_analyses_end_to_end_on_a_tiny_bert(bert):
+    texts, labels = _texts(40)
+    train = cv.extract_activations(bert, texts, labels, layers=(1, 3), min_count=0, max_per_type=None)
+    dtexts, dlabels = _texts(24, seed=1)
+    dev = cv.extract_activations(bert, dtexts, dlabels, layers=(1, 3), min_count=0, max_per_type=None)
+    cfg = cv.Config(d_model=32, codebook_size=6, dec_layers=1, dec_heads=2, dec_ffn=32, init_iters=5,
+                    init_restarts=1, kernels="torch")
+    for k, v in dict(sae_latents=16, sae_k=4, sae_steps=20, sae_ablate_k=2, probe_folds=3, ig_steps=4,
+                     kmeans_restarts=1, kmeans_iters=5, cards_per_method=3, fidelity_sentences=20).items():
+        setattr(cfg, k, v)
+    calls = []
+    fit = _tiny_fit(calls)
+    model = fit(cfg, train, dev, torch.device("cpu"), print, "clvq")
+    res = cv.run_analyses(cfg, bert, train, dev, model, fit, torch.device("cpu"), log=lambda s: None)
+    import json
+
+    json.dumps({k: v for k, v in res.items()})  # JSON-able
+    assert calls[-1] == ("vq-l1-h1", True)  # the single-layer baseline is trained on x_l -> x_l
+    names = [w["method"] for w in res["fidelity"]]
+    assert names == ["CLVQ-VAE l1->h3", "k-means", "VQ-VAE l1->h1", "top-k SAE"]
+    assert set(res["baselines"]) == set(names) == set(res["coherence"])
+    orig = {w["acc_orig"] for w in res["fidelity"]}
+    assert len(orig) == 1  # one probe per fold, shared by every method
+    for w in res["fidelity"]:
+        assert all(0 <= w[k] <= 1 for k in ("acc_orig", "acc_concept", "acc_random"))
+        assert w["n_sentences"] == 20 and w["folds"] == 3  # the first 20 dev sentences (fidelity_sentences)
+    assert res["fidelity"][-1]["rank"] == 2  # the SAE removes a 2-d encoder subspace
+    for n in names:
+        assert cv.html.escape(n) in res["cards_html"]
+    assert res["fidelity_info"]["sentences"] == 20
+    assert len(res["fidelity_info"]["salient_codes"]["k-means"]) == 20
+
+
+def test_salient_rows_stay_in_their_sentence_and_skip_the_last_token(bert):
+    texts, labels = _texts(12)
+    acts = cv.extract_activations(bert, texts, labels, layers=(1, 3), min_count=0, max_per_type=None)
+    torch.manual_seed(2)
+    head = torch.nn.Linear(32, 2).requires_grad_(False)
+    cfg = cv.Config()
+    cfg.ig_steps = 4
+    sal = cv.salient_rows(cfg, bert, head, acts, log=lambda s: None)
+    b = acts.bounds
+    for s, r in enumerate(sal["rows"].tolist()):
+        assert int(b[s]) <= r < int(b[s + 1]) - 1  # never the final [SEP]
+        assert acts.words[r] != "[SEP]"
+    # the chosen unit is the best-scored one by the section's own word scores
+    words, enc = cv._encode(bert, texts[:1])
+    ig = cv.integrated_gradients(bert, head, enc["input_ids"][0], enc["special_tokens_mask"][0], 1, 4)
+    ws = cv.word_scores(ig["attr"], words[0], enc["offset_mapping"][0], enc["special_tokens_mask"][0])
+    a_cls = (ig["attr"] / ig["attr"].norm()).abs()[0]
+    best = int(ws.argmax())
+    expect_pos = -1 if a_cls > ws[best] else best
+    assert int(acts.pos[int(sal["rows"][0])]) == expect_pos
+
+
+def test_salient_rows_exclude_the_last_row_when_it_is_a_word(bert):
+    """With the filter capping [SEP] (as on train), most sentences end on a word row: the last row is still
+    excluded ("last token excluded", §6.1), and the pick is the best of the others by the section's scores."""
+    texts, labels = _texts(30, seed=3)
+    acts = cv.extract_activations(bert, texts, labels, layers=(1, 3), min_count=0, max_per_type=3)
+    torch.manual_seed(2)
+    head = torch.nn.Linear(32, 2).requires_grad_(False)
+    cfg = cv.Config()
+    cfg.ig_steps = 4
+    sal = cv.salient_rows(cfg, bert, head, acts, log=lambda s: None)
+    words, enc = cv._encode(bert, texts)
+    b, last_would_win = acts.bounds, 0
+    for s in range(len(texts)):
+        ig = cv.integrated_gradients(bert, head, enc["input_ids"][s], enc["special_tokens_mask"][s], 1, 4)
+        ws = cv.word_scores(ig["attr"], words[s], enc["offset_mapping"][s], enc["special_tokens_mask"][s])
+        a0 = float((ig["attr"] / ig["attr"].norm()).abs()[0])
+        rows = list(range(int(b[s]), int(b[s + 1])))
+        score = {r: a0 if int(acts.pos[r]) == -1 else float(ws[int(acts.pos[r])]) if
+                 0 <= int(acts.pos[r]) < len(words[s]) else float("-inf") for r in rows}
+        cand = rows[:-1] if len(rows) > 1 else rows  # a sentence left with one row ([CLS]) keeps it
+        assert int(sal["rows"][s]) == max(cand, key=lambda r: score[r])
+        last_would_win += max(rows, key=lambda r: score[r]) == rows[-1]
+    assert last_would_win > 0  # the exclusion changed the pick somewhere, so this test can fail

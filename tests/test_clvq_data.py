@@ -1,0 +1,257 @@
+"""clvq_vae.py's data section: source model loading, word alignment, the frequency filter, the activation cache,
+sentence representations, padding and the labelled passages. Offline, on tiny random HF models built in tmp_path."""
+import pytest
+import torch
+
+import clvq_vae as C
+from common import DataError
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline():
+    """No test here may touch the network: the hub is off for the whole module (module-scoped fixtures included)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield
+
+
+# A hand-made WordPiece vocabulary: "unbelievably" -> un ##believ ##ably, "cats" -> cat ##s, so the last
+# subword differs from the first one and from the whole word.
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "##s", "sat", "un", "##believ", "##ably",
+         "tragic", "o", "'", "er", ",", "!", ".", "a", "dog", "ran", "on", "mat", "hills", "my", "house"]
+
+
+def _save_tiny_bert(folder, seed=0, layers=2):
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+    tok = BertTokenizer(vocab=str(folder / "vocab.txt"))
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=64)
+    BertModel(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _save_tiny_gpt2(folder):
+    """A byte-level BPE decoder whose tokenizer prepends a BOS <s> (as LLaMA's does), trained on a few lines."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import GPT2Config, GPT2Model, PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["the cat sat on the mat", "a dog ran", "the cats sat"] * 5,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "<pad>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", pad_token="<pad>")
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=bpe.get_vocab_size(), n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                     bos_token_id=0, eos_token_id=0)
+    GPT2Model(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return C.load_source_model(str(_save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))))
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    return C.load_source_model(str(_save_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2"))))
+
+
+def test_tiny_bert_loads_through_the_model_path(bert):
+    assert (bert.kind, bert.n_layers, bert.d_model, bert.max_tokens) == ("encoder", 2, 32, 64)
+    assert bert.tokenizer.is_fast and not bert.model.training
+
+
+def test_default_model_is_the_packaged_minilm():
+    folder = C._packaged_folder(C.DEFAULT_MODEL)
+    assert (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists()
+    src = C.load_source_model()  # offline (HF_HUB_OFFLINE=1): must come from the package folder
+    assert (src.kind, src.n_layers, src.d_model) == ("encoder", 6, 384)
+
+
+def test_last_subword_is_chosen(bert):
+    text = "the cats unbelievably sat!"
+    acts = C.extract_activations(bert, [text], layers=(1, 2), min_count=0, max_per_type=None)
+    assert acts.words == ["[CLS]", "the", "cats", "unbelievably", "sat", "!", "[SEP]"]
+    assert acts.pos.tolist() == [-1, 0, 1, 2, 3, 4, 5]
+    enc = bert.tokenizer(text, return_tensors="pt")
+    toks = bert.tokenizer.convert_ids_to_tokens(enc["input_ids"][0])
+    assert toks == ["[CLS]", "the", "cat", "##s", "un", "##believ", "##ably", "sat", "!", "[SEP]"]
+    hs = bert.model(**enc, output_hidden_states=True).hidden_states
+    expect = [0, 1, 3, 6, 7, 8, 9]  # [CLS], the, ##s, ##ably, sat, !, [SEP]
+    torch.testing.assert_close(acts.x_l, hs[1][0, expect])
+    torch.testing.assert_close(acts.x_h, hs[2][0, expect])
+    assert not torch.allclose(acts.x_l[3], hs[1][0, 4])  # not the first subword "un"
+    # offsets on the joined words agree with word_ids on pre-split words for a WordPiece tokenizer
+    words = C.split_words(text)
+    pre = bert.tokenizer(words, is_split_into_words=True)
+    by_ids = {w: t for t, w in enumerate(pre.word_ids()) if w is not None}
+    enc2 = bert.tokenizer(" ".join(words), return_offsets_mapping=True, return_special_tokens_mask=True)
+    assert C.align_words(words, enc2["offset_mapping"], enc2["special_tokens_mask"]) == \
+        [by_ids[i] for i in range(len(words))]
+
+
+def test_word_split_is_moses_like():
+    assert C.split_words("O'er the hills, my father's house!--") == \
+        ["O'er", "the", "hills", ",", "my", "father's", "house", "!", "-", "-"]
+
+
+def test_align_marks_truncated_word_missing():
+    # "unbelievably" is cut after "un##believ": its last subword is gone, so it has no row
+    words = ["the", "unbelievably"]
+    offsets = [(0, 0), (0, 3), (4, 6), (6, 12)]
+    assert C.align_words(words, offsets, [1, 0, 0, 0]) == [1, -1]
+
+
+def test_frequency_filter_min_count_and_cap():
+    units = [["[CLS]", "a", "b", "a", "c"], ["[CLS]", "a", "b", "d"], ["[CLS]", "a", "b", "c"]]
+    keep = C.frequency_filter(units, min_count=2, max_per_type=2, exempt={"[CLS]"})
+    assert keep == [[True, True, True, True, True],     # a(1) b(1) a(2) c(1)
+                    [True, False, True, False],         # a capped, b(2), d below min_count
+                    [True, False, False, True]]         # a, b capped; c(2); [CLS] exempt from the cap
+    assert C.frequency_filter(units, min_count=0, max_per_type=None) == [[True] * len(u) for u in units]
+
+
+def test_encoder_keeps_every_cls_and_caps_sep(bert):
+    texts = ["the cat sat.", "the dog ran.", "a cat ran.", "the mat.", "my house!"]
+    acts = C.extract_activations(bert, texts, layers=(0, 2), min_count=2, max_per_type=2)
+    words = acts.words
+    assert words.count("[CLS]") == 5 and words.count("[SEP]") == 2
+    assert words.count("the") == 2 and words.count(".") == 2 and "house" not in words  # cap, min_count
+    assert acts.bounds.tolist()[-1] == acts.x_l.shape[0] and bool((acts.sent[1:] >= acts.sent[:-1]).all())
+    r = C.sentence_representations(acts)  # [CLS] at layer l: hidden_states[0][:, 0] here
+    enc = bert.tokenizer(texts[3], return_tensors="pt")
+    torch.testing.assert_close(r[3], bert.model(**enc, output_hidden_states=True).hidden_states[0][0, 0])
+    xl, xh, mask = C.pad_sentences(acts, [3, 0])
+    b = acts.bounds
+    assert mask.sum(1).tolist() == [int(b[4] - b[3]), int(b[1] - b[0])]
+    torch.testing.assert_close(xh[1, :int(b[1])], acts.x_h[:int(b[1])])
+    assert xl[0, int(b[4] - b[3]):].abs().sum() == 0
+
+
+def test_decoder_drops_bos_and_mean_pools(gpt2):
+    assert gpt2.kind == "decoder"
+    texts = ["the dogs sat on the mat", "a dog ran"]
+    acts = C.extract_activations(gpt2, texts, layers=(1, 2), min_count=0, max_per_type=None)
+    assert acts.words == C.split_words(texts[0]) + C.split_words(texts[1]) and not acts.special.any()
+    enc = gpt2.tokenizer(texts[0], return_tensors="pt")
+    toks = gpt2.tokenizer.convert_ids_to_tokens(enc["input_ids"][0])
+    assert toks == ["<s>", "the", "Ġdog", "s", "Ġsat", "Ġon", "Ġthe", "Ġmat"]  # BOS, and "dogs" in two pieces
+    hs = gpt2.model(**enc, output_hidden_states=True).hidden_states
+    last = [1, 3, 4, 5, 6, 7]  # no BOS row; "dogs" -> "s"
+    # batched with the shorter sentence, right padding changes nothing for the causal model
+    torch.testing.assert_close(acts.x_l[acts.sent == 0], hs[1][0, last])
+    torch.testing.assert_close(acts.x_h[acts.sent == 0], hs[2][0, last])
+    torch.testing.assert_close(C.sentence_representations(acts)[0], hs[1][0, last].mean(0))
+    torch.testing.assert_close(C.sentence_representations(acts, "last")[0], hs[1][0, 7])
+    with pytest.raises(DataError):
+        C.sentence_representations(acts, "cls")
+
+
+def test_layers_are_checked(bert):
+    with pytest.raises(DataError, match="0 <= l <= h <= 2"):
+        C.extract_activations(bert, ["the cat"], layers=(2, 3))
+
+
+def test_cache_is_reused_and_keyed(bert, tmp_path, monkeypatch):
+    texts, labels = ["the cat sat.", "a dog ran!"], [0, 1]
+    a = C.cached_activations(bert, "toy", texts, labels, (1, 2), 0, None, cache_dir=tmp_path)
+    files = list((tmp_path / "clvq-activations").iterdir())
+    assert len(files) == 1 and not files[0].name.startswith(".")
+
+    def boom(*args, **kw):
+        raise AssertionError("extracted again instead of reusing the cache")
+
+    monkeypatch.setattr(C, "extract_activations", boom)
+    b = C.cached_activations(bert, "toy", texts, labels, (1, 2), 0, None, cache_dir=tmp_path)
+    assert torch.equal(a.x_l, b.x_l) and torch.equal(a.x_h, b.x_h) and a.words == b.words and b.labels == labels
+    for other in [dict(layers=(0, 2)), dict(min_count=2), dict(texts=texts[::-1])]:
+        with pytest.raises(AssertionError, match="extracted again"):
+            C.cached_activations(bert, "toy", other.get("texts", texts), labels, other.get("layers", (1, 2)),
+                                 other.get("min_count", 0), None, cache_dir=tmp_path)
+
+
+def test_cache_key_changes_with_the_weights(tmp_path):
+    s1 = C.load_source_model(str(_save_tiny_bert(tmp_path / "m1", seed=1, layers=1)))
+    s2 = C.load_source_model(str(_save_tiny_bert(tmp_path / "m2", seed=2, layers=1)))
+    p1, _ = C.activation_cache_path(s1, "toy", ["x"], [0], (0, 1), 5, 20, tmp_path)
+    p2, _ = C.activation_cache_path(s2, "toy", ["x"], [0], (0, 1), 5, 20, tmp_path)
+    assert s1.fingerprint != s2.fingerprint and p1 != p2
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncate", "wrong-layout"])
+def test_corrupt_cache_is_one_line_error_naming_the_file(bert, tmp_path, damage):
+    texts, labels = ["the cat sat."], [0]
+    C.cached_activations(bert, "toy", texts, labels, (1, 2), 0, None, cache_dir=tmp_path)
+    (path,) = (tmp_path / "clvq-activations").iterdir()
+    if damage == "garbage":
+        path.write_bytes(b"not a torch file")
+    elif damage == "truncate":
+        path.write_bytes(path.read_bytes()[:200])
+    else:
+        sd = torch.load(path, weights_only=True)
+        sd["x_h"] = sd["x_h"][:1]
+        torch.save(sd, path)
+    with pytest.raises(DataError) as e:
+        C.cached_activations(bert, "toy", texts, labels, (1, 2), 0, None, cache_dir=tmp_path)
+    msg = str(e.value)
+    assert str(path) in msg and "\n" not in msg and "delete it" in msg
+
+
+def test_offline_hub_name_fails_with_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty HF cache: nothing to fall back on
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    with pytest.raises(DataError) as e:
+        C.load_source_model("FacebookAI/roberta-base")
+    msg = str(e.value)
+    assert "\n" not in msg and "offline" in msg and C.DEFAULT_MODEL in msg
+    with pytest.raises(DataError, match="does not exist"):
+        C.load_source_model(str(tmp_path / "no-such-model"))
+
+
+def test_passages_are_balanced_bounded_and_seeded():
+    a = C.load_passages("shakespeare", "train", per_class=15, max_words=80, seed=3)
+    b = C.load_passages("shakespeare", "train", per_class=15, max_words=80, seed=3)
+    assert a.label_names == ["comedies", "tragedies"] and a.texts == b.texts
+    assert sorted(a.labels) == [0] * 15 + [1] * 15 and a.labels != sorted(a.labels)  # shuffled
+    assert all(40 <= len(t.split()) and len(C.split_words(t)) <= 80 for t in a.texts)
+    assert set(a.splits) == {"train"} and not {"Twelfth Night", "Macbeth"} & set(a.groups)
+    dev = C.load_passages("shakespeare", "val", per_class=None)
+    assert set(dev.groups) == {"Twelfth Night", "Macbeth"} and dev.labels.count(0) == dev.labels.count(1)
+    with pytest.raises(DataError, match="fewer than"):
+        C.load_passages("shakespeare", "val", per_class=10_000)
+
+
+def test_hub_passages_balanced_with_stand_in(monkeypatch):
+    import common
+
+    rows = {"train": [{"text": f"news story {i} .", "label": i % 4} for i in range(40)],
+            "test": [{"text": f"test story {i}", "label": i % 4} for i in range(8)]}
+    monkeypatch.setattr(common, "hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr(common, "_hub_stream", lambda name, split: iter(rows[split]))
+    monkeypatch.setattr(common, "_hub_label_names", lambda name: ["World", "Sports", "Business", "Sci/Tech"])
+    tr = C.load_passages("ag_news", "train", per_class=5, max_examples=30)
+    assert sorted(tr.labels) == sorted([0, 1, 2, 3] * 5) and all(t.startswith("news") for t in tr.texts)
+    # IMDB streams sorted by label: a short stream has one class only, and the error says what to do
+    rows["train"] = [{"text": f"review {i}", "label": 0} for i in range(20)]
+    monkeypatch.setattr(common, "_hub_label_names", lambda name: ["neg", "pos"])
+    with pytest.raises(DataError, match="pos \\(0\\).*raise --max-examples"):
+        C.load_passages("imdb", "train", per_class=5, max_examples=20)
+
+
+def test_broken_model_folder_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(DataError) as e:
+        C.load_source_model(str(tmp_path))
+    assert "\n" not in str(e.value) and "could not be loaded" in str(e.value)

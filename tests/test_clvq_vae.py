@@ -1,0 +1,381 @@
+"""clvq_vae.py beyond the core op and the data section: training (loss falls, evaluation metrics, the sampler,
+the optimizer groups, bf16 for the decoder alone, bit-exact resume, NaN stop, DDP), checkpoints (corrupt,
+mismatched), the command line (bad input is one line, a tiny end-to-end run, the fit_fn the analyses call), and
+the script copied alone. Everything runs offline on a tiny random BERT saved in tmp_path."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import clvq_vae as cv
+from conftest import call_main
+
+ROOT = Path(__file__).resolve().parents[1]
+DIST = dict(ddp=False, rank=0, local_rank=0, world=1)
+CPU = torch.device("cpu")
+# A 2-layer, 32-wide BERT; data: 12 + 12 training passages, 6 + 6 dev passages of <= 60 words, min count 2.
+DATA = dict(per_class=12, dev_per_class=6, max_words=60, min_count=2, layer_l=1, layer_h=2)
+MODEL = dict(codebook_size=8, dec_layers=1, dec_heads=2, dec_ffn=32, init_restarts=1, init_iters=5, kernels="torch")
+
+
+def flags(**kw) -> list[str]:
+    out = []
+    for k, v in kw.items():
+        out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+TINY = flags(**DATA, **{k: v for k, v in MODEL.items() if k != "kernels"}, batch_size=8, max_iters=6,
+             eval_interval=3, log_interval=3)
+
+
+def run_script(*args, cwd=ROOT, env=None, timeout=600):
+    """Run a command the way a user would: offline, and without the tests' Triton interpreter."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    """A random 2-layer BERT whose WordPiece vocabulary is the 300 most frequent lower-cased words of some
+    training passages (so most words are whole tokens), saved as `save_pretrained` writes it."""
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    texts = cv.load_passages("shakespeare", "train", per_class=40, max_words=60).texts
+    counts = Counter(w.lower() for t in texts for w in cv.split_words(t))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in counts.most_common(300)]
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=128)).save_pretrained(folder)
+    BertTokenizer(vocab=str(folder / "vocab.txt")).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def acts(tiny_bert, cache_dir):
+    """(train, dev) activations of the tiny BERT, as run() builds them."""
+    cfg = cv.Config(model=tiny_bert, cache_dir=str(cache_dir), **DATA)
+    _, tr, dv = cv.load_activations(cfg, CPU, DIST, log=lambda m: None)
+    return tr, dv
+
+
+def tiny_cfg(tmp_path, **kw):
+    base = dict(d_model=32, batch_size=8, max_iters=6, eval_interval=3, log_interval=1, out_dir=str(tmp_path),
+                **DATA, **MODEL)
+    return cv.Config(**{**base, **kw})
+
+
+def quiet(msg):
+    pass
+
+
+# ---------------------------------------------------------------- training
+
+
+def test_training_loss_falls_and_evaluations_are_logged(tmp_path, acts):
+    tr, dv = acts
+    assert tr.x_l.shape[1] == 32 and len(tr.texts) == 24 and len(dv.texts) == 12
+    cfg = tiny_cfg(tmp_path, max_iters=40, eval_interval=20, lr=1e-2, dropout=0.0)
+    lines = []
+    model, hist = cv.train(cfg, tr, dv, CPU, DIST, log=lines.append)
+    first, last = [l for _, l in hist["train"][:5]], [l for _, l in hist["train"][-5:]]
+    assert sum(last) < 0.7 * sum(first), hist["train"]
+    assert hist["step"] == [20, 40] and hist["val"][1] < hist["val"][0]
+    assert all(1 <= p <= cfg.codebook_size for p in hist["perplexity"])
+    assert all(0 <= u < cfg.codebook_size for u in hist["unused"] + hist["dead_ema"])
+    steps = [ln for ln in lines if ln.startswith("step ") and "| loss" in ln]
+    assert len(steps) == 40 and steps[0].startswith("step 1/40 | loss ") and steps[0].endswith("k tok/s | mfu -")
+    evals = [ln for ln in lines if ln.startswith("step 20: val loss")]
+    assert len(evals) == 1 and "| mse " in evals[0] and "| commit " in evals[0] and "perplexity" in evals[0] \
+        and "dead codes" in evals[0] and "unused on val" in evals[0] and "EMA count < threshold" in evals[0]
+    assert any(ln.startswith("codebook: spherical-kmeans init") for ln in lines)
+    assert bool(model.vq.initialised) and (cv.ckpt_path(cfg)).name == "ckpt-clvq-l1-h2.pt"
+
+
+def test_evaluate_is_row_weighted_over_every_dev_row(tmp_path, acts):
+    """One forward over all dev sentences at once gives the same MSE, commitment and code histogram as the
+    length-batched, row-weighted evaluation (a mean of batch means would not)."""
+    tr, dv = acts
+    cfg = tiny_cfg(tmp_path)
+    torch.manual_seed(0)
+    model = cv.CLVQVAE(cfg).eval()
+    model.init_codebook(tr.x_l)
+    ev = cv.evaluate(model, dv, cfg, CPU)
+    x_l, x_h, mask = cv.pad_sentences(dv, cv.sentences_with_rows(dv))
+    assert len(cv.length_batches(dv, cv.sentences_with_rows(dv), max_rows=64)) > 1
+    with torch.no_grad():
+        out = model(x_l, x_h, mask)
+    counts = torch.bincount(out["idx"][mask], minlength=cfg.codebook_size).double()
+    p = counts / counts.sum()
+    assert ev["rows"] == int(mask.sum()) == dv.x_l.shape[0]
+    assert ev["mse"] == pytest.approx(out["mse"].item(), rel=1e-5)
+    assert ev["commit"] == pytest.approx(out["commit"].item(), rel=1e-5)
+    assert ev["perplexity"] == pytest.approx(torch.exp(-(p * p.clamp_min(1e-30).log()).sum()).item(), rel=1e-9)
+    assert ev["unused"] == int((counts == 0).sum())
+    model.vq.ema_count[:3] = 0.0  # three codes whose EMA count fell below the threshold
+    assert cv.evaluate(model, dv, cfg, CPU)["dead_ema"] == 3
+    orig = cv.length_batches
+    try:  # small batches: the same numbers
+        cv.length_batches = lambda a, s, max_rows=4096: orig(a, s, max_rows=64)
+        small = cv.evaluate(model, dv, cfg, CPU)
+    finally:
+        cv.length_batches = orig
+    assert small["mse"] == pytest.approx(ev["mse"], rel=1e-5)
+
+
+def test_sampler_covers_each_epoch_groups_lengths_and_resumes():
+    lengths = [int(x) for x in torch.randint(1, 80, (103,))]
+    s = cv.SentenceSampler(list(range(100, 203)), lengths, batch_size=10, seed=0, group=4)
+    epoch = [s.next() for _ in range(10)]  # 103 // 10 = 10 full batches per epoch, the last 3 sentences skipped
+    flat = [i for b in epoch for i in b]
+    assert len(set(flat)) == 100 and set(flat) <= set(range(100, 203)) and s.epoch == 0
+    spread = sum(max(lengths[i - 100] for i in b) - min(lengths[i - 100] for i in b) for b in epoch) / 10
+    assert spread < 40  # random batches of lengths 1..79 would spread ~70
+    state = s.state()
+    a = [s.next() for _ in range(5)]
+    assert s.epoch == 1
+    s.set_state(state)
+    assert [s.next() for _ in range(5)] == a
+    assert cv.rank_slice(list(range(9)), 0, 2) + cv.rank_slice(list(range(9)), 1, 2) == list(range(9))
+
+
+def test_optimizer_is_adam_with_l2_on_weights_only():
+    model = cv.CLVQVAE(cv.Config(d_model=16, **MODEL))
+    opt = cv.make_optimizer(model, cv.Config(weight_decay=1e-4), "cpu")
+    assert type(opt) is torch.optim.Adam  # L2 (coupled) decay, not AdamW (spec §4)
+    decay, no_decay = (set(map(id, g["params"])) for g in opt.param_groups)
+    assert [g["weight_decay"] for g in opt.param_groups] == [1e-4, 0.0]
+    for name, p in model.named_parameters():
+        assert id(p) in (no_decay if name.endswith("bias") else decay), name
+    assert id(model.encoder.a) in decay and id(model.decoder.head.weight) in decay
+    assert len(decay) + len(no_decay) == len(list(model.parameters()))
+    assert not any(b is p for b in model.vq.buffers() for p in model.parameters())  # the codebook: no group
+
+
+def test_only_the_decoder_runs_in_bf16():
+    cfg = cv.Config(d_model=16, **MODEL)
+    model = cv.CLVQVAE(cfg)
+    x = torch.randn(2, 5, 16)
+    model.init_codebook(x)
+    model.decoder_dtype = torch.bfloat16  # what build_model sets on CUDA; CPU autocast has bf16 too
+    seen = {}
+    model.encoder.register_forward_hook(lambda m, i, o: seen.__setitem__("encoder", o.dtype))
+    model.decoder.layers[0].ff1.register_forward_hook(lambda m, i, o: seen.__setitem__("decoder", o.dtype))
+    out = model(x, x)
+    assert seen == {"encoder": torch.float32, "decoder": torch.bfloat16}
+    assert model.vq.embed.dtype == torch.float32 and out["commit"].dtype == torch.float32
+    assert out["recon"].dtype == torch.bfloat16 and out["loss"].dtype == torch.float32
+    assert cv.decoder_dtype(cfg, CPU) is None
+
+
+def test_resume_is_bit_exact_on_cpu(tmp_path, acts, monkeypatch):
+    """6 steps straight = 3 steps, a checkpoint, then 3 more after --resume: same weights, codebook, EMA and
+    optimizer state, same history; sampling and dropout both draw from the RNG saved in the checkpoint."""
+    tr, dv = acts
+    straight, hist_a = cv.train(tiny_cfg(tmp_path / "a"), tr, dv, CPU, DIST, log=quiet)
+    real_save = cv.save_checkpoint
+
+    def save_and_keep(path, *a, **k):  # keep a copy of the step-3 checkpoint
+        real_save(path, *a, **k)
+        if a[3] == 3:
+            (tmp_path / "b3").mkdir()
+            shutil.copy(path, tmp_path / "b3" / path.name)
+    monkeypatch.setattr(cv, "save_checkpoint", save_and_keep)
+    cv.train(tiny_cfg(tmp_path / "b"), tr, dv, CPU, DIST, log=quiet)
+    monkeypatch.setattr(cv, "save_checkpoint", real_save)
+    lines = []
+    resumed, hist = cv.train(tiny_cfg(tmp_path / "b3", resume=True), tr, dv, CPU, DIST, log=lines.append)
+    assert any("resumed from" in ln and "at step 3" in ln for ln in lines)
+    assert not any(ln.startswith("codebook:") for ln in lines)  # k-means is never redone on resume
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert hist["step"] == [3, 6] and hist["val"] == hist_a["val"] and hist["train"] == hist_a["train"]
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, acts, monkeypatch):
+    tr, dv = acts
+    real_forward, calls = cv.CLVQVAE.forward, []
+
+    def forward(self, x_l, x_h=None, mask=None):
+        out = real_forward(self, x_l, x_h, mask)
+        if self.training:
+            calls.append(1)
+            if len(calls) > 4:
+                out["loss"] = out["loss"] * float("nan")
+        return out
+    monkeypatch.setattr(cv.CLVQVAE, "forward", forward)
+    cfg = tiny_cfg(tmp_path, log_interval=3)
+    with pytest.raises(cv.RunError, match="non-finite loss before step 6 \\(or non-finite weights\\); stopping "
+                                          "\\(the last good checkpoint is"):
+        cv.train(cfg, tr, dv, CPU, DIST, log=quiet)
+    ck = torch.load(cv.ckpt_path(cfg), weights_only=True)
+    assert ck["step"] == 3 and all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
+
+
+# ---------------------------------------------------------------- command line, checkpoints, fit_fn
+
+
+def stub_analyses(calls):
+    """Stands in for the analyses section: trains the single-layer baseline through fit_fn, as the real one does."""
+    def run_analyses(cfg, src, train_acts, dev_acts, model, fit_fn, device, log):
+        lo = train_acts.layers[0]  # as build_methods does it: the cfg unchanged, the activations say l = h
+        base = fit_fn(cfg, replace(train_acts, x_h=train_acts.x_l, layers=(lo, lo)),
+                      replace(dev_acts, x_h=dev_acts.x_l, layers=(lo, lo)), device, log, f"vq-l{lo}-h{lo}")
+        calls.append(dict(model=model, base=base, src=src))
+        return {"fidelity": [{"method": "CLVQ-VAE", "original": 0.9, "ablated": 0.1}], "cards_html": "<p>CARDS</p>",
+                "coherence": {"CLVQ-VAE": {"mean": 2.0}}, "baselines": {"vq": {"mse": 0.1}}}
+    return run_analyses
+
+
+def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, cache_dir, capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cv, "run_analyses", stub_analyses(calls))
+    argv = [*TINY, "--model", tiny_bert, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)]
+    rc, err = call_main(cv.main, argv, capsys, monkeypatch)
+    assert rc == 0, err
+    assert {"ckpt-clvq-l1-h2.pt", "ckpt-vq-l1-h1.pt", "report.html", "results.json", "cards.html",
+            "log-clvq-l1-h2.txt"} <= {p.name for p in tmp_path.iterdir()}
+    model, base = calls[0]["model"], calls[0]["base"]
+    assert not model.training and not base.training and model.history["step"] == [3, 6]
+    log = (tmp_path / "log-clvq-l1-h2.txt").read_text()
+    assert "no GPU: running the CPU preset" in log and "config: {" in log and "d = 32" in log
+    assert "concept-ablation fidelity" in log and "CLVQ-VAE  0.9" in log
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["fidelity"][0]["ablated"] == 0.1 and "cards_html" not in res and res["variant"] == "clvq-l1-h2"
+    report = (tmp_path / "report.html").read_text()
+    assert "<p>CARDS</p>" in report and "Concept-ablation fidelity" in report and "data:image/png;base64" in report
+    ck = torch.load(tmp_path / "ckpt-clvq-l1-h2.pt", weights_only=True)
+    assert ck["config"]["codebook_size"] == 8 and ck["config"]["d_model"] == 32 and ck["step"] == 6
+    assert ck["config"]["batch_size"] == 8 and ck["config"]["max_iters"] == 6
+    assert torch.load(tmp_path / "ckpt-vq-l1-h1.pt", weights_only=True)["config"]["layer_h"] == 1
+    # --no-train: both models come back from their checkpoints, bit for bit, and no k-means runs
+    calls.clear()
+    named = ["--layer-l", "1", "--layer-h", "2", "--out-dir", str(tmp_path)]  # the variant is named by its layers
+    rc, err = call_main(cv.main, ["--no-train", *named, "--cache-dir", str(cache_dir)], capsys, monkeypatch)
+    assert rc == 0, err
+    for a, b in ((model, calls[0]["model"]), (base, calls[0]["base"])):
+        for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+            assert torch.equal(x, y), name
+    assert (tmp_path / "analysis.json").exists()
+    # --resume takes the run's settings from the checkpoint (not the preset's) and extends a finished run
+    rc, err = call_main(cv.main, ["--resume", "--max-iters", "9", *named, "--cache-dir", str(cache_dir)], capsys,
+                        monkeypatch)
+    assert rc == 0, err
+    assert "ckpt-clvq-l1-h2.pt at step 6" in (tmp_path / "log-clvq-l1-h2.txt").read_text()
+    ck = torch.load(tmp_path / "ckpt-clvq-l1-h2.pt", weights_only=True)
+    assert ck["step"] == 9 and ck["config"]["batch_size"] == 8 and ck["history"]["step"] == [3, 6, 9]
+    # a checkpoint trained with K = 8 cannot be used with K = 16; a damaged one is refused
+    rc, err = call_main(cv.main, ["--no-train", "--codebook-size", "16", *named], capsys, monkeypatch)
+    assert rc == 1 and err.count("\n") == 1 and "was trained with codebook_size=8 (asked 16)" in err
+    (tmp_path / "ckpt-clvq-l1-h2.pt").write_bytes(b"not a checkpoint")
+    rc, err = call_main(cv.main, ["--no-train", *named], capsys, monkeypatch)
+    assert rc == 1 and err.count("\n") == 1 and "is not a readable checkpoint" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args,code,needle", [
+    (["--codebok-size", "8"], 2, "unrecognized arguments: --codebok-size"),
+    (["--schedule", "linear"], 2, "invalid choice: 'linear'"),
+    (["--codebook-size", "0"], 1, "error: --codebook-size must be >= 1"),
+    (["--layer-l", "2", "--layer-h", "1"], 1, "--layer-h 1 is below --layer-l 2"),
+    (["--layer-h", "5"], 1, "need 0 <= l <= h <= 2"),
+    (["--model", "FacebookAI/roberta-base"], 1, "needs the Hugging Face hub, which is unreachable (offline)"),
+    (["--model", "/no/such/folder"], 1, "does not exist"),
+    (["--dataset", "imdb"], 1, "needs the Hugging Face hub, which is unreachable"),
+    (["--dec-heads", "5"], 1, "d = 32 must split into --dec-heads 5 heads"),
+    (["--d-model", "64"], 1, "the codes live in the source model's space, d = 32"),
+    (["--no-train"], 1, "error: no checkpoint at"),
+    (["--lr", "nan"], 1, "--lr must be a finite number"),
+    (["--init-rows", "4"], 1, "--init-rows must be at least --codebook-size"),
+    (["--baselines", "kmeans,pca"], 1, "--baselines: unknown pca; a comma list of kmeans, vq, sae"),
+    (["--probe-folds", "1"], 1, "--probe-folds must be >= 2"),
+    (["--fidelity-sentences", "-1"], 1, "--fidelity-sentences must be >= 0"),
+    (["--device", "tpu"], 1, "--device tpu: expected auto, cpu, cuda, cuda:N or mps"),
+    (["--kernels", "triton"], 1, "--kernels triton needs a CUDA device"),
+])
+def test_bad_input_is_one_line_and_nonzero(tmp_path, tiny_bert, cache_dir, args, code, needle, capsys,
+                                           monkeypatch):
+    """In-process main() (what `python clvq_vae.py ...` runs), offline, with an empty HF cache."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    model = [] if "--model" in args else ["--model", tiny_bert]
+    rc, err = call_main(cv.main, [*TINY, *model, *args, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)],
+                        capsys, monkeypatch)
+    assert rc == code and needle in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_tiny_run_end_to_end(tmp_path, tiny_bert, cache_dir):
+    """`python clvq_vae.py` as a user runs it, every analysis on: falling loss in the repo's log format, the eval
+    lines, checkpoints of both variants, results and report."""
+    small = flags(sae_latents=16, sae_k=4, sae_steps=20, sae_ablate_k=2, probe_folds=3, ig_steps=4, kmeans_restarts=1,
+                  kmeans_iters=5, cards_per_method=3)
+    r = run_script("clvq_vae.py", *TINY, *small, "--max-iters", "12", "--log-interval", "4", "--eval-interval", "6",
+                   "--lr", "1e-2", "--model", tiny_bert, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    assert r.returncode == 0, r.stderr[-3000:]
+    main = r.stdout[:r.stdout.index("clvq-l1-h2: trained in")].splitlines()  # then the baseline trains
+    lines = [ln for ln in main if ln.startswith("step ") and "| loss" in ln]
+    assert len(lines) == 3 and " ms | " in lines[0] and "tok/s | mfu -" in lines[0]
+    losses = [float(ln.split("| loss ")[1].split()[0]) for ln in lines]
+    assert losses[-1] < losses[0]
+    assert sum(ln.startswith("step ") and ": val loss" in ln for ln in main) == 2
+    assert "vq-l1-h1: trained in" in r.stdout
+    for f in ("ckpt-clvq-l1-h2.pt", "ckpt-vq-l1-h1.pt", "report.html", "results.json"):
+        assert (tmp_path / f).is_file(), f
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert {"fidelity", "coherence", "baselines", "eval"} <= set(res)
+    assert [w["method"] for w in res["fidelity"]] == ["CLVQ-VAE l1->h2", "k-means", "VQ-VAE l1->h1", "top-k SAE"]
+    assert "concept-ablation fidelity" in r.stdout and "concept-ablated" in r.stdout and "  top-k SAE " in r.stdout
+    report = (tmp_path / "report.html").read_text()
+    assert "Concept-ablation fidelity" in report and "Concept cards" in report and "VQ-VAE l1-&gt;h1" in report
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_processes_match_one(tmp_path, tiny_bert, cache_dir):
+    """torchrun with 2 gloo processes, each rank half of the global batch of sentences (rows weighted by the
+    global row count, EMA sums all-reduced): the same weights and codebook as one process."""
+    args = [*TINY, "--model", tiny_bert, "--cache-dir", str(cache_dir), "--no-sampling", "--dropout", "0",
+            "--baselines", "", "--no-fidelity", "--no-cards", "--no-report"]
+    one = run_script("clvq_vae.py", *args, "--out-dir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "clvq_vae.py", *args,
+                     "--out-dir", str(tmp_path / "two"), env={"OMP_NUM_THREADS": "1"})
+    assert two.returncode == 0, two.stderr[-3000:]
+    ck_a = torch.load(tmp_path / "one" / "ckpt-clvq-l1-h2.pt", weights_only=True)
+    ck_b = torch.load(tmp_path / "two" / "ckpt-clvq-l1-h2.pt", weights_only=True)
+    torch.testing.assert_close(ck_a["history"]["val"], ck_b["history"]["val"], rtol=1e-5, atol=0)
+    d = 32
+    for k, a in ck_a["model"].items():
+        b = ck_b["model"][k]
+        # The attention key biases have an exactly zero gradient (softmax is shift-invariant), so what they get
+        # is rounding noise that Adam scales up to ±lr steps, differently for any order of summation: skip them.
+        if k.endswith("sa_qkv.bias"):
+            a, b = torch.cat([a[:d], a[2 * d:]]), torch.cat([b[:d], b[2 * d:]])
+        elif k.endswith("ca_kv.bias"):
+            a, b = a[d:], b[d:]
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_script_copied_alone_runs_its_model(tmp_path):
+    """The model and its core op need neither common.py nor kernels.py nor transformers."""
+    shutil.copy(ROOT / "clvq_vae.py", tmp_path / "clvq_vae.py")
+    code = ("import sys, torch, clvq_vae as cv; assert not {'common', 'kernels', 'transformers'} & set(sys.modules); "
+            "m = cv.CLVQVAE(cv.Config(d_model=16, codebook_size=8, dec_layers=1, dec_heads=2, dec_ffn=32, "
+            "init_restarts=1)); x = torch.randn(2, 5, 16); m.init_codebook(x); out = m(x, torch.randn(2, 5, 16)); "
+            "out['loss'].backward(); print(m.encoder.W.weight.grad.abs().sum().item() > 0, tuple(out['idx'].shape))")
+    r = run_script("-c", code, cwd=tmp_path, env={"PYTHONPATH": ""})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "(2,", "5)"]
