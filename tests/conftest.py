@@ -62,6 +62,20 @@ def check_close(name, ref, out, ratio=None, atol=None):
     assert err < ratio, f"{name}: rel rms err {err:.3e} >= {ratio:.1e} (max abs err {abs_err:.3e})"
 
 
+def check_ddp_weights(a: dict, b: dict, lr: float, max_frac: float = 1e-4):
+    """Weights after a few Adam steps in one process (a) and in DDP (b). The two sum gradients in different orders,
+    and Adam turns rounding noise in a near-zero gradient into an update of up to lr (its first step is
+    lr·sign(g)), so a handful of such elements may differ by a fraction of lr while everything else agrees to
+    float precision. A broken DDP (no averaging, ranks on the same windows) moves most elements, or moves some by
+    whole lr steps: every element must lie within lr/10, and at most max_frac of them outside rtol 1e-4."""
+    n = bad = 0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=lr / 10, msg=k)
+        n += a[k].numel()
+        bad += int((~torch.isclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5)).sum())
+    assert bad <= max_frac * n, f"{bad} of {n} weights differ beyond rtol 1e-4"
+
+
 def call_main(main, argv, capsys, monkeypatch):
     """A script's main(argv) in-process, as `python script.py ...` would run it: offline, without the suite's
     Triton interpreter. -> (exit status, stderr); argparse's own errors exit through SystemExit."""
