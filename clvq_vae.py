@@ -62,7 +62,8 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     l = 4 -> h = 6 (the paper's 8 -> 12 of a 12-layer encoder: two thirds up -> the top); --model takes a local
     folder or a hub id. Task: comedies vs tragedies passages of the embedded plays (binary, like ERASER-Movie);
     dev = the held-out plays. Word units (last subword), [CLS] kept, min-5/max-20 filter on train.
-  * Adam with L2 weight decay 1e-4 on the weights (not the biases; the codebook is a buffer), lr 5e-3, batches of
+  * Adam with L2 weight decay 1e-4 on the weights (not the biases; the codebook is a buffer; --optimizer adamw
+    for decoupled decay, the code's --use_adamw and the other scripts' optimizer), lr 5e-3, batches of
     128 sentences, gradient clip 2.0, bf16 autocast for the decoder alone on CUDA (distances and EMA stay fp32).
     --schedule cosine (default: warmup + cosine over --max-iters, the repo's iteration-based loop, resumable
     bit-for-bit) | plateau (the paper's ReduceLROnPlateau: ×0.5 after --plateau-patience evaluations without a
@@ -188,7 +189,9 @@ class Config:
     early_stop: int = field(default=0, metadata={
         "help": "stop after this many evaluations without improvement (0: off)"})
     max_iters: int = field(default=3000, metadata={"help": "optimizer steps"})
-    weight_decay: float = field(default=1e-4, metadata={"help": "Adam L2 weight decay on weights (not biases)"})
+    optimizer: Literal["adam", "adamw"] = field(default="adam", metadata={
+        "help": "adam: L2 decay coupled to the gradient (the official main.py) | adamw: decoupled (its --use_adamw)"})
+    weight_decay: float = field(default=1e-4, metadata={"help": "weight decay on weights (not biases)"})
     grad_clip: float = field(default=2.0, metadata={"help": "max gradient norm (0: off)"})
     eval_interval: int = field(default=250, metadata={
         "help": "steps between evaluations (all dev rows) and checkpoints"})
@@ -1481,14 +1484,16 @@ def get_lr(cfg: Config, it: int, scale: float = 1.0) -> float:
 
 
 def make_optimizer(model: nn.Module, cfg: Config, device_type: str):
-    """torch.optim.Adam with *L2* weight decay (coupled, Adam's weight_decay: not AdamW), as the official main.py
-    (spec §4): decay on every weight of the encoder and decoder (matrices, LayerNorm gains, the mixing scalar a),
-    none on biases. The codebook is a buffer, so it is in no group at all."""
+    """--optimizer adam (default): torch.optim.Adam with *L2* weight decay (coupled, Adam's weight_decay), as the
+    official main.py (spec §4); adamw: decoupled decay, the code's --use_adamw (the house loops' optimizer). Decay
+    on every weight of the encoder and decoder (matrices, LayerNorm gains, the mixing scalar a), none on biases.
+    The codebook is a buffer, so it is in no group at all."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (no_decay if name.endswith("bias") else decay).append(p)
     groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
-    return torch.optim.Adam(groups, lr=cfg.lr, fused=device_type == "cuda")
+    kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    return kind(groups, lr=cfg.lr, fused=device_type == "cuda")
 
 
 def n_params(model: nn.Module) -> int:

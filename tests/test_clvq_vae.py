@@ -164,6 +164,7 @@ def test_optimizer_is_adam_with_l2_on_weights_only():
     assert id(model.encoder.a) in decay and id(model.decoder.head.weight) in decay
     assert len(decay) + len(no_decay) == len(list(model.parameters()))
     assert not any(b is p for b in model.vq.buffers() for p in model.parameters())  # the codebook: no group
+    assert type(cv.make_optimizer(model, cv.Config(optimizer="adamw"), "cpu")) is torch.optim.AdamW  # --use_adamw
 
 
 def test_only_the_decoder_runs_in_bf16():
