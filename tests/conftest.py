@@ -11,6 +11,9 @@
 """
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +63,26 @@ def check_close(name, ref, out, ratio=None, atol=None):
         return
     err = ((r - o).pow(2).mean().sqrt() / r.pow(2).mean().sqrt().clamp_min(1e-30)).item()
     assert err < ratio, f"{name}: rel rms err {err:.3e} >= {ratio:.1e} (max abs err {abs_err:.3e})"
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(*args, cwd=ROOT, env=None, timeout=600):
+    """Run a command the way a user would: offline, and without the tests' Triton interpreter."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+def run_one_and_ddp(script: str, args: list, tmp_path: Path, ckpt: str) -> tuple[dict, dict]:
+    """`script args` in one process (out_dir tmp_path/one) and under torchrun with 2 gloo processes (tmp_path/two);
+    -> the two checkpoints `ckpt`."""
+    one = run_script(script, *args, "--out-dir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, *args,
+                     "--out-dir", str(tmp_path / "two"), env={"OMP_NUM_THREADS": "1"})
+    assert two.returncode == 0, two.stderr[-3000:]
+    return tuple(torch.load(tmp_path / d / ckpt, weights_only=True) for d in ("one", "two"))
 
 
 def check_ddp_weights(a: dict, b: dict, lr: float, max_frac: float = 1e-4):

@@ -3,10 +3,7 @@ the optimizer groups, bf16 for the decoder alone, bit-exact resume, NaN stop, DD
 mismatched), the command line (bad input is one line, a tiny end-to-end run, the fit_fn the analyses call), and
 the script copied alone. Everything runs offline on a tiny random BERT saved in tmp_path."""
 import json
-import os
 import shutil
-import subprocess
-import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -15,7 +12,7 @@ import pytest
 import torch
 
 import clvq_vae as cv
-from conftest import call_main
+from conftest import call_main, run_script, run_one_and_ddp
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST = dict(ddp=False, rank=0, local_rank=0, world=1)
@@ -34,12 +31,6 @@ def flags(**kw) -> list[str]:
 
 TINY = flags(**DATA, **{k: v for k, v in MODEL.items() if k != "kernels"}, batch_size=8, max_iters=6,
              eval_interval=3, log_interval=3)
-
-
-def run_script(*args, cwd=ROOT, env=None, timeout=600):
-    """Run a command the way a user would: offline, and without the tests' Triton interpreter."""
-    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -350,13 +341,7 @@ def test_ddp_two_cpu_processes_match_one(tmp_path, tiny_bert, cache_dir):
     global row count, EMA sums all-reduced): the same weights and codebook as one process."""
     args = [*TINY, "--model", tiny_bert, "--cache-dir", str(cache_dir), "--no-sampling", "--dropout", "0",
             "--baselines", "", "--no-fidelity", "--no-cards", "--no-report"]
-    one = run_script("clvq_vae.py", *args, "--out-dir", str(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "clvq_vae.py", *args,
-                     "--out-dir", str(tmp_path / "two"), env={"OMP_NUM_THREADS": "1"})
-    assert two.returncode == 0, two.stderr[-3000:]
-    ck_a = torch.load(tmp_path / "one" / "ckpt-clvq-l1-h2.pt", weights_only=True)
-    ck_b = torch.load(tmp_path / "two" / "ckpt-clvq-l1-h2.pt", weights_only=True)
+    ck_a, ck_b = run_one_and_ddp("clvq_vae.py", args, tmp_path, "ckpt-clvq-l1-h2.pt")
     torch.testing.assert_close(ck_a["history"]["val"], ck_b["history"]["val"], rtol=1e-5, atol=0)
     d = 32
     for k, a in ck_a["model"].items():

@@ -4,10 +4,7 @@ the ablations, the analyses, training (resume, NaN, DDP), checkpoints, the comma
 works when copied alone."""
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,7 @@ import torch.nn.functional as F
 
 import common
 import dual_stream as ds
-from conftest import call_main, check_ddp_weights
+from conftest import call_main, check_ddp_weights, run_script, run_one_and_ddp
 from dual_stream import Config, DualStream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,12 +31,6 @@ TINY = ["--layers", "2", "--d-model", "24", "--heads", "3", "--ctx", "64", "--ba
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
-
-
-def run_script(*args, cwd=ROOT, env=None, timeout=600):
-    """Run a command the way a user would: offline, and without the tests' Triton interpreter."""
-    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
 
 
 def tiny_model(vocab=V, **kw):
@@ -539,13 +530,7 @@ def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
             "--eval-interval", "3", "--eval-iters", "2", "--log-interval", "3", "--dropout", "0", "--amplify", "",
             "--no-ablation", "--no-specialization", "--no-report", "--sample-tokens", "5", "--cache-dir", str(cache_dir)]
     common.load_data(cache_dir=cache_dir)  # the cache exists before the ranks start
-    one = run_script("dual_stream.py", *args, "--out-dir", str(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "dual_stream.py", *args,
-                     "--out-dir", str(tmp_path / "two"), env={"OMP_NUM_THREADS": "1"})
-    assert two.returncode == 0, two.stderr[-3000:]
-    a = torch.load(tmp_path / "one" / "ckpt-token-factor-kronecker.pt", weights_only=True)
-    b = torch.load(tmp_path / "two" / "ckpt-token-factor-kronecker.pt", weights_only=True)
+    a, b = run_one_and_ddp("dual_stream.py", args, tmp_path, "ckpt-token-factor-kronecker.pt")
     torch.testing.assert_close(a["history"]["val"], b["history"]["val"], rtol=1e-5, atol=0)
     check_ddp_weights(a["model"], b["model"], a["config"]["lr"])
 

@@ -2,10 +2,7 @@
 recompute-the-residual trap), the losses, seeding, training (resume, NaN, DDP), checkpoints, the command line,
 and that the script works when copied alone."""
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import common
-from conftest import call_main, check_ddp_weights
+from conftest import call_main, check_ddp_weights, run_script, run_one_and_ddp
 import prism
 from prism import Config, PRISM
 
@@ -28,12 +25,6 @@ TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--n-protos", "24", 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
-
-
-def run_script(*args, cwd=ROOT, env=None, timeout=600):
-    """Run a command the way a user would: offline, and without the tests' Triton interpreter."""
-    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
 
 
 def tiny_model(**kw):
@@ -440,13 +431,7 @@ def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
             "--no-attribution", "--no-controller", "--suppress-keywords", "", "--no-report", "--sample-tokens", "5",
             "--cache-dir", str(cache_dir)]
     common.load_data(cache_dir=cache_dir)  # the cache exists before the ranks start
-    one = run_script("prism.py", *args, "--init", "random", "--out-dir", str(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "prism.py", *args,
-                     "--init", "random", "--out-dir", str(tmp_path / "two"), env={"OMP_NUM_THREADS": "1"})
-    assert two.returncode == 0, two.stderr[-3000:]
-    a = torch.load(tmp_path / "one" / "ckpt-prism.pt", weights_only=True)
-    b = torch.load(tmp_path / "two" / "ckpt-prism.pt", weights_only=True)
+    a, b = run_one_and_ddp("prism.py", [*args, "--init", "random"], tmp_path, "ckpt-prism.pt")
     torch.testing.assert_close(a["history"]["val"], b["history"]["val"], rtol=1e-5, atol=0)
     check_ddp_weights(a["model"], b["model"], a["config"]["lr"])
     # k-means++ on rank 0, broadcast: both ranks hold the same bank (else DDP's all-reduced steps would differ)

@@ -1,10 +1,7 @@
 """protot.py beyond the core op: the model and its O(1) cache, training (resume, NaN, DDP), checkpoints,
 the command line, interventions, and that the script works when copied alone."""
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +9,7 @@ import pytest
 import torch
 
 import common
-from conftest import call_main, check_ddp_weights
+from conftest import call_main, check_ddp_weights, run_script, run_one_and_ddp
 import protot
 from protot import Config, ProtoT
 
@@ -29,12 +26,6 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def data(cache_dir):
     return common.load_data(cache_dir=cache_dir)
-
-
-def run_script(*args, cwd=ROOT, env=None, timeout=600):
-    """Run a command the way a user would: offline, and without the tests' Triton interpreter."""
-    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
 
 
 # ---------------------------------------------------------------- model
@@ -251,13 +242,7 @@ def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
             "--eval-interval", "3", "--eval-iters", "2", "--log-interval", "3", "--dropout", "0", "--no-labels",
             "--no-robustness", "--no-report", "--find-prototype", "off", "--sample-tokens", "5", "--cache-dir", str(cache_dir)]
     common.load_data(cache_dir=cache_dir)  # the cache exists before the ranks start
-    one = run_script("protot.py", *args, "--out-dir", str(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "protot.py", *args,
-                     "--out-dir", str(tmp_path / "two"), env={"OMP_NUM_THREADS": "1"})
-    assert two.returncode == 0, two.stderr[-3000:]
-    a = torch.load(tmp_path / "one" / "ckpt-proto.pt", weights_only=True)
-    b = torch.load(tmp_path / "two" / "ckpt-proto.pt", weights_only=True)
+    a, b = run_one_and_ddp("protot.py", args, tmp_path, "ckpt-proto.pt")
     torch.testing.assert_close(a["history"]["val"], b["history"]["val"], rtol=1e-5, atol=0)
     check_ddp_weights(a["model"], b["model"], a["config"]["lr"])
 
