@@ -66,6 +66,15 @@ def check_close(name, ref, out, ratio=None, atol=None):
 
 
 ROOT = Path(__file__).resolve().parent.parent
+# Command-line runs train on the first 200k tokens (the comedies) and score on a 10k-token val slice: the full
+# corpus's 19k-row vocabulary and 122k-token val perplexity would dominate every tiny run.
+SMALL_CORPUS = ["--max-tokens", "200000"]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """One token cache folder for the whole session: each (corpus, tokenizer, budget) is tokenised once."""
+    return tmp_path_factory.mktemp("token-cache")
 
 
 def run_script(*args, cwd=ROOT, env=None, timeout=600):

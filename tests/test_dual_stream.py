@@ -28,11 +28,6 @@ TINY = ["--layers", "2", "--d-model", "24", "--heads", "3", "--ctx", "64", "--ba
         "--sample-tokens", "8", "--amplify", "4,16", "--max-tokens", str(MAX_TOKENS), "--tokenizer", "bytes"]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
 def tiny_model(vocab=V, **kw):
     cfg = Config(**{**dict(layers=2, d_model=24, heads=3, ctx=16, dropout=0.0, kernels="torch"), **kw})
     torch.manual_seed(0)

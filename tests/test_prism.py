@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import common
-from conftest import call_main, check_ddp_weights, run_script, run_one_and_ddp
+from conftest import SMALL_CORPUS, call_main, check_ddp_weights, run_script, run_one_and_ddp
 import prism
 from prism import Config, PRISM
 
@@ -19,12 +19,7 @@ V = 40
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--n-protos", "24", "--topk", "4", "--ctx", "32",
         "--batch-size", "4", "--max-iters", "30", "--init-steps", "10", "--eval-interval", "15", "--eval-iters", "2",
         "--log-interval", "10", "--card-windows", "16", "--attr-seqs", "24", "--attr-queries", "3",
-        "--sample-tokens", "12"]
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+        "--sample-tokens", "12", "--lr", "4e-3", *SMALL_CORPUS]
 
 
 def tiny_model(**kw):
@@ -369,7 +364,7 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     args = ["--layers", "1", "--d-model", "32", "--heads", "2", "--n-protos", "16", "--topk", "4", "--ctx", "32",
             "--batch-size", "4", "--eval-interval", "5", "--eval-iters", "1", "--log-interval", "5", "--init-steps", "3",
             "--no-cards", "--no-attribution", "--no-controller", "--suppress-keywords", "", "--no-report",
-            "--sample-tokens", "4", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)]
+            "--sample-tokens", "4", *SMALL_CORPUS, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)]
     r = run_script("prism.py", *args, "--head", "dense", "--max-iters", "10")  # as if stopped after the twin
     assert r.returncode == 0, r.stderr[-2000:]
     r = run_script("prism.py", "--resume", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir), "--no-cards",
@@ -429,8 +424,8 @@ def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
             "--batch-size", "8", "--max-iters", "6", "--init-steps", "2", "--eval-interval", "3", "--eval-iters", "2",
             "--log-interval", "3", "--lambda-r1", "0", "--lambda-r2", "0", "--no-twin", "--no-cards",
             "--no-attribution", "--no-controller", "--suppress-keywords", "", "--no-report", "--sample-tokens", "5",
-            "--cache-dir", str(cache_dir)]
-    common.load_data(cache_dir=cache_dir)  # the cache exists before the ranks start
+            *SMALL_CORPUS, "--cache-dir", str(cache_dir)]
+    common.load_data(max_tokens=int(SMALL_CORPUS[1]), cache_dir=cache_dir)  # the cache exists before the ranks start
     a, b = run_one_and_ddp("prism.py", [*args, "--init", "random"], tmp_path, "ckpt-prism.pt")
     torch.testing.assert_close(a["history"]["val"], b["history"]["val"], rtol=1e-5, atol=0)
     check_ddp_weights(a["model"], b["model"], a["config"]["lr"])

@@ -9,18 +9,13 @@ import pytest
 import torch
 
 import common
-from conftest import call_main, check_ddp_weights, run_script, run_one_and_ddp
+from conftest import SMALL_CORPUS, call_main, check_ddp_weights, run_script, run_one_and_ddp
 import protot
 from protot import Config, ProtoT
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "2", "--d-model", "64", "--max-iters", "30", "--log-interval", "10", "--eval-interval", "15",
-        "--label-windows", "64"]
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+        "--label-windows", "64", *SMALL_CORPUS, "--sample", "ROSALIND:\n"]
 
 
 @pytest.fixture(scope="module")
@@ -184,10 +179,11 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
     for f in ("ckpt-proto.pt", "report.html", "prototypes.html", "prototypes.json", "results.json", "log-proto.txt"):
         assert (tmp_path / f).is_file(), f
     res = json.loads((tmp_path / "results.json").read_text())
-    assert len(res["labels"]["cards"]) == 2 * 32 and res["ppl"]["proto"]["tokens"] > 100_000
+    assert len(res["labels"]["cards"]) == 2 * 32 and res["ppl"]["proto"]["tokens"] == 10_000 - 1  # all of val
     assert len(res["find_prototype"]["ranking"]) == 10 and "ppl_change" in res["find_prototype"]["ranking"][0]
     assert set(res["robustness"]) == set(protot.PERTURBATIONS)
-    assert res["samples"][0].startswith("HAMLET:\n") and len(res["samples"][0]) > 100
+    assert res["samples"] == [res["samples"][0]] and res["samples"][0].startswith("ROSALIND:\n")
+    assert len(res["samples"][0]) > 100
     report = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64" in report and "Robustness" in report
 
@@ -240,8 +236,9 @@ def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
     single-process run up to float summation order."""
     args = ["--layers", "1", "--d-model", "32", "--ctx", "32", "--batch-size", "8", "--max-iters", "6",
             "--eval-interval", "3", "--eval-iters", "2", "--log-interval", "3", "--dropout", "0", "--no-labels",
-            "--no-robustness", "--no-report", "--find-prototype", "off", "--sample-tokens", "5", "--cache-dir", str(cache_dir)]
-    common.load_data(cache_dir=cache_dir)  # the cache exists before the ranks start
+            "--no-robustness", "--no-report", "--find-prototype", "off", "--sample-tokens", "5", *SMALL_CORPUS,
+            "--cache-dir", str(cache_dir)]
+    common.load_data(max_tokens=int(SMALL_CORPUS[1]), cache_dir=cache_dir)  # the cache exists before the ranks start
     a, b = run_one_and_ddp("protot.py", args, tmp_path, "ckpt-proto.pt")
     torch.testing.assert_close(a["history"]["val"], b["history"]["val"], rtol=1e-5, atol=0)
     check_ddp_weights(a["model"], b["model"], a["config"]["lr"])
