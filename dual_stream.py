@@ -33,12 +33,19 @@ Choices where the spec is open (each a switch where the result may depend on it)
     are the alternatives. With xt-cln every layer has one more CLN (d gains): the spec's parameter table counts
     two norms per block, so its totals are matched exactly by xt-raw and exceeded by L·d by xt-cln (a test).
   * CLN affine: a gain per element, [H, d_h] = d values (--cln-gain element), no bias (the table's count);
-    --cln-gain head gives the 2025 code's one scalar per head, --cln-bias adds biases, --norm layernorm swaps
-    CLN for a standard LayerNorm everywhere.
+    --cln-gain head gives the 2025 code's one scalar per head (CLN only: with --norm layernorm it is an error),
+    --cln-bias adds biases, --norm layernorm swaps CLN for a standard LayerNorm everywhere.
+  * Mixing points: the spec (§3, §11.2) lists four, V, O, FFN up and FFN down; here they are tied in pairs,
+    --mixing sets V and O together and --ffn-mixing FFN up and down together. Every configuration the spec's
+    sweep names (its table, the authors' signatures such as ind-ind/ind-ind) ties them so; a mixed pair such as
+    Kronecker V with dense O cannot be asked for.
   * FFN mixing: dense by default (the headline sweep varies V and O jointly); --ffn-mixing independent.
-  * Ablation point: a stream is removed at the readout (the authors' tooling: lm_head(ln_f(x_t)) or x_e alone),
-    or, with --ablate-at all, also has its writes dropped in every block (x_t stays the embedding, x_e stays
-    zero), so the other stream is computed without it. Reading a stream as zero instead would zero every
+  * Ablation point: a stream is removed at the readout (the authors' tooling: lm_head(ln_f(x_t)) or x_e alone).
+    --ablate-at all adds rows that drop a stream's writes in every block (x_t stays the embedding, x_e stays
+    zero), so the other stream is computed without it: attention writes dropped with the readout kept as
+    x_t + x_e (then the embedding plus x_e), attention writes dropped and x_t left out of the readout, and FFN
+    writes dropped (ABLATIONS names each row by what it removes). In FTS mode these rows would repeat the readout
+    rows (nothing writes x_t), so they are skipped with a note. Reading a stream as zero instead would zero every
     activation of this bias-free model when x_t is the one removed: the loss would be ln V whatever the weights.
   * Initialisation: N(0, 0.02) for embeddings, Q, K, dense/independent V and the Kronecker A's (lineage code);
     the output projections (O, FFN down) N(0, 0.02/√(2L)) as GPT-2; --kron-out-init scaled gives the Kronecker
@@ -51,13 +58,18 @@ Choices where the spec is open (each a switch where the result may depend on it)
   * Head specialisation has no published definition (spec §7): distinctiveness is the mean pairwise
     Jensen–Shannon divergence (base 2, in [0, 1]) between heads' attention rows, per layer; the coreference probe
     is a built-in set of two-name sentences where a pronoun refers to one of them, scored per head by the
-    attention mass from the pronoun to the right name minus the mass to the other one.
+    attention mass from the pronoun to the right name minus the mass to the other one. --head-sweep trains
+    H = 2, 3, 6, 12 at fixed d on the same batches and compares both per H (spec §7, §10.5).
+  * Checkpoint and log names (variant): mode and mixing, then every other model setting that differs from its
+    default, spelled as its flag (e.g. ckpt-token-factor-kronecker-heads-3.pt); the sizes of either preset keep
+    the plain name, so `python dual_stream.py` writes ckpt-token-factor-kronecker.pt on a CPU and on a GPU.
 
 Commands
     python dual_stream.py                          # train (Kronecker, token-factor), amplification, ablation,
                                                    # specialisation, samples, out/dual_stream/report.html
                                                    # (no GPU: a CPU preset of about 5 minutes, announced)
     python dual_stream.py --sweep                  # 7 configurations on one budget: val loss vs dense
+    python dual_stream.py --head-sweep             # H = 2, 3, 6, 12 at fixed d: specialisation per H
     python dual_stream.py --mixing independent --ffn-mixing independent    # fully independent
     python dual_stream.py --mode fts --mixing independent                 # frozen token stream
     python dual_stream.py --no-train --amplify 1,4,16 --ablate-at all     # analyses of a trained checkpoint
@@ -68,8 +80,9 @@ Commands
 Expected (CPU preset, 2 cores, 2026-12-01): `python dual_stream.py` takes about 4.5 minutes (4 min 29 s with
 the token cache built, 243 s of it training); the logged loss falls from 6.95 (step 20) to ~5.2 and val
 perplexity ends near 335 (cl100k compacted to 19,447 ids, 614k tokens seen). At this budget amplification
-barely moves the loss (+0.2% at α = 16, against the paper's 16-27%) and removing x_e hurts far more than
-removing x_t (+86% vs +3%; the paper: +9.5% vs +36%): a short run on plays is not the paper's regime, and the README says so.
+barely moves the loss (+0.2% at α = 16, against the paper's 16-27%) and, at the readout, removing x_e hurts far
+more than removing x_t (+86% vs +3%; the paper: +9.5% vs +36%): a short run on plays is not the paper's regime,
+and the README says so.
 """
 from __future__ import annotations
 
@@ -170,9 +183,12 @@ class Config:
     train: bool = field(default=True, metadata={"help": "train (--no-train: load out_dir's checkpoints)"})
     # analyses (the default run does all that apply)
     sweep: bool = field(default=False, metadata={"help": "train the 7 sweep configurations on one budget and compare"})
+    head_sweep: bool = field(
+        default=False, metadata={"help": "train H = 2, 3, 6, 12 heads at fixed d on one budget: specialisation per H"})
     amplify: str = field(default="1,2,4,8,16", metadata={"help": "attention amplification factors α ('' off)"})
     ablation: bool = field(default=True, metadata={"help": "stream ablation (remove x_t or x_e)"})
-    ablate_at: Literal["readout", "all"] = field(default="readout", metadata={"help": "remove a stream at the readout, or at every layer too"})
+    ablate_at: Literal["readout", "all"] = field(
+        default="readout", metadata={"help": "remove a stream at the readout; all: also rows with its writes dropped in every block"})
     specialization: bool = field(default=True, metadata={"help": "head distinctiveness, Kronecker hubs, coreference probe"})
     analysis_windows: int = field(default=128, metadata={"help": "val windows for the amplification and ablation losses"})
     sample: Optional[str] = field(default=None, metadata={"help": "generate from this prompt"})
@@ -190,8 +206,8 @@ CPU_PRESET = dict(layers=4, d_model=192, ctx=128, batch_size=16, max_iters=300, 
 ARCH_KEYS = ("mode", "mixing", "ffn_mixing", "v_source", "norm", "cln_gain", "cln_bias", "fts_cln_at_init", "layers",
              "heads", "d_model", "dataset", "tokenizer", "compact", "max_tokens")
 RUNTIME_KEYS = ("mode", "mixing", "ffn_mixing", "preset", "device", "dtype", "compile", "kernels", "out_dir",
-                "cache_dir", "resume", "train", "sweep", "bench", "report", "sample", "amplify", "ablation",
-                "ablate_at", "specialization", "analysis_windows")
+                "cache_dir", "resume", "train", "sweep", "head_sweep", "bench", "report", "sample", "amplify",
+                "ablation", "ablate_at", "specialization", "analysis_windows")
 MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS)
 
 
@@ -703,6 +719,11 @@ class Block(nn.Module):
         return x_t, x_e + f if drop != "x_e" else x_e
 
 
+# Where a stream is removed (spec §6, §11.7): from the readout only; its writes in every block only (the readout
+# keeps x_t + x_e, so "no attention writes" is told apart from "no x_t at all"); or both.
+ABLATE_AT = ("readout", "writes", "all")
+
+
 class DualStream(nn.Module):
     """Embedding → blocks (two streams) → CLN_f(x_t + x_e) → tied head. forward(idx) gives logits; with targets,
     the mean cross-entropy (kernels.py's fused kernel on CUDA)."""
@@ -727,18 +748,19 @@ class DualStream(nn.Module):
         return [b.attn for b in self.blocks]
 
     def streams(self, idx, ablate: Optional[str] = None, at: str = "readout"):
-        """-> (x_t, x_e) after the last block (x_e None in single mode). ablate = "x_t" | "x_e" with at="all"
-        drops that stream's writes in every block: x_t stays the embedding (no attention writes), x_e stays zero
-        (no FFN writes), so the other stream is computed without them. (Reading x_t as zero instead would zero
-        every activation of a bias-free model: the loss would be ln V whatever the weights.)"""
+        """-> (x_t, x_e) after the last block (x_e None in single mode). ablate = "x_t" | "x_e" with at = "writes"
+        or "all" drops that stream's writes in every block: x_t stays the embedding (token-factor: no attention
+        writes), x_e stays zero (no FFN writes; in FTS no attention writes either), so the other stream is
+        computed without them. (Reading x_t as zero instead would zero every activation of a bias-free model: the
+        loss would be ln V whatever the weights.)"""
         x_t = self.wte(idx)
         if self.ln_embed is not None:
             x_t = self.ln_embed(x_t)
         x_t = self.drop(x_t)
         x_e = None if self.cfg.mode == "single" else torch.zeros_like(x_t)
-        if at not in ("readout", "all"):
-            raise ValueError(f"at must be 'readout' or 'all', not {at!r}")
-        drop = ablate if at == "all" else None
+        if at not in ABLATE_AT:
+            raise ValueError(f"at must be one of {', '.join(ABLATE_AT)}, not {at!r}")
+        drop = None if at == "readout" else ablate
         for block in self.blocks:
             x_t, x_e = block(x_t, x_e, drop)
         return x_t, x_e
@@ -754,7 +776,8 @@ class DualStream(nn.Module):
     def forward(self, idx, targets=None, ablate: Optional[str] = None, at: str = "readout"):
         if ablate is not None and self.cfg.mode == "single":
             raise ValueError("stream ablation needs two streams (--mode token-factor or fts)")
-        logits = self.readout(*self.streams(idx, ablate, at), ablate=ablate)
+        # "writes" keeps the full readout x_t + x_e; "readout" and "all" drop the stream from it too
+        logits = self.readout(*self.streams(idx, ablate, at), ablate=None if at == "writes" else ablate)
         if targets is None:
             return logits
         return cross_entropy(logits.flatten(0, 1), targets.flatten(), backend=self.cfg.kernels).float()
@@ -931,9 +954,28 @@ def any_rank(flag: torch.Tensor) -> bool:
     return bool(flag.item())
 
 
+# Model settings beyond mode and mixing that name a checkpoint and its log when they differ from the defaults, so
+# that runs of two architectures in one --out-dir never overwrite each other; each only where it changes the model
+# (v_source is unused by the single stream, --kron-out-init by the other mixings, --fts-cln-at-init outside fts).
+NAME_KEYS = {"heads": lambda c: True, "v_source": lambda c: c.mode != "single", "norm": lambda c: True,
+             "cln_gain": lambda c: True, "cln_bias": lambda c: True, "kron_out_init": lambda c: c.mixing == "kronecker",
+             "fts_cln_at_init": lambda c: c.mode == "fts"}
+# The sizes of either preset (the default command on a GPU and on a CPU) keep the plain name: existing
+# checkpoints stay valid; any other depth or width is named.
+PRESET_SIZES = ((Config.layers, Config.d_model), (CPU_PRESET["layers"], CPU_PRESET["d_model"]))
+
+
 def variant(cfg: Config) -> str:
-    """The name of a configuration: update mode, V/O mixing, and the FFN when it is per head."""
-    return f"{cfg.mode}-{cfg.mixing}" + ("-ffn-independent" if cfg.ffn_mixing == "independent" else "")
+    """The name of a configuration: update mode, V/O mixing, the FFN when it is per head, then every NAME_KEYS
+    setting that differs from its default (spelled as its flag) and the size unless it is a preset's."""
+    name = f"{cfg.mode}-{cfg.mixing}" + ("-ffn-independent" if cfg.ffn_mixing == "independent" else "")
+    for k, applies in NAME_KEYS.items():
+        v, flag = getattr(cfg, k), k.replace("_", "-")
+        if applies(cfg) and v != getattr(Config, k):
+            name += f"-{flag}" if v is True else f"-no-{flag}" if v is False else f"-{flag}-{v}"
+    if (cfg.layers, cfg.d_model) not in PRESET_SIZES:
+        name += f"-layers-{cfg.layers}-d-model-{cfg.d_model}"
+    return name
 
 
 def ckpt_path(cfg: Config) -> Path:
@@ -964,8 +1006,10 @@ def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: 
 def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]:
     """Load with weights_only=True; the architecture comes from the checkpoint, and an architecture flag given
     on the command line that disagrees with it is an error (one line) rather than a silent mismatch."""
-    if not path.exists():
-        raise RunError(f"no checkpoint at {path} (train first, or point --out-dir at one)")
+    if not path.exists():  # the architecture flags name the file (variant): say which ones this folder holds
+        there = sorted(p.name for p in path.parent.glob("ckpt-*.pt"))
+        raise RunError(f"no checkpoint at {path} " + (f"({path.parent} holds {', '.join(there)}: the architecture "
+                       "flags name the file)" if there else "(train first, or point --out-dir at one)"))
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
         saved = ck["config"]
@@ -1103,13 +1147,19 @@ SWEEP = {
     "fts independent": dict(mode="fts", mixing="independent", ffn_mixing="dense"),
     "single-stream dense": dict(mode="single", mixing="dense", ffn_mixing="dense"),
 }
-PAPER_COST = {"kronecker": "+2.5%", "fully independent": "+8%"}
+PAPER_COST = {"kronecker": "+2.5%", "fully independent": "+8%", "fts independent": "+8% (summary)"}
+PAPER_COST_LINE = "paper: Kronecker +2.5%, fully independent +8%; the summary: FTS independent +8%"
+# The head sweep (spec §7, §10.5: "distinctiveness and coreference scores rise with the number of heads"): H at
+# fixed d (d_h = d/H), the run's mode and mixing, every model on the same batches as in the sweep above.
+HEAD_SWEEP = (2, 3, 6, 12)
 
 
 def configurations(cfg: Config) -> dict[str, Config]:
     """name -> config of every model this run trains or loads: the sweep, or the one configuration asked for."""
     if cfg.sweep:
         return {name: replace(cfg, **kw) for name, kw in SWEEP.items()}
+    if cfg.head_sweep:
+        return {f"H={h}": replace(cfg, heads=h) for h in HEAD_SWEEP}
     name = next((n for n, kw in SWEEP.items() if all(getattr(cfg, k) == v for k, v in kw.items())), variant(cfg))
     return {name: cfg}
 
@@ -1126,6 +1176,22 @@ def sweep_table(models: dict, ppl: dict) -> list[dict]:
             row["vs dense"] = f"{ppl[name]['loss'] / base - 1:+.2%}"
             row["paper"] = PAPER_COST.get(name, "0%" if name == "dense" else "")
         rows.append(row)
+    return rows
+
+
+def head_sweep_table(models: dict, ppl: dict, spec: dict) -> list[dict]:
+    """Per H: val loss, distinctiveness (mean over layers, and per layer) and the coreference probe's best head
+    (its accuracy, right name ahead, and margin; chance 50%, 0)."""
+    rows = []
+    for name, m in models.items():
+        s, c = spec[name], spec[name]["coreference"]
+        b = c.get("best", {})
+        rows.append({"heads": m.cfg.heads, "d_h": m.cfg.d_model // m.cfg.heads, "val loss": ppl[name]["loss"],
+                     "distinctiveness": sum(s["distinctiveness"]) / len(s["distinctiveness"]),
+                     "per layer": " ".join(f"{v:.3f}" for v in s["distinctiveness"]),
+                     "coref best head": f"L{b['layer']}h{b['head']}" if b else "",
+                     "coref accuracy": b.get("accuracy", ""), "coref margin": b.get("margin", ""),
+                     "coref prompts": c.get("prompts", 0)})
     return rows
 
 
@@ -1174,17 +1240,36 @@ def amplification(model: DualStream, data, cfg: Config, alphas: list[float], aut
     return {"rows": rows, "samples": samples}
 
 
+# Each row of the stream ablation, (stream, at) -> exactly what it removes (token-factor: attention writes x_t and
+# the FFN x_e). x_e at "writes" is not a row: with x_e = 0 the readout x_t + x_e is x_t, the "all" row.
+ABLATIONS = {
+    ("x_t", "readout"): "x_t from the readout (logits from x_e)",
+    ("x_e", "readout"): "x_e from the readout (logits from x_t)",
+    ("x_t", "writes"): "attention writes in every block (logits from x_t + x_e, x_t = the embedding)",
+    ("x_t", "all"): "attention writes in every block and x_t from the readout (logits from x_e: no direct "
+                    "embedding path either)",
+    ("x_e", "all"): "FFN writes in every block (x_e = 0: logits from x_t)",
+}
+# FTS: nothing writes x_t, and the readout from x_t alone never sees x_e's writes, so every at-every-layer row would
+# repeat a readout row exactly; they are skipped with this note (log, results, report).
+FTS_ALL_NOTE = ("--ablate-at all skipped in fts mode: x_t has no writes to drop and the readout from x_t never "
+                "reads x_e, so those rows would repeat the readout rows")
+
+
 def ablation(model: DualStream, data, cfg: Config, autocast) -> list[dict]:
-    """Stream ablation (spec §6): remove x_t or x_e at the readout (and, with --ablate-at all, also drop its writes
-    in every layer, see DualStream.streams), no retraining; relative change of the val loss (paper: +36% without
-    x_t, +9.5% without x_e)."""
+    """Stream ablation (spec §6): remove x_t or x_e at the readout (and, with --ablate-at all, the ABLATIONS rows
+    that drop a stream's writes in every block, see DualStream.streams), no retraining; relative change of the val
+    loss (paper, at the readout: +36% without x_t, +9.5% without x_e)."""
     full = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=cfg.analysis_windows)["loss"]
+    keys = [("x_t", "readout"), ("x_e", "readout")]
+    if cfg.ablate_at == "all" and model.cfg.mode == "token-factor":
+        keys += [("x_t", "writes"), ("x_t", "all"), ("x_e", "all")]
     rows = []
-    for at in ("readout",) if cfg.ablate_at == "readout" else ("readout", "all"):
-        for stream in ("x_t", "x_e"):
-            loss = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=cfg.analysis_windows, ablate=stream,
-                                at=at)["loss"]
-            rows.append({"removed": stream, "at": at, "loss": loss, "full": full, "change": loss / full - 1})
+    for stream, at in keys:
+        loss = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=cfg.analysis_windows, ablate=stream,
+                            at=at)["loss"]
+        rows.append({"removed": ABLATIONS[stream, at], "stream": stream, "at": at, "loss": loss, "full": full,
+                     "change": loss / full - 1})
     return rows
 
 
@@ -1528,8 +1613,13 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
     if results.get("ablation"):
         rows = [{"model": m, **{k: (f"{v:+.1%}" if k == "change" else v) for k, v in r.items()}}
                 for m, rs in results["ablation"].items() for r in rs]
-        parts.append("<h2>Stream ablation</h2><p>paper: +36% without x_t, +9.5% without x_e</p>"
-                     + table_html(rows, list(rows[0])))
+        notes = "".join(f"<p>{html.escape(m)}: {html.escape(n)}</p>" for m, n in results.get("ablation_notes", {}).items())
+        parts.append("<h2>Stream ablation</h2><p>paper, at the readout: +36% without x_t, +9.5% without x_e</p>"
+                     + table_html(rows, list(rows[0])) + notes)
+    if results.get("head_sweep"):
+        rows = results["head_sweep"]
+        parts.append("<h2>Head sweep</h2><p>the summary: distinctiveness and coreference rise with the number of "
+                     "heads</p>" + table_html(rows, list(rows[0])))
     for m, s in results.get("specialization", {}).items():
         parts.append(f"<h2>Head specialisation, {html.escape(m)}</h2><p>distinctiveness (mean pairwise JS, bits) per "
                      "layer: " + " ".join(f"{v:.3f}" for v in s["distinctiveness"]) + "</p>")
@@ -1599,6 +1689,9 @@ def validate(cfg: Config, explicit=()) -> None:
               (cfg.weight_decay >= 0, "--weight-decay must be >= 0"), (cfg.grad_clip >= 0, "--grad-clip must be >= 0"),
               (cfg.analysis_windows >= 1, "--analysis-windows must be >= 1"),
               (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"),
+              # a standard LayerNorm has one group: a gain per head would be silently a gain per element
+              (cfg.norm == "cln" or cfg.cln_gain == "element", "--cln-gain head needs --norm cln (a LayerNorm has no "
+               "heads)"),
               (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file")]
     for ok, msg in checks:
         if not ok:
@@ -1610,6 +1703,15 @@ def validate(cfg: Config, explicit=()) -> None:
     typed = [k for k in SWEEP["dense"] if k in explicit]
     if cfg.sweep and typed:
         raise RunError(f"--sweep trains its own seven configurations; drop --{typed[0].replace('_', '-')}")
+    if cfg.head_sweep:
+        hs = ", ".join(map(str, HEAD_SWEEP))
+        for ok, msg in ((not cfg.sweep, "--sweep and --head-sweep are separate runs; give one"),
+                        ("heads" not in explicit, f"--head-sweep trains H = {hs}; drop --heads"),
+                        (cfg.specialization, "--head-sweep compares the specialisation analyses; drop --no-specialization"),
+                        (all(cfg.d_model % (2 * h) == 0 for h in HEAD_SWEEP),
+                         f"--head-sweep needs --d-model {cfg.d_model} to split into even heads for H = {hs}")):
+            if not ok:
+                raise RunError(msg)
 
 
 def check_tokenizer(ck: dict, data, path: Path) -> None:
@@ -1643,27 +1745,32 @@ def run(cfg: Config, explicit) -> int:
         raise RunError(f"--kernels triton needs the triton package, which failed to import ({TRITON_ERROR})")
     if cfg.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RunError("--kernels triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
-    if cfg.kernels == "triton" and cfg.d_model // cfg.heads > AMP_MAX_HEAD_DIM:
-        raise RunError(f"--kernels triton: the attention kernel takes heads up to {AMP_MAX_HEAD_DIM} wide, not "
-                       f"{cfg.d_model // cfg.heads}; use --kernels auto (the torch form for wide heads)")
     rank = dist_info["rank"]
     confs = configurations(cfg)
+    widest = max(c.d_model // c.heads for c in confs.values())  # the head sweep's H = 2 is the widest
+    if cfg.kernels == "triton" and widest > AMP_MAX_HEAD_DIM:
+        raise RunError(f"--kernels triton: the attention kernel takes heads up to {AMP_MAX_HEAD_DIM} wide, not "
+                       f"{widest}; use --kernels auto (the torch form for wide heads)")
+    swept = tuple(SWEEP["dense"]) + (("heads",) if cfg.head_sweep else ())  # what differs between the models
     loaded = {}  # --no-train / --resume: the architecture and the data come from the checkpoints
     if (not cfg.train or cfg.resume) and not cfg.bench:
         for name, c in confs.items():
             path = ckpt_path(c)
-            if cfg.sweep and not path.exists():  # a sweep uses what exists (--resume trains the rest from scratch)
+            if (cfg.sweep or cfg.head_sweep) and not path.exists():  # a sweep uses what exists (--resume trains the rest from scratch)
                 continue
             loaded[name] = (path, *load_checkpoint(path, c, explicit))
         if not loaded and not cfg.train:
             raise RunError(f"no sweep checkpoints in {cfg.out_dir} (run --sweep first)")
     if loaded:
         saved = next(iter(loaded.values()))[2]
-        cfg = replace(cfg, **{k: getattr(saved, k) for k in ARCH_KEYS + MERGED_KEYS if k not in SWEEP["dense"]})
-        confs = {name: (loaded[name][2] if name in loaded else replace(c, **{k: getattr(cfg, k) for k in MERGED_KEYS}))
+        cfg = replace(cfg, **{k: getattr(saved, k) for k in ARCH_KEYS + MERGED_KEYS if k not in swept})
+        confs = {name: (loaded[name][2] if name in loaded else
+                        replace(c, **{k: getattr(cfg, k) for k in MERGED_KEYS if k not in swept}))
                  for name, c in confs.items() if cfg.train or name in loaded}
     out_dir = Path(cfg.out_dir)
-    log = Logger(None if cfg.bench else out_dir / f"log-{'sweep' if cfg.sweep else variant(cfg)}.txt", rank)
+    log_name = ("sweep" if cfg.sweep else f"head-sweep-{variant(replace(cfg, heads=Config.heads))}" if cfg.head_sweep
+                else variant(cfg))
+    log = Logger(None if cfg.bench else out_dir / f"log-{log_name}.txt", rank)
     if preset == "cpu" and not cfg.bench and cfg.train:
         log("no GPU: running the CPU preset (" + ", ".join(f"{k}={getattr(cfg, k)}" for k in CPU_PRESET)
             + f"), about {5 * len(confs)} minutes; --preset paper runs the paper's configuration")
@@ -1720,8 +1827,8 @@ def run(cfg: Config, explicit) -> int:
         log(f"{name}: val loss {ppl[name]['loss']:.4f}, perplexity {ppl[name]['ppl']:.2f} over "
             f"{ppl[name]['tokens']:,} tokens")
     results["models"] = sweep_table(models, ppl)
-    if len(models) > 1:
-        log("sweep (val loss relative to token-factor dense; paper: Kronecker +2.5%, fully independent +8%):")
+    if cfg.sweep:
+        log(f"sweep (val loss relative to token-factor dense; {PAPER_COST_LINE}):")
         for r in results["models"]:
             log(f"  {r['model']:<20} {r['params (M)']:6.2f}M params ({r['non-embedding (M)']:5.2f}M non-embedding) "
                 f"val loss {r['val loss']:.4f}  {r.get('vs dense', '')}")
@@ -1740,8 +1847,12 @@ def run(cfg: Config, explicit) -> int:
                 log(f"ablation, {name}: one stream, nothing to remove")
                 continue
             rows = results["ablation"][name] = ablation(m, data, cfg, autocast)
-            log(f"ablation, {name}: " + ", ".join(f"without {r['removed']} at {r['at']} {r['change']:+.1%}" for r in rows)
-                + " (paper: x_t +36%, x_e +9.5%)")
+            log(f"ablation, {name} (val loss change; paper, at the readout: without x_t +36%, without x_e +9.5%):")
+            for r in rows:
+                log(f"  {r['change']:+7.1%}  without {r['removed']}")
+            if cfg.ablate_at == "all" and m.cfg.mode == "fts":
+                results.setdefault("ablation_notes", {})[name] = FTS_ALL_NOTE
+                log(f"  {FTS_ALL_NOTE}")
     if cfg.specialization:
         results["specialization"] = {}
         for name, m in models.items():
@@ -1761,6 +1872,14 @@ def run(cfg: Config, explicit) -> int:
                          f"margin {c['best']['margin']:+.3f} ± {c['best']['stderr']:.3f}, right name first in "
                          f"{c['best']['accuracy']:.0%} (chance 50%); mean over heads {c['mean_margin']:+.3f}")
             log(f"specialisation, {name}: {line}")
+    if cfg.head_sweep:
+        rows = results["head_sweep"] = head_sweep_table(models, ppl, results["specialization"])
+        log("head sweep (spec §7, §10.5; the summary: distinctiveness and coreference rise with the number of heads):")
+        for r in rows:
+            coref = (f"coreference best head {r['coref best head']} right name first in {r['coref accuracy']:.0%} "
+                     f"(margin {r['coref margin']:+.3f})" if r["coref prompts"] else "coreference: no usable prompt")
+            log(f"  H={r['heads']:<3} d_h={r['d_h']:<4} val loss {r['val loss']:.4f}  distinctiveness {r['distinctiveness']:.3f} "
+                f"(per layer {r['per layer']})  {coref}")
     if cfg.sample is not None or cfg.train:
         prompts = [cfg.sample] if cfg.sample is not None else ["HAMLET:\n"]
         results["samples"] = {}

@@ -434,9 +434,8 @@ def cross_entropy_ref(logits, target, ignore_index=-100, reduction="mean"):
     z_t = z.gather(1, t.where(valid, 0)[:, None])[:, 0]
     loss = (torch.logsumexp(z, -1) - z_t).where(valid, 0.0)  # lse(z) − z_t, 0 on ignored rows
     if reduction == "none":
-        return loss.view(target.shape).to(logits.dtype)
-    loss = loss.sum() if reduction == "sum" else loss.sum() / valid.sum()  # 0/0 = nan when all are ignored
-    return loss.to(logits.dtype)
+        return loss.view(target.shape)
+    return loss.sum() if reduction == "sum" else loss.sum() / valid.sum()  # 0/0 = nan when all are ignored
 
 
 @triton.heuristics({"HAS_GRAD": lambda args: args["Grad"] is not None})
@@ -504,9 +503,8 @@ class CrossEntropyFn(torch.autograd.Function):
                 torch.autograd.graph.increment_version(logits)
             ctx.grad, ctx.reduction = grad, reduction
         if reduction == "none":
-            return loss.view(target.shape).to(logits.dtype)
-        loss = loss.sum() if reduction == "sum" else loss.sum() / n_valid  # 0/0 = nan when all are ignored
-        return loss.to(logits.dtype)
+            return loss.view(target.shape)
+        return loss.sum() if reduction == "sum" else loss.sum() / n_valid  # 0/0 = nan when all are ignored
 
     @staticmethod
     def backward(ctx, dloss):
@@ -528,7 +526,8 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", inplace_g
     """Cross-entropy of logits [..., V] (fp32/bf16/fp16) against integer targets [...], like F.cross_entropy.
 
     reduction: "mean" (over rows whose target is not ignore_index; nan if there are none, as in torch), "sum",
-    or "none" (per-row losses of shape [...]). The loss comes back in the logits' dtype.
+    or "none" (per-row losses of shape [...]). The loss comes back in fp32 (fp64 for fp64 logits) whatever the
+    logits' dtype, as F.cross_entropy under autocast: a bf16 loss would round the logged value to 1/32 near 6.
 
     inplace_grad (Triton path only): write the gradient into the logits' own storage instead of a new buffer.
     This saves one [N, V] buffer but overwrites the caller's logits during the forward, so it is only safe when
@@ -549,7 +548,7 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", inplace_g
         return _cross_entropy_triton(logits, target, ignore_index, reduction, inplace_grad)
     # Off the Triton path: torch's fused log-softmax + NLL, the same maths as cross_entropy_ref in one kernel
     # (about 2x faster on a CPU, where the vocabulary-sized softmax dominates a small model's step).
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
+    loss = F.cross_entropy(_up(logits).reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
                            reduction=reduction)
     return loss.view(target.shape) if reduction == "none" else loss
 

@@ -20,7 +20,8 @@ embedding_bag, and a prototype's logit contribution a_{t,i} w_y·p_i is k dot pr
 
 Analyses (the default run does all of them and writes out/prism/report.html):
   * the dense twin (--head dense, same backbone, seed and recipe), the CE gap at every evaluation;
-  * per evaluation |r|/|z|, REC, R1, R2, coverage R̄1(τ)/R2(τ) at τ = 0.5, 0.7, 0.9, prototypes used, dead;
+  * per evaluation |r|/|z|, REC, R1, R2, the mean number of non-zero activations per token (<= k, §7), coverage
+    R̄1(τ)/R2(τ) at τ = 0.5, 0.7, 0.9, prototypes used, dead (under DDP reduced to the global batch's values);
   * prototype cards (top training contexts by a_{t,i}, the logit signature's top tokens) and a per-token logit
     decomposition of a generated text into prototype slices plus the residual slice (§1, §5.4);
   * training-data attribution (§5.3): a cache of per-sequence prototype-space gradient summaries
@@ -42,19 +43,27 @@ Choices where the paper is silent (spec §9), each a switch where results depend
   * Initialisation: --init-steps of dense warm-up, then k-means++ (D² sampling) over one batch of hidden states,
     rows scaled by one least-squares factor so ẑ starts at z's scale; --init random starts from N(0, 1) rows.
     --revive-dead (off: not in the paper) re-seeds prototypes unused since the last evaluation.
-  * z after ln_f, W tied in both PRISM and the twin, no LM-head bias; nanoGPT's GPT-2 recipe (AdamW 0.9/0.95,
-    weight decay 0.1 except on P and norms, grad clip 1.0); P made last so the twin's backbone init is identical.
+  * --push-interval N (0: off; spec §9.5's optional push): every N steps each prototype takes the direction of its
+    nearest token (cosine) in the batch and keeps its norm (a full copy would undo REC's scale: ẑ overshoots);
+    Adam's moments of P restart at 0.
+  * z after ln_f, W tied in both PRISM and the twin (no switch to untie, which spec §9.6 suggests: not
+    implemented), no LM-head bias; nanoGPT's GPT-2 recipe (AdamW 0.9/0.95, weight decay 0.1 except on P and
+    norms, grad clip 1.0); P made last so the twin's backbone init is identical.
   * Coverage: R̄1(τ) = fraction of prototypes whose nearest val token (eval batches) has cos ≥ τ; R2(τ) =
     fraction of val tokens whose nearest prototype has cos ≥ τ.
   * Attribution (§5.3, reconstructed): the cache holds g_{m,i} = Σ_t a_{t,i} δ_t with a held fixed (the
     linear-layer view), δ_t = Wᵀ(softmax(W z_t) - e_y); the exact baseline keeps a's dependence on P and
     inverts the damped empirical Fisher of sequence gradients (Woodbury); each damping is relative to the mean
     eigenvalue of its own curvature. A query is one val prediction; every method's time includes its forward.
-    With --resid-grad full CE gives P no gradient, so attribution is skipped (an error if asked for).
+    With --resid-grad full CE gives P no gradient, so attribution is skipped (an error if asked for). EK-FAC's
+    time is one batched scoring pass over the Q queries divided by Q (labelled so, like the dense TracIn batch
+    row); the cached and exact times are one query at a time. Overlaps are reported beside their chance level
+    n/M (a random ranking of the M windows).
   * Suppression keywords default to "lord,king", frequent words of the plays, so that a small model has
-    prototypes to match; a card matches when a keyword is its activating token, the next token or a signature
-    top token. Controllers: a 4-way cloze from the val text (fit on the first half of the stream, scored on
-    the second; distractors within ±5 frequency ranks), proximal Adam with L1, K gains for both controllers.
+    prototypes to match; a card matches when a keyword is one of its signature's top 3 tokens, or is the
+    activating token or the next token in at least half of its top contexts. Controllers: a 4-way cloze from
+    the val text (fit on the first half of the stream, scored on the second; distractors within ±5 frequency
+    ranks), proximal Adam with L1, K gains for both controllers.
 Commands
     python prism.py                        # dense twin + PRISM, evaluations, every analysis, out/prism/report.html
                                            # (no GPU: a CPU preset of about 6 minutes, announced)
@@ -63,6 +72,8 @@ Commands
     python prism.py --no-train --suppress 3,17 --suppress-factor -1 # push those prototypes away
     python prism.py --no-train --attr-curvature kfac --ekfac        # attribution with co-usage, EK-FAC
     python prism.py --bench                # training tok/s PRISM / dense, top-k kernel vs torch at K = 4k..16k
+                                           # (both IEEE fp32)
+    python prism.py --push-interval 100    # also push the prototypes onto their nearest tokens every 100 steps
     python prism.py --dataset fineweb-edu --max-tokens 2000000000  # the paper's data (online)
     torchrun --standalone --nproc_per_node=8 prism.py              # DDP
 
@@ -145,13 +156,15 @@ class Config:
     lambda_rec: float = field(default=1.0, metadata={"help": "weight of the reconstruction loss REC"})
     lambda_r1: float = field(default=0.1, metadata={"help": "weight of R1 (each prototype to its nearest token)"})
     lambda_r2: float = field(default=0.1, metadata={"help": "weight of R2 (each token to its nearest prototype)"})
-    rec: Literal["relative", "absolute"] = field(default="relative", metadata={"help": "REC = |r|²/|z]² or |r|²/d"})
+    rec: Literal["relative", "absolute"] = field(default="relative", metadata={"help": "REC = |r|²/|z|² or |r|²/d"})
     dist: Literal["l2", "cosine"] = field(default="l2", metadata={"help": "R1/R2 distance: squared L2 per dim, or 1-cos"})
     r1_detach_z: bool = field(default=False, metadata={"help": "R1 moves only the prototypes (stop-grad on z)"})
     init: Literal["kmeans++", "random"] = field(default="kmeans++", metadata={"help": "prototype initialisation"})
     init_steps: int = field(default=200, metadata={"help": "dense warm-up steps before k-means++ seeding of P"})
     revive_dead: bool = field(default=False, metadata={"help": "at each evaluation, re-seed prototypes unused since the last "
                                                       "one from badly reconstructed tokens (not in the paper)"})
+    push_interval: int = field(default=0, metadata={"help": "every N steps, turn each prototype onto its nearest token "
+                                                    "in the batch, keeping its norm (spec §9.5; 0: off)"})
     # data (common.py)
     dataset: str = field(default="shakespeare", metadata={"help": "shakespeare | tinystories | fineweb-edu | PATH"})
     tokenizer: Literal["cl100k", "gpt2", "bytes"] = field(default="cl100k", metadata={"help": "tokenizer"})
@@ -241,7 +254,7 @@ MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS
 #     ∂z̄_n = Σ_j g_{n,j} P̄_{idx_{n,j}}         g_{n,j} = ∂L/∂a_{n,j} · [z̄_n · P̄_{idx_{n,j}} > 0]  (ReLU)
 #     ∂P̄_i = Σ_{(n,j): idx_{n,j} = i} g_{n,j} z̄_n
 #
-# O((N + K)·d) memory: an embedding_bag for ∂z̄ and a sparse [K, N] @ z̄ product for ∂P̄. The selection holds at
+# O((N + K)·d) memory: an embedding_bag for ∂z̄ and k index_add_ calls of [N, d] rows for ∂P̄. The selection holds at
 # most a [chunk, K] block of scores (torch, <= _TOPK_CHUNK_ELEMS) or a [BLOCK_N, BLOCK_K] tile (Triton), and
 # autograd saves nothing of size N×K or N×k×d. The normalisations stay outside, in plain autograd, so the
 # gradients reaching z and P are exact.
@@ -253,6 +266,24 @@ PROTO_TOPK_BACKENDS = ("auto", "triton", "torch")
 _TOPK_CHUNK_ELEMS = 1 << 22  # score entries per row chunk of the torch form (16 MiB of fp32 scores)
 
 
+@contextlib.contextmanager
+def full_fp32():
+    """IEEE fp32 matmuls inside: setup_device turns TF32 on for the backbone's GEMMs on CUDA (a no-op elsewhere),
+    and this turns it off again where fp32 is claimed. (a) The scoring GEMMs of the core op's torch forms and of
+    nearest_pairs: spec §7 asks for fp32 cosines and selection, TF32's 10-bit mantissa would reorder near-equal
+    cosines, and the Triton kernel's tl.dot is IEEE, so the forms agree only if the torch ones are too. (b) The
+    kernel benchmark's torch reference, so that it compares like precision. (c) Attribution: the exact baseline's
+    Cholesky of M λ' I + G Gᵀ needs more than TF32 when λ' is 1e-3 of the mean eigenvalue, and every method runs
+    in the same precision, so the timings stay comparable. The flags are process-global: the model's callers
+    (nearest_pairs, the torch selection) are @torch.compiler.disable'd, so no compiled graph toggles them."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 1. The reference (materialises the [N, K] scores; the ground truth for the other forms)
 
@@ -261,7 +292,8 @@ def proto_topk_ref(z, P, k):
     float64 truth). A stable descending sort keeps equal scores in index order: lower index first on ties.
     Returns (idx [N, k] int64, a [N, k]); a is differentiable in z and P through plain autograd."""
     dt = torch.float64 if torch.float64 in (z.dtype, P.dtype) else torch.float32
-    with torch.autocast(z.device.type, enabled=False):  # the spec's fp32 scores, even inside an autocast region
+    # the spec's fp32 scores (§7), even inside an autocast region and with TF32 on (full_fp32)
+    with torch.autocast(z.device.type, enabled=False), full_fp32():
         scores = (F.normalize(z.to(dt), dim=-1) @ F.normalize(P.to(dt), dim=-1).T).relu()  # [N, K]
     idx = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
     return idx, scores.gather(1, idx)
@@ -285,7 +317,8 @@ def _proto_topk_select_torch(zn, Pn, k):
     act = torch.empty(N, k, dtype=zn.dtype, device=zn.device)
     rows = max(1, _TOPK_CHUNK_ELEMS // K)
     for r0 in range(0, N, rows):
-        s = (zn[r0:r0 + rows] @ Pn.T).relu_()  # [C, K]
+        with full_fp32():  # IEEE like the Triton kernel's tl.dot: TF32 would reorder near-equal cosines (§7)
+            s = (zn[r0:r0 + rows] @ Pn.T).relu_()  # [C, K]
         C = s.shape[0]
         kth = s.topk(k, dim=1, sorted=False).values.amin(1, keepdim=True)  # [C, 1]: t_n
         above = s > kth
@@ -542,6 +575,7 @@ def proto_logit_slices(idx, a, P, W, y):
 # Model: a GPT-2 backbone (nanoGPT) and the prototype head
 
 
+@torch.compiler.disable  # toggles the TF32 flags (full_fp32): kept out of torch.compile graphs
 @torch.no_grad()
 def nearest_pairs(z, P, dist="l2", chunk=4096):
     """R1/R2's nearest neighbours (spec §3.3): for each token its nearest prototype, for each prototype its nearest
@@ -558,7 +592,8 @@ def nearest_pairs(z, P, dist="l2", chunk=4096):
     best = torch.full((P.shape[0],), float("-inf"), device=z.device)
     token_of_proto = torch.zeros(P.shape[0], dtype=torch.long, device=z.device)
     for s in range(0, z.shape[0], chunk):
-        dot = z[s:s + chunk] @ P.T  # -|z-p|² = 2 z·p - |z|² - |p|²; for unit vectors the order is the cosine's
+        with full_fp32():  # IEEE fp32 (TF32 is on for the backbone on CUDA): this GEMM runs at the fp32 rate, like the Triton top-k's
+            dot = z[s:s + chunk] @ P.T  # -|z-p|² = 2 z·p - |z|² - |p|²; for unit vectors the order is the cosine's
         proto_of_token[s:s + chunk] = (2 * dot - pp).argmax(1)
         col, arg = (2 * dot - zz[s:s + chunk, None]).max(0)
         better = col > best
@@ -698,9 +733,11 @@ class PRISM(nn.Module):
         logits = F.linear(routed.to(self.wte.weight.dtype), self.wte.weight)  # autocast may still run it in bf16
         return {"logits": logits, "idx": idx, "a": a, "zhat": zhat, "r": r}
 
-    def aux_losses(self, z, out) -> dict:
+    def aux_losses(self, z, out, r1_each: bool = False) -> dict:
         """REC, R1, R2 (spec §3.3), each with full gradient unless --r1-detach-z; batch-local under DDP (R1's
-        minimum is over this rank's tokens: the all-reduced gradient then averages per-rank minima)."""
+        minimum is over this rank's tokens: the all-reduced gradient then averages per-rank minima). r1_each adds
+        "r1_each" [K], each prototype's distance to its nearest token, R1 before the mean (the evaluation
+        min-reduces it across ranks)."""
         cfg = self.cfg
         zf = z.reshape(-1, z.shape[-1])
         zf = zf.to(torch.promote_types(zf.dtype, torch.float32))
@@ -712,9 +749,9 @@ class PRISM(nn.Module):
         proto_of_token, token_of_proto = nearest_pairs(zf, self.P, cfg.dist)
         near_tokens = zf[token_of_proto]
         P = self.P.to(zf.dtype)
-        r1 = pair_distance(P, near_tokens.detach() if cfg.r1_detach_z else near_tokens, cfg.dist).mean()
+        d1 = pair_distance(P, near_tokens.detach() if cfg.r1_detach_z else near_tokens, cfg.dist)  # [K]
         r2 = pair_distance(zf, P[proto_of_token], cfg.dist).mean()
-        return {"rec": rec, "r1": r1, "r2": r2}
+        return {"rec": rec, "r1": d1.mean(), "r2": r2, **({"r1_each": d1} if r1_each else {})}
 
     def forward(self, idx, targets=None):
         """-> logits [B, T, V] without targets; with targets (loss, stats), stats holding detached parts."""
@@ -821,7 +858,8 @@ def setup_device(cfg: Config):
 
 
 def get_lr(cfg: Config, it: int) -> float:
-    """Linear warmup over warmup_frac of the steps, then cosine from lr to min_lr_ratio·lr (spec §3.2)."""
+    """Linear warmup over warmup_frac of the steps, then cosine from lr to min_lr_ratio·lr: nanoGPT's GPT-2 recipe.
+    The spec gives no schedule; it asks only that the twin use the identical recipe (spec §4.4, §8)."""
     warmup = max(1, int(cfg.warmup_frac * cfg.max_iters))
     if it < warmup:
         return cfg.lr * (it + 1) / warmup
@@ -871,13 +909,23 @@ TAUS = (0.5, 0.7, 0.9)  # coverage thresholds on cosine similarity (spec §4.2: 
 @torch.no_grad()
 def estimate_loss(model, data, cfg: Config, autocast, batch_size) -> dict:
     """Over eval_iters random val batches (the val generator, saved in checkpoints): CE and, once the prototype
-    head is live, |r|/|z|, REC, R1, R2 and coverage. Coverage (spec §4.2, our definitions): R̄1(τ) = fraction of
-    prototypes whose nearest val token (over all the batches) has cos ≥ τ; R2(τ) = fraction of val tokens whose
-    nearest prototype has cos ≥ τ."""
+    head is live, |r|/|z|, REC, R1, R2, nnz (the mean number of non-zero activations per token after the ReLU,
+    <= k: spec §7) and coverage. Coverage (spec §4.2, our definitions): R̄1(τ) = fraction of prototypes whose
+    nearest val token (over all the batches) has cos ≥ τ; R2(τ) = fraction of val tokens whose nearest prototype
+    has cos ≥ τ.
+
+    Under DDP each rank holds its slice of the global batch (common.get_batch: batch_size windows per rank), and
+    every figure is reduced to the global batch's, the value one process computes from the same global batch:
+    the per-token means (CE, |r|/|z|, REC, R2, nnz) are averaged over ranks (equal token counts); R1's
+    per-prototype minima are min-reduced before the mean over prototypes (R1 of the global batch, not the
+    batch-local R1 the training loss uses, §3.3); R̄1's per-prototype best cosines are max-reduced; R2's counts
+    of tokens at or above τ are summed."""
     raw = model.module if hasattr(model, "module") else model
+    device = next(raw.parameters()).device
     model.eval()
     sums, n = {}, 0
-    proto_best, token_best = None, []
+    proto_best, r1_each = None, []
+    above = torch.zeros(len(TAUS) + 1, dtype=torch.float64, device=device)  # tokens with cos >= τ, then all tokens
     for _ in range(cfg.eval_iters):
         x, y = data.get_batch("val", batch_size, cfg.ctx)
         with autocast:
@@ -885,13 +933,17 @@ def estimate_loss(model, data, cfg: Config, autocast, batch_size) -> dict:
             parts = {}
             if raw.ready:
                 out = raw.head(z)
-                parts = {k: v.item() for k, v in raw.aux_losses(z, out).items()}
+                aux = raw.aux_losses(z, out, r1_each=True)
+                r1_each.append(aux.pop("r1_each").float())  # R1 = its mean, taken after the reduction below
+                parts = {k: aux[k].item() for k in ("rec", "r2")}
                 zf = z.reshape(-1, z.shape[-1]).float()
                 parts["r_over_z"] = (out["r"].reshape(zf.shape).norm(dim=-1) / zf.norm(dim=-1).clamp_min(1e-6)).mean().item()
+                parts["nnz"] = (out["a"] > 0).sum(-1).float().mean().item()
                 logits = out["logits"]
                 # coverage on cosines: nearest pairs in cosine, then their cosine values
                 pt, tp = nearest_pairs(zf, raw.P, "cosine")
-                token_best.append(F.cosine_similarity(zf, raw.P[pt].float(), dim=-1))
+                tb = F.cosine_similarity(zf, raw.P[pt].float(), dim=-1)
+                above += torch.stack([(tb >= t).sum() for t in TAUS] + [torch.tensor(tb.numel(), device=device)])
                 pb = F.cosine_similarity(raw.P.float(), zf[tp], dim=-1)
                 proto_best = pb if proto_best is None else torch.maximum(proto_best, pb)
             else:
@@ -901,11 +953,23 @@ def estimate_loss(model, data, cfg: Config, autocast, batch_size) -> dict:
             sums[k] = sums.get(k, 0.0) + v
         n += 1
     model.train()
-    res = {k: v / n for k, v in sums.items()}
-    if proto_best is not None:
-        tb = torch.cat(token_best)
+    keys = sorted(sums)  # the same on every rank: raw.ready is
+    means = torch.tensor([sums[k] / n for k in keys], dtype=torch.float64, device=device)
+    d1 = torch.stack(r1_each) if r1_each else None  # [eval_iters, K]
+    if dist_ready():
+        import torch.distributed as dist
+
+        dist.all_reduce(means)
+        means /= dist.get_world_size()
+        if d1 is not None:
+            dist.all_reduce(d1, op=dist.ReduceOp.MIN)
+            dist.all_reduce(proto_best, op=dist.ReduceOp.MAX)
+            dist.all_reduce(above)
+    res = dict(zip(keys, means.tolist()))
+    if d1 is not None:
+        res["r1"] = d1.mean().item()  # equal K per batch: the mean of the per-batch R1
         res["cover_r1"] = {t: (proto_best >= t).float().mean().item() for t in TAUS}
-        res["cover_r2"] = {t: (tb >= t).float().mean().item() for t in TAUS}
+        res["cover_r2"] = {t: (above[i] / above[-1]).item() for i, t in enumerate(TAUS)}
     return res
 
 
@@ -1052,12 +1116,42 @@ def revive_dead(raw: PRISM, optimizer, usage, x, cfg: Config, step: int, dist_in
     return len(dead)
 
 
-def eval_line(step: int, ev: dict, twin_val: Optional[float], used: Optional[int], K: int) -> str:
+@torch.no_grad()
+def push_prototypes(raw: PRISM, optimizer, x, dist_info) -> float:
+    """The optional push (spec §9.5; the paper's use of one is unconfirmed, ProtoPNet's "projection" is the model):
+    each prototype is turned onto the direction of its nearest token (by cosine, the head's similarity) among the
+    hidden states of this batch, all ranks' gathered, and keeps its norm. The head sees only directions, so each
+    prototype then matches a training token exactly (cos = 1, "exactly matched to a training data point", spec
+    §3.1), while the norm, which with --act relu_cos carries the scale REC learned (spec §2.2 (a)), stays: a
+    prototype set to the token itself would make ẑ, a sum of up to k such rows, overshoot z several-fold (the
+    reason for the seeding's rescale). Adam's moments of P restart at 0, as for --revive-dead: they describe the
+    old positions' trajectories. Computed on rank 0 from the gathered states and broadcast.
+    -> the mean cosine of the prototypes with their tokens before the push."""
+    z = global_states(raw, x, dist_info)
+    before = torch.zeros((), device=z.device)
+    if dist_info["rank"] == 0:
+        _, token_of_proto = nearest_pairs(z, raw.P, "cosine")
+        near = z[token_of_proto]
+        before = F.cosine_similarity(raw.P.float(), near, dim=-1).mean()
+        norm = raw.P.float().norm(dim=-1, keepdim=True)
+        raw.P.copy_((F.normalize(near, dim=-1) * norm).to(raw.P.dtype))
+    if dist_info["ddp"]:
+        torch.distributed.broadcast(raw.P.data, 0)
+        torch.distributed.broadcast(before, 0)
+    state = optimizer.state.get(raw.P, {})
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in state:
+            state[key].zero_()
+    return before.item()
+
+
+def eval_line(step: int, ev: dict, twin_val: Optional[float], used: Optional[int], K: int, k: int) -> str:
     s = f"step {step}: val loss {ev['ce']:.4f} (ppl {math.exp(ev['ce']):.1f})"
     if twin_val is not None:
         s += f" | gap to dense {ev['ce'] - twin_val:+.4f} ({(ev['ce'] - twin_val) / twin_val:+.1%})"
     if "r_over_z" in ev:
-        s += (f" | |r|/|z| {ev['r_over_z']:.3f} | REC {ev['rec']:.3f} R1 {ev['r1']:.3f} R2 {ev['r2']:.3f} | cover "
+        s += (f" | |r|/|z| {ev['r_over_z']:.3f} | REC {ev['rec']:.3f} R1 {ev['r1']:.3f} R2 {ev['r2']:.3f}"
+              f" | non-zero a {ev['nnz']:.2f}/{k} | cover "
               + " ".join(f"τ{t}: {ev['cover_r1'][t]:.2f}/{ev['cover_r2'][t]:.2f}" for t in TAUS))
     if used is not None:
         s += f" | prototypes used {used}/{K}, dead {K - used}"
@@ -1126,11 +1220,8 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         if step > start and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
             if any_rank(bad):
                 raise RunError(nan_message(step, path))
-            ev = estimate_loss(model, data, cfg, autocast, micro)
+            ev = estimate_loss(model, data, cfg, autocast, micro)  # reduced over the ranks
             if dist_ready():
-                t = torch.tensor([ev["ce"]], device=device)
-                torch.distributed.all_reduce(t)
-                ev["ce"] = t.item() / world
                 torch.distributed.all_reduce(usage)
             val = ev["ce"]
             if not math.isfinite(val) or not all(torch.isfinite(p).all() for p in raw.parameters()):
@@ -1142,7 +1233,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
             history["step"].append(step)
             history["val"].append(val)
             history["evals"].append(ev)
-            log(eval_line(step, ev, twin_val.get(step), used, cfg.n_protos))
+            log(eval_line(step, ev, twin_val.get(step), used, cfg.n_protos, cfg.topk))
             usage.zero_()
             best = min(best, val)
             if rank == 0:  # the train stream as it was before the prefetch, the val stream as it is now
@@ -1155,6 +1246,11 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
             seed_from_batch(raw, x, cfg, dist_info)
             optimizer.state.pop(raw.P, None)  # Adam's moments of the warm-up's zero gradients would damp P's start
             log(f"step {step}: prototypes seeded by k-means++ from {cfg.batch_size * cfg.ctx:,} hidden states after the dense warm-up")
+        elif prism and raw.ready and cfg.push_interval and step > 0 and step % cfg.push_interval == 0:
+            # before this step's forward, on the batch it trains on, after the evaluation's checkpoint: a run
+            # resumed from that checkpoint redoes the same push at its first step
+            cos = push_prototypes(raw, optimizer, x, dist_info)
+            log(f"step {step}: prototypes pushed onto their nearest tokens (mean cosine before {cos:.3f})")
         lr = get_lr(cfg, step)
         for g in optimizer.param_groups:
             g["lr"] = lr
@@ -1701,6 +1797,10 @@ def dense_scores(model: PRISM, windows, xq, yq) -> tuple:
     def flat_grad(loss):
         gs = torch.autograd.grad(loss, params, allow_unused=True)
         return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float() for g, p in zip(gs, params)])
+    with torch.enable_grad():  # warm-up (first-call allocations), untimed, as for the cached and exact methods
+        flat_grad(F.cross_entropy(model(xq[:1])[0, -1].float(), yq[0]))
+        w = windows[0].to(device)
+        flat_grad(F.cross_entropy(model(w[None, :-1])[0].float(), w[1:], reduction="sum"))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -1805,17 +1905,11 @@ def topn_overlap(scores, ref, n: int) -> float:
     return sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a, b)) / (n * scores.shape[0])
 
 
-@contextlib.contextmanager
-def full_fp32():
-    """TF32 off while attributing (run() turns it on for training): the methods are compared with each other,
-    and the exact baseline's Cholesky of M λ' I + G Gᵀ needs more than TF32's 10-bit mantissa when λ' is 1e-3
-    of the mean eigenvalue. Every method runs in the same precision, so the timings stay comparable."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+def chance_overlap(n: int, M: int) -> float:
+    """topn_overlap's expectation for a ranking drawn at random: each of the reference's top n is among the random
+    top n with probability n/M, so the expected overlap is n/M (n capped at M, as there). The level an overlap
+    has to beat to say anything."""
+    return min(n, M) / M
 
 
 def attribution_experiment(model: PRISM, dense, data, cfg: Config, log) -> dict:
@@ -1840,9 +1934,10 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     Q = len(xq)
     rows, ranked = [], {}
 
-    def add_row(name, scores, ms, mem, scored, setup):
+    def add_row(name, scores, ms, mem, scored, setup, batched=False):
         ranked[name] = scores
-        rows.append({"method": name, "ms/query": ms, "memory MB": mem / 2**20, "scored": scored, "setup s": setup})
+        rows.append({"method": name, "ms/query": ms, "memory MB": mem / 2**20, "scored": scored, "setup s": setup,
+                     "batched": batched})
 
     # 1-2. the cache, then one forward and a few postings per query
     t0 = attr_clock(device)
@@ -1873,31 +1968,44 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     # 4. dense gradient similarity (nothing precomputed: its whole cost is per query batch)
     s, seconds, mem, dense_mem_note = dense_scores(model, windows, xq, yq)
     add_row("dense TracIn (all parameters)", s, 1e3 * seconds["single"], mem, M, 0.0)
-    add_row(f"dense TracIn, batch of {Q} queries", s, 1e3 * seconds["batch"], mem, M, 0.0)
+    add_row(f"dense TracIn, batch of {Q} queries", s, 1e3 * seconds["batch"], mem, M, 0.0, batched=True)
     # 5. EK-FAC
     if cfg.ekfac:
         ek = ekfac_scores(model, windows, xq, yq, log)
         if ek is not None:
-            add_row("EK-FAC (kronfluence)", ek["scores"], 1e3 * ek["seconds"] / Q, ek["bytes"], M, ek["setup"])
+            # one batched scoring pass over the Q queries, divided by Q: a per-query time of a batch, like the
+            # dense TracIn batch row (the factor fitting is its setup, as the cache's build is the cached method's)
+            add_row(f"EK-FAC (kronfluence), batch of {Q} queries", ek["scores"], 1e3 * ek["seconds"] / Q, ek["bytes"],
+                    M, ek["setup"], batched=True)
     # overlaps with the exact ranking, the table, the log
     ref = ranked["prototype-space exact"]
+    chance = {n: chance_overlap(n, M) for n in (10, 100)}  # a random ranking's expected overlap, n/M
     table = []
     for r in rows:
         s = ranked[r["method"]]
         table.append({"method": r["method"], "ms/query": r["ms/query"], "memory MB": r["memory MB"],
                       "top-10 overlap": topn_overlap(s, ref, 10), "top-100 overlap": topn_overlap(s, ref, 100),
+                      "top-10 chance": chance[10], "top-100 chance": chance[100],
                       "sequences scored": r["scored"], "setup s": r["setup s"]})
         log(f"attribution {r['method']}: {r['ms/query']:.2f} ms/query, {r['memory MB']:.3g} MB, top-10/top-100 "
-            f"overlap with exact {table[-1]['top-10 overlap']:.2f}/{table[-1]['top-100 overlap']:.2f}, "
-            f"{r['scored']:.0f}/{M} sequences scored per query, setup {r['setup s']:.1f}s")
+            f"overlap with exact {table[-1]['top-10 overlap']:.2f}/{table[-1]['top-100 overlap']:.2f} (chance "
+            f"{chance[10]:.2f}/{chance[100]:.2f}), {r['scored']:.0f}/{M} sequences scored per query, "
+            f"setup {r['setup s']:.1f}s")
     by = {r["method"]: r for r in table}
     c = by[cached_name]
     speed = {name: by[name]["ms/query"] / c["ms/query"] for name in by if name != cached_name}
-    summary = (f"cached prototype attribution ({cfg.attr_curvature}) takes {c['ms/query']:.2f} ms per query: "
-               + ", ".join(f"{v:.3g}x faster than {k}" for k, v in speed.items())
+    # like with like: the cached time is one query at a time; a batch row is one pass over Q queries divided by Q
+    alone = [f"{speed[r['method']]:.3g}x faster than {r['method']}" for r in rows
+             if r["method"] != cached_name and not r["batched"]]
+    batch = [f"{speed[r['method']]:.3g}x faster than {r['method']}" for r in rows if r["batched"]]
+    summary = (f"cached prototype attribution ({cfg.attr_curvature}) takes {c['ms/query']:.2f} ms per query, one "
+               "query at a time (setup excluded for every method): " + ", ".join(alone) + ", each also one query at a "
+               "time" + ("; against per-query times of one batched pass over " + f"{Q} queries (which favours them): "
+                         + ", ".join(batch) if batch else "")
                + f"; it keeps {c['top-10 overlap']:.0%} of the exact prototype-space top-10 and "
-               f"{c['top-100 overlap']:.0%} of its top-100 ({Q} queries, {M} training windows of {cfg.ctx} tokens; "
-               "paper: ~470x faster than EK-FAC, ~80% of the top sequences preserved)")
+               f"{c['top-100 overlap']:.0%} of its top-100 (chance {chance[10]:.0%} and {chance[100]:.0%}; {Q} "
+               f"queries, {M} training windows of {cfg.ctx} tokens; paper: ~470x faster than EK-FAC, ~80% of the "
+               "top sequences preserved)")
     log(summary)
     # the first query's most influential training windows, decoded (for the report)
     tok = data.tokenizer
@@ -1907,13 +2015,15 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
                 "top": [{"seq": int(m), "score": float(v), "text": tok.decode(windows[m].tolist())}
                         for v, m in zip(top.values.tolist(), top.indices.tolist())]}
     return {"table": table, "summary": summary, "queries": Q, "seqs": M, "ctx": cfg.ctx,
+            "chance": {"top-10 overlap": chance[10], "top-100 overlap": chance[100]},
             "curvature": cfg.attr_curvature, "damping": {"cached": cache.lam, "exact": ex.lam},
             "speedup": speed, "cache": {"postings": len(cache.index.seq), "bytes": cache.nbytes(),
                                         "prototypes per sequence": len(cache.index.seq) / M},
             "memory_notes": {cached_name: "the cache (index, A_ii, S's eigenbasis; A's for kfac)",
                              "prototype-space exact": "row-sparse exact gradients + M×M Cholesky factor",
                              "dense TracIn (all parameters)": dense_mem_note,
-                             "EK-FAC (kronfluence)": "eigenbases and corrected eigenvalues of the Linear modules"},
+                             f"EK-FAC (kronfluence), batch of {Q} queries":
+                                 "eigenbases and corrected eigenvalues of the Linear modules"},
             "examples": examples}
 
 
@@ -2300,12 +2410,15 @@ def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
 
 def bench_kernel(device, log=print) -> dict:
     """proto_topk: the Triton kernel (running top-k, no N×K scores) against the torch reference (normalise,
-    GEMM, ReLU, torch.topk), forward + backward, N = 16,384 tokens, d = 768, k = 16, bf16 z; time and peak memory."""
+    GEMM, ReLU, torch.topk), forward + backward, N = 16,384 tokens, d = 768, k = 16, bf16 z; time and peak memory.
+    Like precision: the kernel's tl.dot is IEEE fp32, so the reference runs under full_fp32 (TF32 off; run() turns
+    TF32 on for training), not as a TF32 GEMM, which would time a cheaper and less precise reference."""
     if device.type != "cuda" or not HAS_TRITON:
         log("kernel: the Triton top-k needs a CUDA GPU; skipped")
         return {}
-    out = {}
+    out = {"precision": "fp32 scores, IEEE GEMMs in both (TF32 off)"}
     N, d, k = 16384, 768, 16
+    log(f"kernel: proto_topk forward + backward, N = {N:,}, d = {d}, k = {k}, bf16 z; {out['precision']}")
 
     def reference(z, P):  # what one would write in torch: the N×K scores, then torch.topk
         s = (F.normalize(z.float(), dim=-1) @ F.normalize(P.float(), dim=-1).T).relu()
@@ -2318,8 +2431,9 @@ def bench_kernel(device, log=print) -> dict:
         row = {}
         for name, fn in (("torch", reference), ("triton", lambda z, P: proto_topk(z, P, k, backend="triton"))):
             def fb():
-                _, a = fn(z, P)
-                (a * ga).sum().backward()
+                with full_fp32():  # forward and backward: the torch reference's GEMMs in IEEE fp32, like tl.dot
+                    _, a = fn(z, P)
+                    (a * ga).sum().backward()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
@@ -2330,7 +2444,7 @@ def bench_kernel(device, log=print) -> dict:
         row["speedup"] = row["torch"]["ms"] / row["triton"]["ms"]
         out[f"K{K}"] = row
         log(f"kernel K={K}: triton {row['triton']['ms']:.2f} ms ({row['speedup']:.2f}x torch), peak "
-            f"{row['triton']['peak_mb']:.0f} MB vs {row['torch']['peak_mb']:.0f} MB")
+            f"{row['triton']['peak_mb']:.0f} MB vs {row['torch']['peak_mb']:.0f} MB (both fp32 IEEE)")
     return out
 
 
@@ -2373,7 +2487,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         parts.append(f'<h2>Training</h2><img src="data:image/png;base64,{loss_figure(histories)}">')
         evals = histories.get("prism", {}).get("evals", [])
         rows = [{"step": e["step"], "CE": e["ce"], "|r|/|z|": e.get("r_over_z", ""), "REC": e.get("rec", ""),
-                 "R1": e.get("r1", ""), "R2": e.get("r2", ""), "used": e.get("used", ""),
+                 "R1": e.get("r1", ""), "R2": e.get("r2", ""), "non-zero a": e.get("nnz", ""), "used": e.get("used", ""),
                  **{f"R̄1/R2 τ={t}": f"{e['cover_r1'][t]:.2f} / {e['cover_r2'][t]:.2f}" for t in TAUS if "cover_r1" in e}}
                 for e in evals]
         if rows:
@@ -2461,7 +2575,7 @@ def validate(cfg: Config) -> None:
               (0 <= cfg.warmup_frac <= 1, "--warmup-frac must be in [0, 1]"),
               (cfg.weight_decay >= 0, "--weight-decay must be >= 0"), (cfg.grad_clip >= 0, "--grad-clip must be >= 0"),
               (min(cfg.lambda_rec, cfg.lambda_r1, cfg.lambda_r2) >= 0, "loss weights --lambda-* must be >= 0"),
-              (cfg.init_steps >= 0, "--init-steps must be >= 0"),
+              (cfg.init_steps >= 0, "--init-steps must be >= 0"), (cfg.push_interval >= 0, "--push-interval must be >= 0"),
               (cfg.card_windows >= 1 and cfg.attr_seqs >= 2 and cfg.attr_queries >= 1 and cfg.attr_ctx >= 1,
                "--card-windows, --attr-queries, --attr-ctx must be >= 1 and --attr-seqs >= 2"),
               (cfg.attr_damping > 0, "--attr-damping must be > 0"), (cfg.controller_l1 >= 0, "--controller-l1 must be >= 0"),
@@ -2550,8 +2664,11 @@ def run(cfg: Config, explicit) -> int:
     out_dir = Path(cfg.out_dir)
     log = Logger(None if cfg.bench else out_dir / f"log-{cfg.head}.txt", rank)
     if preset == "cpu" and not cfg.bench and cfg.train:
-        log("no GPU: running the CPU preset (" + ", ".join(f"{k}={getattr(cfg, k)}" for k in CPU_PRESET)
-            + "), about 6 minutes; --preset paper runs the paper's configuration")
+        # say why: asked for (--preset cpu, possibly on a GPU), or chosen by --preset auto for want of CUDA
+        why = "running the CPU preset (--preset cpu)" if cfg.preset == "cpu" else "no GPU: running the CPU preset"
+        log(f"{why} (" + ", ".join(f"{k}={getattr(cfg, k)}" for k in CPU_PRESET) + ")"
+            + (", about 6 minutes on 2 CPU cores" if device.type == "cpu" else "")
+            + "; --preset paper runs the paper's configuration")
     log("config: " + json.dumps(asdict(cfg)))
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"

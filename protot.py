@@ -33,6 +33,8 @@ What differs from the official code, and why
     the embedded corpus is 38 long plays, for which one-document-per-example would leave 34 examples.
   * Perplexity is token-weighted over the whole val split (every token predicted once); the official metric,
     exp of the mean of per-batch means, is not reported.
+  * A fixed budget of --max-iters steps, warmup + cosine, and the analyses on the last weights; the official
+    run_clm.py stops at the first epoch whose dev perplexity rises and reloads the best checkpoint.
   * Smaller choices: RMSNorm eps 1e-6 (nn.RMSNorm's default is ~1.2e-7); the conv exists only in the layers
     that use it; an intervention's perplexity change is measured on 64 val windows, not on the prompt
     sentences; prototype cards rank contexts by mean token (not word) activation; with `--ema official` the
@@ -290,7 +292,7 @@ def prefix_mean_read_chunked(w, v, rho, beta, chunk=64):
     rho = F.pad(rho.to(dt), (0, 0, 0, pad)).view(B, NC, C, R)
     v_ = F.pad(v.to(dt), (0, 0, 0, pad)).view(B, NC, C, dv)
     log_beta = beta.to(dt).log()  # (R,)
-    mass_floor = MASS_EPS / (1 - beta.to(dt))  # (R,): the clamp on M, rescaled like M̃
+    one_minus_beta = 1 - beta.to(dt)  # (R,)
 
     i = torch.arange(C, device=w.device, dtype=dt)
     lag = i[:, None] - 1 - i[None, :]  # (C, C): (t-1) - s, the steps between a write and a later read
@@ -314,9 +316,12 @@ def prefix_mean_read_chunked(w, v, rho, beta, chunk=64):
     states = torch.stack(states, 1)  # (B, NC, R, dv): S_n = Ñ_{nC-1}
     masses = torch.stack(masses, 1)  # (B, NC, R): m_n = M̃_{nC-1}
 
-    # Mass before each token, then the read weights ρ' = ρ / max(M̃_{t-1}, eps/(1-β))
+    # Mass before each token, then the read weights ρ' = ρ / max(M̃_{t-1}, eps/(1-β)), written per branch: where
+    # the clamp bites (M = (1-β)M̃ < eps), ρ' = ρ(1-β)/eps. Never dividing by 1-β keeps a β rounded to 1.0 (γ >= 16.7
+    # in fp32: no mass, reads 0) finite with the recurrence's gradient, instead of eps/0 = inf and 0·inf = NaN.
     mass_prev = decay_in * masses[:, :, None, :] + torch.einsum("ijk,bnjk->bnik", decay, w)  # (B, NC, C, R)
-    rho_s = rho / mass_prev.clamp_min(mass_floor)
+    clamped = one_minus_beta * mass_prev < MASS_EPS
+    rho_s = torch.where(clamped, rho * one_minus_beta / MASS_EPS, rho / torch.where(clamped, 1.0, mass_prev))
 
     # y = read of the carried state + intra-chunk linear attention
     scores = torch.einsum("bnik,ijk,bnjk->bnij", rho_s, decay, w)  # (B, NC, C, C): A[i, j]
@@ -1188,6 +1193,8 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         data.set_rng_state(ck["rng"]["data"])
         if ck["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(ck["rng"]["cuda"])
+        if rank:  # the checkpoint holds rank 0's generator: the others re-seed, distinct per (rank, step)
+            torch.manual_seed(cfg.seed + rank + world * step)
         log(f"resumed from {path} at step {step}")
     raw = model
     if cfg.compile:
@@ -1789,7 +1796,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict) -> 
 
 
 class Logger:
-    """print() on rank 0, and the same lines appended to out_dir/log-<mixer>.txt."""
+    """print() on rank 0, and the same lines appended to out_dir/log-<mixer>.txt (log-proto-attention.txt
+    with --compare)."""
 
     def __init__(self, path: Optional[Path], rank: int):
         self.path, self.rank = path, rank
@@ -1885,7 +1893,7 @@ def run(cfg: Config, explicit) -> int:
     if cfg.intervene:
         parse_units(cfg.intervene, cfg.layers, cfg.n_protos)
     out_dir = Path(cfg.out_dir)
-    log = Logger(None if cfg.bench else out_dir / f"log-{cfg.mixer}.txt", rank)
+    log = Logger(None if cfg.bench else out_dir / f"log-{'-'.join(mixers)}.txt", rank)  # --compare: log-proto-attention
     if preset == "cpu" and not cfg.bench and cfg.train:
         log("no GPU: running the CPU preset (" + ", ".join(f"{k}={getattr(cfg, k)}" for k in CPU_PRESET)
             + "), about 5 minutes; --preset paper runs the paper's configuration")
@@ -1965,18 +1973,19 @@ def run(cfg: Config, explicit) -> int:
                     f"{r['unit']} {r['mean']:+.1%}" for r in fp["ranking"][:5]))
                 best = fp["ranking"][0]
                 log(f"  best {best['unit']}: target probability max {best['max_drop']:+.1%} / mean "
-                    f"{best['mean']:+.1%}, val perplexity {best['ppl_change']:+.2%}")
+                    f"{best['mean']:+.1%}, perplexity on 64 val windows {best['ppl_change']:+.2%}")
         if cfg.intervene:
             r = run_intervention(model, data, cfg, parse_units(cfg.intervene, cfg.layers, cfg.n_protos), cfg.mode,
                                  cfg.target, autocast)
             results["intervention"] = r
             log(f"{cfg.mode} {','.join(r['units'])} on {cfg.target!r} ({r['prompts']} prompts): target probability "
-                f"max {r['max_drop']:+.2%} / mean {r['mean']:+.2%}; val perplexity {r['ppl']:.2f} {r['ppl_change']:+.2%}")
+                f"max {r['max_drop']:+.2%} / mean {r['mean']:+.2%}; perplexity on 64 val windows {r['ppl']:.2f} "
+                f"{r['ppl_change']:+.2%}")
     if cfg.robustness:
         rob_models = dict(models)
         other = "attention" if "attention" not in rob_models else "proto"
         oc = replace(cfg, mixer=other)
-        if ckpt_path(oc).exists():
+        if len(rob_models) == 1 and ckpt_path(oc).exists():  # the other mixer's checkpoint, when not in memory
             try:
                 ck, oc = load_checkpoint(ckpt_path(oc), oc)
                 rob_models[other] = load_model(ck, oc, data, device, ckpt_path(oc))

@@ -5,6 +5,7 @@ works when copied alone."""
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -255,10 +256,63 @@ def test_ablation_at_every_layer_is_a_model_without_that_stream():
     x_t, x_e = m.streams(x)
     torch.testing.assert_close(ablated, F.linear(m.ln_f(x_e), m.wte.weight))
     assert ablated.std() > 0  # not the constant a zeroed x_t would give
+    # "writes": the same model without attention writes, read out from x_t + x_e (x_t = the embedding); it is
+    # not the "all" row, which also leaves the embedding out of the readout
+    writes = tiny_model()(x, ablate="x_t", at="writes")
+    torch.testing.assert_close(writes, m(x))
+    torch.testing.assert_close(x_t, m.wte(x))
+    assert (writes - ablated).abs().max() > 1e-3
     with pytest.raises(ValueError, match="two streams"):
         tiny_model(mode="single")(x, ablate="x_t")
-    with pytest.raises(ValueError, match="at must be"):
+    with pytest.raises(ValueError, match="at must be one of readout, writes, all"):
         m(x, ablate="x_t", at="layer")
+
+
+class FakeData:
+    """The two things evaluate_ppl reads from common's data: iter_eval and device."""
+    device = torch.device("cpu")
+
+    def iter_eval(self, split, batch_size, ctx):
+        yield tokens(B=batch_size, T=ctx, seed=2)
+
+
+def test_ablation_rows_say_what_they_remove_and_fts_skips_the_repeats():
+    """Token-factor with --ablate-at all: five distinct rows, "no attention writes" (readout x_t + x_e) apart from
+    "no x_t at all". FTS: the at-every-layer passes would equal the readout ones exactly, so they are skipped."""
+    cfg = Config(ctx=16, analysis_windows=2, ablate_at="all")
+    auto = torch.autocast("cpu", enabled=False)
+    rows = ds.ablation(tiny_model(), FakeData(), cfg, auto)
+    assert [(r["stream"], r["at"]) for r in rows] == [("x_t", "readout"), ("x_e", "readout"), ("x_t", "writes"),
+                                                      ("x_t", "all"), ("x_e", "all")]
+    assert len({r["removed"] for r in rows}) == 5 and len({round(r["loss"], 9) for r in rows}) == 5
+    assert "attention writes" in rows[2]["removed"] and "x_t + x_e" in rows[2]["removed"]
+    m = tiny_model(mode="fts")
+    x, _ = tokens()
+    for stream in ("x_t", "x_e"):
+        for at in ("writes", "all"):
+            torch.testing.assert_close(m(x, ablate=stream, at=at), m(x, ablate=stream) if at == "all" or
+                                       stream == "x_e" else m(x))
+    rows = ds.ablation(m, FakeData(), cfg, auto)
+    assert [(r["stream"], r["at"]) for r in rows] == [("x_t", "readout"), ("x_e", "readout")]
+
+
+def test_variant_names_every_architecture_setting():
+    """Two architectures never share a checkpoint name; the default command's names (either preset's sizes) stay."""
+    base = Config()
+    assert ds.variant(base) == ds.variant(replace(base, **{k: ds.CPU_PRESET[k] for k in ("layers", "d_model")})) \
+        == "token-factor-kronecker"
+    assert ds.variant(replace(base, mixing="independent", ffn_mixing="independent")) == \
+        "token-factor-independent-ffn-independent"
+    changed = dict(heads=3, v_source="xt-raw", norm="layernorm", cln_gain="head", cln_bias=True,
+                   kron_out_init="scaled", layers=2)
+    names = {ds.variant(replace(base, **{k: v})) for k, v in changed.items()}
+    names.add(ds.variant(replace(base, mode="fts", fts_cln_at_init=False)))
+    assert len(names) == len(changed) + 1 and ds.variant(base) not in names
+    assert ds.variant(replace(base, heads=3)) == "token-factor-kronecker-heads-3"
+    assert ds.variant(replace(base, mode="fts", fts_cln_at_init=False)) == "fts-kronecker-no-fts-cln-at-init"
+    assert ds.variant(replace(base, mixing="dense", kron_out_init="scaled")) == "token-factor-dense"  # no effect
+    paths = {ds.ckpt_path(c) for c in ds.configurations(Config(head_sweep=True)).values()}
+    assert len(paths) == len(ds.HEAD_SWEEP)
 
 
 # ---------------------------------------------------------------- analyses
@@ -409,29 +463,35 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
     assert len(lines) == 3 and " ms | " in lines[0] and "tok/s | mfu -" in lines[0]
     losses = [float(ln.split("| loss ")[1].split()[0]) for ln in lines]
     assert losses[-1] < losses[0] and losses[-1] < math.log(257) - 2  # falling, and far below uniform over bytes
-    for f in ("ckpt-token-factor-kronecker.pt", "report.html", "results.json", "kronecker-token-factor-kronecker.png"):
+    name = "token-factor-kronecker-heads-3-layers-2-d-model-24"  # the architecture flags name the files
+    for f in (f"ckpt-{name}.pt", "report.html", "results.json", f"kronecker-{name}.png", f"log-{name}.txt"):
         assert (tmp_path / f).is_file(), f
     res = json.loads((tmp_path / "results.json").read_text())
     amp = res["amplification"]["kronecker"]
     assert [r["alpha"] for r in amp["rows"]] == [1.0, 4.0, 16.0] and amp["rows"][0]["degradation"] == 0.0  # α = 1 added
     assert amp["rows"][2]["entropy"][0] < amp["rows"][0]["entropy"][0] and set(amp["samples"]) == {"1.0", "4.0", "16.0"}
-    assert [(r["removed"], r["at"]) for r in res["ablation"]["kronecker"]] == [("x_t", "readout"), ("x_e", "readout")]
+    assert [(r["stream"], r["at"]) for r in res["ablation"]["kronecker"]] == [("x_t", "readout"), ("x_e", "readout")]
     spec = res["specialization"]["kronecker"]
     assert len(spec["distinctiveness"]) == 2 and len(spec["hubs"]) == 4 and spec["coreference"]["prompts"] > 0
     report = (tmp_path / "report.html").read_text()
     for needle in ("Attention amplification", "Stream ablation", "Head specialisation", "data:image/png;base64"):
         assert needle in report, needle
 
-    r = run_script("dual_stream.py", "--no-train", "--amplify", "1,2", "--ablate-at", "all", "--no-specialization",
-                   "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    arch = ["--layers", "2", "--d-model", "24", "--heads", "3"]
+    r = run_script("dual_stream.py", "--no-train", *arch, "--amplify", "1,2", "--ablate-at", "all",
+                   "--no-specialization", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "analysis.json").read_text())
-    assert [(r["removed"], r["at"]) for r in res["ablation"]["kronecker"]][2:] == [("x_t", "all"), ("x_e", "all")]
+    assert [(r["stream"], r["at"]) for r in res["ablation"]["kronecker"]][2:] == [("x_t", "writes"), ("x_t", "all"),
+                                                                                  ("x_e", "all")]
+    assert "without attention writes in every block (logits from x_t + x_e" in r.stdout
     assert "specialization" not in res or not res["specialization"]
-    r = run_script("dual_stream.py", "--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir",
-                   str(cache_dir))
+    r = run_script("dual_stream.py", "--no-train", *arch, "--max-tokens", "30000", "--out-dir", str(tmp_path),
+                   "--cache-dir", str(cache_dir))
     assert r.returncode == 1 and r.stderr.count("\n") == 1
-    assert "was trained with layers=2 (asked 3); drop those flags or use another --out-dir" in r.stderr
+    assert "was trained with max_tokens=40000 (asked 30000); drop those flags or use another --out-dir" in r.stderr
+    r = run_script("dual_stream.py", "--no-train", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and f"holds ckpt-{name}.pt" in r.stderr
 
 
 def test_sweep_from_the_command_line(tmp_path, cache_dir):
@@ -442,16 +502,33 @@ def test_sweep_from_the_command_line(tmp_path, cache_dir):
             str(tmp_path), "--cache-dir", str(cache_dir)]
     r = run_script("dual_stream.py", "--sweep", *args)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "sweep (val loss relative to token-factor dense" in r.stdout
+    assert "sweep (val loss relative to token-factor dense; paper: Kronecker +2.5%, fully independent +8%; the " \
+           "summary: FTS independent +8%)" in r.stdout
     res = json.loads((tmp_path / "results.json").read_text())
     rows = {row["model"]: row for row in res["models"]}
     assert len(rows) == 7 and rows["dense"]["vs dense"] == "+0.00%"
     assert rows["kronecker"]["params (M)"] < rows["dense"]["params (M)"]
     assert "single-stream dense" not in res["ablation"] and "ablation, single-stream dense: one stream" in r.stdout
-    (tmp_path / "ckpt-token-factor-identity.pt").unlink()
+    (tmp_path / "ckpt-token-factor-identity-heads-3-layers-1-d-model-24.pt").unlink()
     r = run_script("dual_stream.py", "--sweep", "--no-train", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(json.loads((tmp_path / "analysis.json").read_text())["models"]) == 6
+
+
+def test_head_sweep_from_the_command_line(tmp_path, cache_dir):
+    """--head-sweep (spec §7, §10.5) trains H = 2, 3, 6, 12 at fixed d into four checkpoints and prints the
+    distinctiveness and the coreference best head per H."""
+    r = run_script("dual_stream.py", "--head-sweep", "--layers", "1", "--d-model", "24", "--ctx", "64", "--batch-size",
+                   "2", "--max-iters", "2", "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "2",
+                   "--amplify", "", "--no-ablation", "--no-report", "--sample-tokens", "2", "--tokenizer", "bytes",
+                   "--max-tokens", str(MAX_TOKENS), "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["head_sweep"]
+    assert [(row["heads"], row["d_h"]) for row in rows] == [(2, 12), (3, 8), (6, 4), (12, 2)]
+    assert all(0 <= row["distinctiveness"] <= 1 and row["coref prompts"] > 0 for row in rows)
+    assert "head sweep (spec §7, §10.5" in r.stdout and "  H=12  d_h=2    val loss" in r.stdout
+    assert len(list(tmp_path.glob("ckpt-*.pt"))) == 4 and (tmp_path / "log-head-sweep-token-factor-kronecker-"
+                                                         "layers-1-d-model-24.txt").is_file()
 
 
 def test_resume_from_the_command_line(tmp_path, cache_dir):
@@ -463,10 +540,12 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     r = run_script("dual_stream.py", *args, "--max-iters", "10", "--out-dir", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     r = run_script("dual_stream.py", "--resume", "--max-iters", "15", "--out-dir", str(tmp_path), "--cache-dir",
-                   str(cache_dir), "--amplify", "", "--no-ablation", "--no-specialization", "--no-report")
+                   str(cache_dir), "--amplify", "", "--no-ablation", "--no-specialization", "--no-report",
+                   "--layers", "1", "--d-model", "24", "--heads", "3")  # the architecture names the checkpoint
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "resumed from" in r.stdout and "ckpt-token-factor-kronecker.pt at step 10" in r.stdout
-    ck = torch.load(tmp_path / "ckpt-token-factor-kronecker.pt", weights_only=True)
+    name = "ckpt-token-factor-kronecker-heads-3-layers-1-d-model-24.pt"
+    assert "resumed from" in r.stdout and f"{name} at step 10" in r.stdout
+    ck = torch.load(tmp_path / name, weights_only=True)
     assert ck["step"] == 15 and ck["config"]["batch_size"] == 2 and ck["config"]["d_model"] == 24
 
 
@@ -489,6 +568,11 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     (["--kernels", "triton"], 1, "--kernels triton needs a CUDA device"),
     (["--lr", "nan"], 1, "--lr must be > 0"),
     (["--grad-clip", "inf"], 1, "--grad-clip must be a finite number"),
+    (["--norm", "layernorm", "--cln-gain", "head"], 1, "--cln-gain head needs --norm cln"),
+    (["--head-sweep", "--heads", "3"], 1, "--head-sweep trains H = 2, 3, 6, 12; drop --heads"),
+    (["--head-sweep", "--sweep"], 1, "--sweep and --head-sweep are separate runs"),
+    (["--head-sweep", "--d-model", "36"], 1, "--head-sweep needs --d-model 36 to split into even heads"),
+    (["--head-sweep", "--no-specialization"], 1, "--head-sweep compares the specialisation analyses"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tmp_path, cache_dir, args, code, needle, capsys, monkeypatch):
     """In-process main() (what `python dual_stream.py ...` runs), offline and without the tests' Triton interpreter;
@@ -525,7 +609,7 @@ def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
             "--eval-interval", "3", "--eval-iters", "2", "--log-interval", "3", "--dropout", "0", "--amplify", "",
             "--no-ablation", "--no-specialization", "--no-report", "--sample-tokens", "5", "--cache-dir", str(cache_dir)]
     common.load_data(cache_dir=cache_dir)  # the cache exists before the ranks start
-    a, b = run_one_and_ddp("dual_stream.py", args, tmp_path, "ckpt-token-factor-kronecker.pt")
+    a, b = run_one_and_ddp("dual_stream.py", args, tmp_path, "ckpt-token-factor-kronecker-heads-3-layers-1-d-model-24.pt")
     torch.testing.assert_close(a["history"]["val"], b["history"]["val"], rtol=1e-5, atol=0)
     check_ddp_weights(a["model"], b["model"], a["config"]["lr"])
 

@@ -168,6 +168,14 @@ def test_nearest_pairs_ignore_autocast():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_nearest_pairs_runs_eagerly_inside_torch_compile():
+    """It toggles the TF32 flags, so it is kept out of compiled graphs (the model's forward calls it)."""
+    z, P = torch.randn(30, 8), torch.randn(7, 8)
+    got = torch.compile(lambda z, P: prism.nearest_pairs(z, P, "l2"), backend="eager")(z, P)
+    want = prism.nearest_pairs(z, P, "l2")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_seeding_draws_hidden_states_and_is_remembered():
     m = tiny_model(init="kmeans++")
     assert not m.ready and not bool(m.proto_ready)
@@ -228,15 +236,19 @@ def tiny_cfg(tmp_path, cache_dir, **kw):
 DIST = dict(ddp=False, rank=0, local_rank=0, world=1)
 
 
-@pytest.mark.parametrize("revive", [False, True])
-def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch, revive):
-    """Across the k-means++ seeding (step 5) and a checkpoint at step 10 (with --revive-dead, after a revival)."""
+@pytest.mark.parametrize("revive,push", [(False, 0), (True, 0), (False, 5)])
+def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch, revive, push):
+    """Across the k-means++ seeding (step 5) and a checkpoint at step 10 (with --revive-dead, after a revival; with
+    --push-interval 5, before the push of step 10, which the resumed run must redo)."""
     dev, auto = torch.device("cpu"), torch.autocast("cpu", enabled=False)
 
     def fresh_data():
         return common.load_data(cache_dir=cache_dir, seed=3)
-    straight, hist_a = prism.train(tiny_cfg(tmp_path / "a", cache_dir, revive_dead=revive), fresh_data(), dev, auto,
-                                   DIST, log=lambda m: None)
+    lines = []
+    straight, hist_a = prism.train(tiny_cfg(tmp_path / "a", cache_dir, revive_dead=revive, push_interval=push),
+                                   fresh_data(), dev, auto, DIST, log=lines.append)
+    pushes = [ln.split(":")[0] for ln in lines if "prototypes pushed onto their nearest tokens" in ln]
+    assert pushes == (["step 10", "step 15"] if push else [])  # not at the seeding step 5
     real_save = prism.save_checkpoint
 
     def save_and_keep(path, *a, **k):  # keep a copy of the step-10 checkpoint
@@ -245,25 +257,32 @@ def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch, revive):
             (tmp_path / "b10").mkdir()
             shutil.copy(path, tmp_path / "b10" / path.name)
     monkeypatch.setattr(prism, "save_checkpoint", save_and_keep)
-    prism.train(tiny_cfg(tmp_path / "b", cache_dir, revive_dead=revive), fresh_data(), dev, auto, DIST,
-                log=lambda m: None)
+    prism.train(tiny_cfg(tmp_path / "b", cache_dir, revive_dead=revive, push_interval=push), fresh_data(), dev, auto,
+                DIST, log=lambda m: None)
     monkeypatch.setattr(prism, "save_checkpoint", real_save)
-    resumed, hist = prism.train(tiny_cfg(tmp_path / "b10", cache_dir, resume=True, revive_dead=revive), fresh_data(),
-                                dev, auto, DIST, log=lambda m: None)
+    resumed, hist = prism.train(tiny_cfg(tmp_path / "b10", cache_dir, resume=True, revive_dead=revive,
+                                         push_interval=push), fresh_data(), dev, auto, DIST, log=lambda m: None)
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert hist["step"] == [10, 20] and hist["val"] == hist_a["val"]
     assert hist["evals"][-1]["used"] is not None and "cover_r1" in hist["evals"][-1]
+    assert 0 < hist["evals"][-1]["nnz"] <= 4  # spec §7: non-zero activations per token, at most k
     assert ("revived" in hist["evals"][0]) == revive
 
 
-def test_revive_dead_reseeds_only_the_dead_and_resets_their_moments():
+def stepped_model():
+    """A tiny float32 PRISM after one AdamW step (so P has non-zero moments), its optimizer and the batch."""
     m = tiny_model().float()
     opt = prism.make_optimizer(m, m.cfg, "cpu")
     x, y = batch(4, 8)
     loss, _ = m(x, y)
     loss.backward()
     opt.step()
+    return m, opt, x
+
+
+def test_revive_dead_reseeds_only_the_dead_and_resets_their_moments():
+    m, opt, x = stepped_model()
     usage = torch.ones(12, dtype=torch.int32)
     usage[[2, 7]] = 0
     before = m.P.detach().clone()
@@ -276,6 +295,22 @@ def test_revive_dead_reseeds_only_the_dead_and_resets_their_moments():
     st = opt.state[m.P]
     assert st["exp_avg"][[2, 7]].abs().sum() == 0 and st["exp_avg"][usage > 0].abs().sum() > 0
     assert prism.revive_dead(m, opt, torch.ones(12, dtype=torch.int32), x, m.cfg, 5, DIST) == 0
+
+
+def test_push_turns_each_prototype_onto_its_nearest_token():
+    """--push-interval (spec §9.5): each prototype takes the direction of its nearest token (by cosine) in the batch
+    and keeps its norm; Adam's moments of P restart at 0."""
+    m, opt, x = stepped_model()
+    before = m.P.detach().clone()
+    z = m.eval().hidden(x).detach().reshape(-1, 16)
+    m.train()
+    near = (F.normalize(before, dim=-1) @ F.normalize(z, dim=-1).T).max(1)
+    cos = prism.push_prototypes(m, opt, x, DIST)
+    assert cos == pytest.approx(near.values.mean().item(), abs=1e-6) and cos < 0.99
+    torch.testing.assert_close(m.P.norm(dim=-1), before.norm(dim=-1))
+    torch.testing.assert_close(F.normalize(m.P, dim=-1), F.normalize(z[near.indices], dim=-1))
+    st = opt.state[m.P]
+    assert st["exp_avg"].abs().sum() == 0 and st["exp_avg_sq"].abs().sum() == 0
 
 
 def test_match_keywords_needs_the_card_to_be_about_the_word():
@@ -335,6 +370,7 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
     assert dense_losses[-1] < dense_losses[0] - 0.5
     assert " ms | " in lines[0] and "tok/s | mfu -" in lines[0]
     assert "prototypes seeded by k-means++" in out and "gap to dense" in out and "|r|/|z|" in out
+    assert "| non-zero a " in out and "/4 | cover" in out  # spec §7: mean non-zero activations per token, of k
     for f in ("ckpt-prism.pt", "ckpt-dense.pt", "report.html", "prototypes.html", "prototypes.json", "results.json"):
         assert (tmp_path / f).is_file(), f
     res = json.loads((tmp_path / "results.json").read_text())
@@ -409,6 +445,23 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, cache_dir, args, code, need
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("preset,cuda,needle", [
+    ("cpu", True, "running the CPU preset (--preset cpu) ("),  # asked for: on a GPU machine it must not say "no GPU"
+    ("auto", False, "no GPU: running the CPU preset ("),
+])
+def test_cpu_preset_message_says_why(tmp_path, capsys, monkeypatch, preset, cuda, needle):
+    import common as c
+
+    def stop(*a, **k):
+        raise c.DataError("stop here")
+    monkeypatch.setattr(c, "load_data", stop)  # the message comes before the data; stop there
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    rc = prism.main(["--preset", preset, "--device", "cpu", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr()
+    assert rc == 1 and "stop here" in out.err
+    assert needle in out.out and ("no GPU" in out.out) == (not cuda)
+
+
 def test_corrupt_checkpoint_is_one_line(tmp_path, cache_dir):
     (tmp_path / "ckpt-prism.pt").write_bytes(b"not a checkpoint")
     r = run_script("prism.py", "--no-train", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
@@ -429,6 +482,13 @@ def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
     a, b = run_one_and_ddp("prism.py", [*args, "--init", "random"], tmp_path, "ckpt-prism.pt")
     torch.testing.assert_close(a["history"]["val"], b["history"]["val"], rtol=1e-5, atol=0)
     check_ddp_weights(a["model"], b["model"], a["config"]["lr"])
+    # every evaluation figure is reduced over the ranks to the global batch's (not rank 0's half): per-token means
+    # averaged, R1's per-prototype minima and R̄1's best cosines min/max-reduced, R2's coverage counts summed
+    for ea, eb in zip(a["history"]["evals"], b["history"]["evals"], strict=True):
+        for key in ("r_over_z", "rec", "r1", "r2", "nnz"):
+            assert eb[key] == pytest.approx(ea[key], rel=1e-4), (ea["step"], key, ea[key], eb[key])
+        for key in ("cover_r1", "cover_r2"):
+            assert eb[key] == pytest.approx(ea[key], abs=1e-6), (ea["step"], key, ea[key], eb[key])
     # k-means++ on rank 0, broadcast: both ranks hold the same bank (else DDP's all-reduced steps would differ)
     seeded = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "prism.py", *args,
                         "--lambda-r1", "0.1", "--out-dir", str(tmp_path / "seeded"), env={"OMP_NUM_THREADS": "1"})

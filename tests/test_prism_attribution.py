@@ -179,7 +179,12 @@ def test_dense_baseline_is_the_dot_product_of_flattened_gradients(assert_close):
     model = tiny()
     w = windows_of(5, 8, seed=9)
     xq = windows_of(3, 8, seed=10)
+    calls = []
+    hook = model.register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape[0]))
     scores, seconds, held, note = prism.dense_scores(model, w, xq[:, :-1], xq[:, -1])
+    hook.remove()
+    # an untimed warm-up (one query, one training window), as the cached and exact methods have, then Q + M passes
+    assert len(calls) == 2 + 3 + 5
     params = [p for p in model.parameters() if p.requires_grad]
 
     def grad_of(loss):
@@ -244,6 +249,11 @@ def test_experiment_table(curvature):
     exact = res["table"][1]
     assert exact["top-10 overlap"] == 1 and exact["top-100 overlap"] == 1  # n capped at M = 30: all of them
     assert len(lines) == 5 and lines[-1] == res["summary"] and "faster than dense TracIn" in res["summary"]
+    # the chance level n/M beside every overlap: in the table, the log lines, the summary and results
+    assert res["chance"] == {"top-10 overlap": 10 / 30, "top-100 overlap": 1.0}
+    assert all(r["top-10 chance"] == 10 / 30 and r["top-100 chance"] == 1.0 for r in res["table"])
+    assert all("(chance 0.33/1.00)" in ln for ln in lines[:4])
+    assert "(chance 33% and 100%;" in res["summary"]
     ex = res["examples"]
     assert len(ex["top"]) == 3 and all(e["text"].startswith("w") and len(e["text"].split()) == 9 for e in ex["top"])
     assert [e["score"] for e in ex["top"]] == sorted((e["score"] for e in ex["top"]), reverse=True)
@@ -256,6 +266,34 @@ def test_topn_overlap():
     assert prism.topn_overlap(torch.tensor([[0.0, 1, 2, 3, 4, 5]]), ref, 3) == 0
     assert prism.topn_overlap(torch.tensor([[5.0, 0, 3, 2, 1, 4]]), ref, 2) == 0.5
     assert prism.topn_overlap(torch.tensor([[0.0, 1, 2, 3, 4, 5]]), ref, 100) == 1  # n capped at M
+
+
+def test_chance_overlap_is_a_random_rankings_expectation():
+    g = torch.Generator().manual_seed(0)
+    M, Q = 50, 4000
+    ref = torch.rand(Q, M, generator=g)
+    for n in (1, 10, 25):
+        got = prism.topn_overlap(torch.rand(Q, M, generator=g), ref, n)
+        assert abs(got - prism.chance_overlap(n, M)) < 0.02 and prism.chance_overlap(n, M) == n / M
+    assert prism.chance_overlap(100, M) == 1.0  # n capped at M, as in topn_overlap
+
+
+def test_batched_rows_are_labelled_and_compared_as_batches(monkeypatch):
+    """EK-FAC's time is one batched scoring pass over the Q queries, divided by Q: its row says so, like the dense
+    TracIn batch row, and the summary compares the cached per-query time with the batch rows apart from the rows
+    timed one query at a time. (kronfluence is stood in for: only the bookkeeping is under test.)"""
+    cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
+                 attr_seqs=10, attr_queries=3, ekfac=True)
+    monkeypatch.setattr(prism, "ekfac_scores", lambda model, w, xq, yq, log: {
+        "scores": torch.randn(len(xq), w.shape[0]), "setup": 1.0, "seconds": 0.3, "bytes": 1024})
+    lines = []
+    res = prism.attribution_experiment(PRISM(cfg, V).eval(), None, StandIn(), cfg, lines.append)
+    ek = res["table"][-1]
+    assert ek["method"] == "EK-FAC (kronfluence), batch of 3 queries" and ek["ms/query"] == pytest.approx(100.0)
+    assert ek["method"] in res["memory_notes"]
+    alone, batched = res["summary"].split("; against per-query times of one batched pass over 3 queries")
+    assert "prototype-space exact" in alone and "dense TracIn (all parameters)" in alone and "batch of" not in alone
+    assert "dense TracIn, batch of 3 queries" in batched and "EK-FAC (kronfluence), batch of 3 queries" in batched
 
 
 def test_ekfac_without_kronfluence_is_skipped(monkeypatch):

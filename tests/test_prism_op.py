@@ -304,6 +304,38 @@ def test_torch_compile_graph_breaks_around_the_selection(form):
     assert torch.equal(idx_c, idx) and torch.equal(a_c, a) and torch.equal(zc.grad, zl.grad)
 
 
+class RecordTF32(torch.overrides.TorchFunctionMode):
+    """Records the TF32 flag in force at every matmul that runs inside it."""
+
+    MATMULS = (torch.matmul, torch.mm, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.Tensor.mm)
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.MATMULS:
+            self.seen.append(torch.backends.cuda.matmul.allow_tf32)
+        return func(*args, **(kwargs or {}))
+
+
+def test_scoring_gemms_run_in_ieee_fp32_with_tf32_on(monkeypatch):
+    """setup_device turns TF32 on for training on CUDA; the torch forms' scoring GEMMs and nearest_pairs claim fp32
+    (spec §7) and must turn it off around their matmuls (as the Triton kernel's IEEE tl.dot), then restore it. The
+    flag is only recorded here (on CPU it changes nothing), so this runs anywhere."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    z, P = make_inputs(20, 12, 16)
+    for name, fn in (("ref", lambda: op.proto_topk_ref(z, P, 3)),
+                     ("torch", lambda: op.proto_topk(z, P, 3, backend="torch")),
+                     ("nearest_pairs", lambda: op.nearest_pairs(z, P, "l2")),
+                     ("nearest_pairs cosine", lambda: op.nearest_pairs(z, P, "cosine"))):
+        with RecordTF32() as rec:
+            fn()
+        assert rec.seen and not any(rec.seen), (name, rec.seen)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32  # restored
+
+
 def test_imports_and_runs_without_triton():
     """With `import triton` failing, prism.py still imports, the torch form runs and 'triton' says why it cannot."""
     script = (

@@ -91,6 +91,24 @@ def test_forms_agree_where_the_clamp_bites():
     check_against_reference(FORMS, inputs, dy, RATIO[torch.float32])
 
 
+def test_beta_rounded_to_one_keeps_gradients_finite():
+    """β = σ(γ) rounds to exactly 1.0 in fp32 once γ >= 16.7 (a γ that drifted up in a long run). Such a channel
+    never gets write mass (1-β = 0), reads 0, and σ'(γ) = 0, so ∂γ must be 0: not 0·inf = NaN from the clamp's
+    eps/(1-β). y and all four gradients (∂β too) of every form match the float64 recurrence on the same β, and so
+    does ∂γ = ∂β·σ'(γ)."""
+    inputs, dy = make_inputs(2, 40, 4, 24)
+    gamma = torch.tensor([17.0, 2.0, 0.0, -1.0], device=DEVICE)
+    inputs[3] = gamma.sigmoid()
+    assert inputs[3][0].item() == 1.0
+    dsigmoid = inputs[3] * (1 - inputs[3])  # fp32 σ'(γ), exactly 0 for the saturated channel
+    ref = reference(inputs, dy)
+    for form in FORMS:
+        out = forward_backward(FORMS[form], inputs, dy)
+        for name, r, o in zip((*NAMES, "dgamma"), [*ref, ref[4].float() * dsigmoid], [*out, out[4] * dsigmoid]):
+            assert torch.isfinite(o).all(), f"{form} {name}: non-finite"
+            assert_close(f"{form} {name}", r, o, RATIO[torch.float32])
+
+
 @pytest.mark.slow
 def test_long_sequence():
     """T > 2048 with decays from 1e-3 to 1-1e-4 side by side, chunked and Triton against the float64 recurrence."""
