@@ -1193,8 +1193,8 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         data.set_rng_state(ck["rng"]["data"])
         if ck["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(ck["rng"]["cuda"])
-        if rank:  # the checkpoint holds rank 0's generator: the others re-seed, distinct per (rank, step)
-            torch.manual_seed(cfg.seed + rank + world * step)
+        if rank:  # the checkpoint holds rank 0's generator: the other ranks keep dropout masks of their own
+            torch.manual_seed(cfg.seed + rank + world * step)  # distinct per (rank, step)
         log(f"resumed from {path} at step {step}")
     raw = model
     if cfg.compile:

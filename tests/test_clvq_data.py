@@ -255,3 +255,66 @@ def test_broken_model_folder_is_one_line(tmp_path):
     with pytest.raises(DataError) as e:
         C.load_source_model(str(tmp_path))
     assert "\n" not in str(e.value) and "could not be loaded" in str(e.value)
+
+
+# ---------------------------------------------------------------- fine-tuning the source encoder (§5.3)
+
+TOY = (["the cat sat on the mat.", "the cats sat!", "the cat sat, the cat sat."] * 4,
+       ["a dog ran on my house.", "a dog ran!", "my dog ran, a dog ran."] * 4)
+TOY_TEXTS, TOY_LABELS = TOY[0] + TOY[1], [0] * 12 + [1] * 12
+
+
+def test_finetune_learns_the_task_and_is_cached(tmp_path, monkeypatch):
+    """Fine-tuning fits the toy task (loss falls, the head separates the classes), changes the weights and the
+    fingerprint (so the activation cache key changes), and a second load reuses the file: same weights, same
+    head, no training."""
+    folder = _save_tiny_bert(tmp_path / "m")
+    src = C.load_source_model(str(folder))
+    base_fp, base_w = src.fingerprint, src.model.embeddings.word_embeddings.weight.clone()
+    lines = []
+    C.cached_finetune(src, TOY_TEXTS, TOY_LABELS, 2, epochs=8, lr=3e-3, batch=4, seed=0, cache_dir=tmp_path,
+                      log=lines.append)
+    losses = [float(ln.split("loss ")[1].split()[0]) for ln in lines if "epoch" in ln]
+    assert len(losses) == 8 and losses[-1] < 0.5 * losses[0], lines
+    feats = C.top_features(src, TOY_TEXTS)
+    assert (src.head(feats).argmax(-1) == torch.tensor(TOY_LABELS)).float().mean() == 1.0
+    assert src.fingerprint != base_fp and not torch.equal(src.model.embeddings.word_embeddings.weight, base_w)
+    assert not any(p.requires_grad for p in src.model.parameters()) and not src.model.training
+    p1, _ = C.activation_cache_path(src, "toy", TOY_TEXTS, TOY_LABELS, (1, 2), 0, None, tmp_path)
+
+    monkeypatch.setattr(C, "finetune_source", lambda *a, **k: (_ for _ in ()).throw(AssertionError("retrained")))
+    again = C.load_source_model(str(folder))
+    lines = []
+    C.cached_finetune(again, TOY_TEXTS, TOY_LABELS, 2, epochs=8, lr=3e-3, batch=4, seed=0, cache_dir=tmp_path,
+                      log=lines.append)
+    assert lines[0].startswith("fine-tuning: reusing ") and again.fingerprint == src.fingerprint
+    assert torch.equal(again.head.weight, src.head.weight)
+    assert C.activation_cache_path(again, "toy", TOY_TEXTS, TOY_LABELS, (1, 2), 0, None, tmp_path)[0] == p1
+    with pytest.raises(AssertionError, match="retrained"):  # other settings: another key, trained again
+        C.cached_finetune(C.load_source_model(str(folder)), TOY_TEXTS, TOY_LABELS, 2, epochs=7, lr=3e-3, batch=4,
+                          seed=0, cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncate"])
+def test_corrupt_finetune_cache_is_one_line(tmp_path, damage):
+    folder = _save_tiny_bert(tmp_path / "m")
+    kw = dict(epochs=1, lr=1e-3, batch=8, seed=0, cache_dir=tmp_path, log=lambda m: None)
+    C.cached_finetune(C.load_source_model(str(folder)), TOY_TEXTS, TOY_LABELS, 2, **kw)
+    (path,) = (tmp_path / "clvq-finetuned").iterdir()
+    path.write_bytes(b"not a torch file" if damage == "garbage" else path.read_bytes()[:300])
+    with pytest.raises(DataError) as e:
+        C.cached_finetune(C.load_source_model(str(folder)), TOY_TEXTS, TOY_LABELS, 2, **kw)
+    assert str(path) in str(e.value) and "\n" not in str(e.value) and "delete it" in str(e.value)
+
+
+def test_decoders_are_not_finetuned(gpt2, tmp_path, monkeypatch):
+    """load_activations fine-tunes encoders only; a decoder is used zero-shot (the paper's LLMs) and says so."""
+    monkeypatch.setattr(C, "cached_finetune", lambda *a, **k: (_ for _ in ()).throw(AssertionError("fine-tuned")))
+    monkeypatch.setattr(C, "load_source_model", lambda *a, **k: gpt2)
+    lines = []
+    cfg = C.Config(model="tiny-gpt2", cache_dir=str(tmp_path), per_class=3, dev_per_class=2, max_words=60,
+                   min_count=1, layer_l=1, layer_h=2)
+    src, tr, _ = C.load_activations(cfg, torch.device("cpu"), dict(ddp=False, rank=0, local_rank=0, world=1),
+                                    lines.append)
+    assert src.head is None and len(tr.texts) == 6
+    assert "fine-tuning: tiny-gpt2 is a decoder, used zero-shot as in the paper (§5.3)" in lines
