@@ -331,9 +331,9 @@ def test_tiny_run_end_to_end(tmp_path, tiny_bert, cache_dir):
     assert {"fidelity", "coherence", "baselines", "eval"} <= set(res)
     assert [w["method"] for w in res["fidelity"]] == ["CLVQ-VAE l1->h2", "k-means", "VQ-VAE l1->h1", "top-k SAE"]
     assert "concept-ablation fidelity" in r.stdout and "concept-ablated" in r.stdout and "  top-k SAE " in r.stdout
-    # the encoder is fine-tuned first (§5.3: 3 epochs by default, or read from the cache an earlier test filled),
+    # the encoder is fine-tuned first (§5.3: 2 epochs in the CPU preset, or read from the cache an earlier test filled),
     # and its own head is the classifier that IG explains
-    assert "fine-tuning " in r.stdout and "fidelity: classifier = the fine-tuned model and its head" in r.stdout
+    assert "fine-tuning" in r.stdout and "fidelity: classifier = the fine-tuned model and its head" in r.stdout
     report = (tmp_path / "report.html").read_text()
     assert "Concept-ablation fidelity" in report and "Concept cards" in report and "VQ-VAE l1-&gt;h1" in report
 
