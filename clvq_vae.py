@@ -71,7 +71,8 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     128 sentences, gradient clip 2.0, bf16 autocast for the decoder alone on CUDA (distances and EMA stay fp32).
     --schedule cosine (default: warmup + cosine over --max-iters, the repo's iteration-based loop, resumable
     bit-for-bit) | plateau (the paper's ReduceLROnPlateau: ×0.5 after --plateau-patience evaluations without a
-    better val loss; --early-stop N stops after N evaluations without one).
+    better val loss; --early-stop N stops after N evaluations without one; the best evaluation's weights are
+    kept in the checkpoint and are what the analyses use, as the official loop keeps its best checkpoint).
   * k-means codebook init on the training x_l before step 0 (on at most --init-rows rows), rank 0 computes and
     broadcasts; the quantiser's `initialised` buffer makes --resume and --no-train skip it.
 
@@ -84,8 +85,8 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
 Expected (CPU preset, 2 cores, 2026-12-01): `python clvq_vae.py` takes about 4 minutes (4 min 15 s, of which
 fine-tuning MiniLM 88 s and the activation extraction 14 s, both cached for later runs); val MSE at layer 6 ends
 at 0.067 with codebook perplexity 36.4 of 128. The fine-tuned classifier reaches 0.634 on the held-out plays. At
-this scale no method's concept removes more probe accuracy than a random direction (CLVQ-VAE 0.674 -> 0.569 vs
-0.503 random; the paper: 0.895 -> 0.058 vs 0.831).
+this scale no concept removes clearly more probe accuracy than a random direction (CLVQ-VAE 0.674 -> 0.569 vs
+0.503 random, the top-k SAE 0.466 vs 0.473; the paper: 0.895 -> 0.058 vs 0.831).
 """
 from __future__ import annotations
 
@@ -208,7 +209,8 @@ class Config:
     log_interval: int = field(default=50, metadata={"help": "steps between log lines"})
     init_rows: Optional[int] = field(default=None, metadata={
         "help": "k-means init on at most this many rows (none: all)"})
-    seed: int = field(default=20, metadata={"help": "random seed (the official network seed)"})
+    seed: int = field(default=20, metadata={
+        "help": "random seed: the network's (the official 20), and also the passages drawn and the fine-tuning"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
     dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata={
         "help": "auto: bf16 autocast of the decoder on CUDA"})
@@ -243,7 +245,7 @@ class Config:
     probe_epochs: int = field(default=100, metadata={"help": "probe epochs at most"})
     probe_standardise: Literal["scalar", "dims", "none"] = field(default="scalar", metadata={
         "help": "probe input scaling fitted on each training part: centre + one RMS | per-dimension z-score | "
-                "none (official raw input)"})
+                "none (raw r, as the official code)"})
     ig_steps: int = field(default=50, metadata={
         "help": "Integrated-Gradients steps, Gauss-Legendre (paper: 500; CPU preset: 16)"})
     ig_baseline: Literal["pad", "zeros"] = field(default="pad", metadata={
@@ -765,11 +767,15 @@ class VectorQuantizer(nn.Module):
         """--dead-code restart (not in the paper): codes with N_k < dead_threshold take a random row of the batch,
         with N_k = 1 and m_k = that row. The draw uses the global RNG (so it is in the checkpoint's RNG state);
         under DDP rank 0's rows are broadcast so the codebooks stay identical."""
-        dead = (self.ema_count < self.cfg.dead_threshold).nonzero()[:, 0]
-        if len(dead) == 0 or len(z) == 0:
+        dead = (self.ema_count < self.cfg.dead_threshold).nonzero()[:, 0]  # the same on every rank (EMA all-reduced)
+        ddp = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if len(dead) == 0 or (len(z) == 0 and not ddp):
             return
-        rows = z.float()[torch.randint(len(z), (len(dead),), device=z.device)]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if len(z):
+            rows = z.float()[torch.randint(len(z), (len(dead),), device=z.device)]
+        else:  # a rank without rows still joins the broadcast (else the others would wait for it forever)
+            rows = z.new_zeros(len(dead), z.shape[1], dtype=torch.float32)
+        if ddp:
             torch.distributed.broadcast(rows, 0)
         self.ema_sum[dead] = rows
         self.ema_count[dead] = 1.0
@@ -1116,7 +1122,8 @@ def cached_finetune(src: SourceModel, texts: list[str], labels: list[int], n_cla
     for t, y in zip(texts, labels):
         th.update(f"{y}\0{t}\0".encode())
     spec = dict(format=FINETUNE_FORMAT, model=src.name, base_fingerprint=src.fingerprint, texts=th.hexdigest(),
-                n=len(texts), n_classes=n_classes, epochs=epochs, lr=lr, batch=batch, seed=seed)
+                n=len(texts), n_classes=n_classes, epochs=epochs, lr=lr, batch=batch, seed=seed,
+                word_re=WORD_RE.pattern, max_tokens=src.max_tokens)  # what _encode feeds the model
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     path = (Path(cache_dir) if cache_dir else default_cache_dir()) / "clvq-finetuned" / f"{_slug(src.name)}-{key}.pt"
     head = nn.Linear(src.d_model, n_classes)
@@ -1768,12 +1775,14 @@ def acts_signature(acts: Activations) -> dict:
 
 
 def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, sched: dict, sampler_state: dict,
-                    history: dict, data: dict) -> None:
-    """One file: written to a temporary name, then renamed (a crash never leaves half a checkpoint)."""
+                    history: dict, data: dict, best: Optional[dict] = None) -> None:
+    """One file: written to a temporary name, then renamed (a crash never leaves half a checkpoint). `model` is
+    the last state (what --resume continues); `best` = {"step", "model"}, the best evaluation's weights, kept
+    under --schedule plateau (the paper's loop keeps its best validation checkpoint, spec §4)."""
     state = {
         "format": "glassbox-checkpoint/1", "script": "clvq_vae", "variant": path.stem[len("ckpt-"):],
         "config": asdict(cfg), "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-        "schedule": sched, "history": history, "data": data,
+        "schedule": sched, "history": history, "data": data, "best": best,
         "rng": {"torch": torch.get_rng_state(), "data": sampler_state,
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
     }
@@ -1819,9 +1828,10 @@ def build_model(cfg: Config, device) -> CLVQVAE:
 
 
 def load_model(ck: dict, cfg: Config, device, path: Path) -> CLVQVAE:
+    """The checkpoint's model for the analyses: the best evaluation's weights when it kept them (plateau)."""
     model = build_model(cfg, device)
     try:
-        model.load_state_dict(ck["model"])
+        model.load_state_dict((ck.get("best") or ck)["model"])
     except RuntimeError as e:
         raise RunError(f"{path} does not fit this model ({str(e).splitlines()[-1].strip()})") from None
     return model
@@ -1872,6 +1882,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
     step, history = 0, {"step": [], "train": [], "val": [], "mse": [], "commit": [], "perplexity": [],
                         "unused": [], "dead_ema": []}
     sched = dict(scale=1.0, best=float("inf"), bad=0, since_best=0)  # plateau LR scale and early-stop counters
+    best = None  # under --schedule plateau: {"step", "model"} of the best evaluation
     if rank:  # ranks other than 0 draw their own dropout masks and code samples
         torch.manual_seed(cfg.seed + rank)
     if cfg.resume:
@@ -1883,7 +1894,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
             optimizer.load_state_dict(ck["optimizer"])
         except (RuntimeError, ValueError) as e:
             raise RunError(f"{path} does not fit this model: {str(e).splitlines()[0]}") from None
-        step, history, sched = ck["step"], ck["history"], dict(ck["schedule"])
+        step, history, sched, best = ck["step"], ck["history"], dict(ck["schedule"]), ck.get("best")
         torch.set_rng_state(ck["rng"]["torch"])
         sampler.set_state(ck["rng"]["data"])
         if ck["rng"]["cuda"] and torch.cuda.is_available():
@@ -1933,6 +1944,8 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
             log(eval_line(step, ev, cfg.codebook_size))
             if ev["loss"] < sched["best"] * (1 - 1e-4):  # ReduceLROnPlateau's default relative threshold
                 sched.update(best=ev["loss"], bad=0, since_best=0)
+                if cfg.schedule == "plateau":
+                    best = {"step": step, "model": {k: v.detach().cpu().clone() for k, v in raw.state_dict().items()}}
             else:
                 sched["bad"] += 1
                 sched["since_best"] += 1
@@ -1941,7 +1954,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
                     log(f"step {step}: val loss has not improved for {cfg.plateau_patience + 1} evaluations; "
                         f"lr x {cfg.plateau_factor} -> {get_lr(cfg, step, sched['scale']):.2e}")
             if rank == 0:
-                save_checkpoint(path, raw, optimizer, cfg, step, sched, sampler_state, history, data)
+                save_checkpoint(path, raw, optimizer, cfg, step, sched, sampler_state, history, data, best)
             if cfg.early_stop and sched["since_best"] >= cfg.early_stop:
                 log(f"step {step}: no val improvement in {cfg.early_stop} evaluations; early stop")
                 break
@@ -1980,6 +1993,9 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
             history["train"].append([step, lossf])
             log(log_line(step, cfg.max_iters, lossf, lr, dt * 1000, rows_s, mfu_ema))
             t0, t0_step, rows_seen = time.time(), step, 0.0
+    if best is not None and best["step"] != history["step"][-1]:  # plateau: the analyses get the best weights
+        raw.load_state_dict(best["model"])
+        log(f"restored the best evaluation's weights (step {best['step']}, val loss {sched['best']:.4f})")
     return raw, history
 
 
@@ -2055,6 +2071,7 @@ class ConceptMethod:
     ablation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     settings: dict
     fit_seconds: Optional[float] = None
+    model: Optional[nn.Module] = None  # the trained CLVQ-VAE / VQ-VAE behind a codebook method (its history)
 
 
 def _codebook_ablation(E):
@@ -2073,7 +2090,7 @@ def vq_method(name: str, model: CLVQVAE, device, settings: dict, fit_seconds=Non
     dtype = next(model.parameters()).dtype
     return ConceptMethod(name, model.cfg.codebook_size,
                          lambda x: _chunked(lambda xb: model.concepts(xb.to(dtype)), x, device),
-                         _codebook_ablation(model.vq.embed), settings, fit_seconds)
+                         _codebook_ablation(model.vq.embed), settings, fit_seconds, model)
 
 
 def kmeans_method(cfg, x_train: torch.Tensor, device, log=print) -> ConceptMethod:
@@ -2434,11 +2451,14 @@ def train_probe(r: torch.Tensor, y: torch.Tensor, n_classes: int, seed: int, epo
                 standardise: str = "scalar") -> nn.Module:
     """The §6.1 probe: d -> 64, ReLU, dropout 0.2 -> classes; Adam 1e-3, batch 32, at most `epochs` epochs, early
     stopping on the loss of a seeded 10% hold-out of the training part (patience 5, min_delta 1e-3), best
-    weights restored. `standardise` (not in the official code) puts a fixed affine layer fitted on the training
-    part in front: `scalar` (default) centres and divides by one RMS, which keeps the geometry the ablation acts
-    on; `dims` z-scores every dimension; `none` is the official raw input. On raw MiniLM layer-4 [CLS] vectors
-    (norm ~10.6, per-dimension std ~0.005 around a shared mean) the raw probe early-stops before it learns
-    anything: 20-fold accuracy 0.541 raw, 0.796 scalar, 0.791 dims. The ablation still acts on raw r."""
+    weights restored. The official code stops on the accuracy of the scored test fold itself (and, its state
+    copy being shallow, keeps the last epoch's weights); stopping on held-out training data keeps the test fold
+    unseen. `standardise` (not in the official code) puts a fixed affine layer fitted on the training part in
+    front: `scalar` (default) centres and divides by one RMS, which keeps the geometry the ablation acts on;
+    `dims` z-scores every dimension; `none` feeds raw r, as the official code does. On raw MiniLM layer-4 [CLS]
+    vectors (norm ~10.6, per-dimension std ~0.005 around a shared mean) this probe early-stops on raw input
+    before it learns anything: 20-fold accuracy 0.541 raw, 0.796 scalar, 0.791 dims (pretrained MiniLM). The
+    ablation still acts on raw r."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     probe = nn.Sequential(nn.Linear(r.shape[1], 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, n_classes))
@@ -2731,10 +2751,12 @@ def run_analyses(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
     """Baselines (§6.4), concept-ablation fidelity (§6.1) and concept cards with the coherence proxy (§7, §6.2),
     every method on the same activations. fit_fn(cfg, train_acts, dev_acts, device, log, variant) -> CLVQVAE trains
     (or loads) the l = h VQ-VAE baseline. -> JSON-able dict: baselines, fidelity (rows), fidelity_table (text),
-    fidelity_info, coherence, cards_html."""
+    fidelity_info, coherence, cards_html; and models, the baselines' trained models (not JSON: their histories
+    go into the report's loss figure)."""
     device = torch.device(device)
     methods = build_methods(cfg, train_acts, dev_acts, model, fit_fn, device, log)
-    res = dict(baselines={m.name: dict(settings=m.settings, fit_seconds=m.fit_seconds) for m in methods})
+    res = dict(baselines={m.name: dict(settings=m.settings, fit_seconds=m.fit_seconds) for m in methods},
+               models={m.name: m.model for m in methods[1:] if m.model is not None})
     if cfg.fidelity:
         res["fidelity"], res["fidelity_info"] = run_fidelity(cfg, src, train_acts, dev_acts, methods, log)
         res["fidelity_table"] = fidelity_table(res["fidelity"])
@@ -3095,9 +3117,8 @@ def run(cfg: Config, explicit) -> int:
         .split(": ", 1)[1])
     analyses = run_analyses(cfg, src, train_acts, dev_acts, model, fit, device, log)
     results.update(analyses)
-    for name, m in analyses.get("models", {}).items() if isinstance(analyses.get("models"), dict) else []:
-        if hasattr(m, "history"):
-            histories[name] = m.history
+    for name, m in analyses.get("models", {}).items():  # the l = h VQ-VAE's curves beside CLVQ-VAE's
+        histories[name] = m.history
     if results.get("fidelity"):
         log("concept-ablation fidelity (probe accuracy on the layer-l sentence representation, mean ± std over folds; "
             "paper: 0.895 original -> 0.058 concept-ablated, 0.831 random):")

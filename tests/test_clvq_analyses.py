@@ -294,8 +294,9 @@ def test_run_analyses_end_to_end_on_a_tiny_bert(bert):
     res = cv.run_analyses(cfg, bert, train, dev, model, fit, torch.device("cpu"), log=lambda s: None)
     import json
 
-    json.dumps({k: v for k, v in res.items()})  # JSON-able
+    json.dumps({k: v for k, v in res.items() if k != "models"})  # JSON-able, but for the baselines' models
     assert calls[-1] == ("vq-l1-h1", True)  # the single-layer baseline is trained on x_l -> x_l
+    assert list(res["models"]) == ["VQ-VAE l1->h1"] and res["models"]["VQ-VAE l1->h1"] is not model
     names = [w["method"] for w in res["fidelity"]]
     assert names == ["CLVQ-VAE l1->h3", "k-means", "VQ-VAE l1->h1", "top-k SAE"]
     assert set(res["baselines"]) == set(names) == set(res["coherence"])

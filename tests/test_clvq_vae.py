@@ -368,3 +368,37 @@ def test_script_copied_alone_runs_its_model(tmp_path):
     r = run_script("-c", code, cwd=tmp_path, env={"PYTHONPATH": ""})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "(2,", "5)"]
+
+
+def test_plateau_halves_lr_stops_early_and_keeps_the_best_weights(tmp_path, acts, monkeypatch):
+    """--schedule plateau (the paper's loop, spec §4): the lr is multiplied by plateau_factor after
+    plateau_patience + 1 evaluations without improvement, --early-stop ends the run, and the best evaluation's
+    weights are what train() returns and what --no-train's load_model reads, while the checkpoint's `model`
+    stays the last state for --resume."""
+    tr, dv = acts
+    real = cv.evaluate
+    scripted = iter([1.0, 0.5, 0.6, 0.7, 0.8, 0.9])  # best at the 2nd evaluation (step 4)
+    states = {}
+
+    def fake_evaluate(model, acts_, cfg_, device):
+        ev = real(model, acts_, cfg_, device)
+        ev["loss"] = next(scripted)
+        states[len(states) + 1] = {k: v.clone() for k, v in model.state_dict().items()}
+        return ev
+
+    monkeypatch.setattr(cv, "evaluate", fake_evaluate)
+    cfg = tiny_cfg(tmp_path, schedule="plateau", plateau_patience=1, plateau_factor=0.5, early_stop=3,
+                   max_iters=40, eval_interval=2, log_interval=2, lr=1e-2)
+    lines = []
+    model, hist = cv.train(cfg, tr, dv, CPU, DIST, log=lines.append)
+    assert hist["step"] == [2, 4, 6, 8, 10]  # evaluations 3, 4, 5 bring no improvement: early stop at step 10
+    assert any(ln.startswith("step 8: val loss has not improved for 2 evaluations; lr x 0.5") for ln in lines)
+    assert "step 10: no val improvement in 3 evaluations; early stop" in lines
+    assert "restored the best evaluation's weights (step 4, val loss 0.5000)" in lines
+    best = states[2]
+    assert all(torch.equal(v, best[k]) for k, v in model.state_dict().items())
+    ck = torch.load(cv.ckpt_path(cfg), weights_only=True)
+    assert ck["best"]["step"] == 4 and ck["step"] == 10
+    assert not all(torch.equal(v, best[k]) for k, v in ck["model"].items())  # the last state, for --resume
+    loaded = cv.load_model(ck, cfg, CPU, cv.ckpt_path(cfg))
+    assert all(torch.equal(v, best[k]) for k, v in loaded.state_dict().items())
