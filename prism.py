@@ -77,10 +77,10 @@ Commands
     python prism.py --dataset fineweb-edu --max-tokens 2000000000  # the paper's data (online)
     torchrun --standalone --nproc_per_node=8 prism.py              # DDP
 
-Expected (CPU preset, 2 cores, 2026-11-30): `python prism.py` takes 5-6 minutes (5 min 24 s) for the twin,
-PRISM and every analysis; PRISM's val loss ends 1.4% above the twin's (6.81 vs 6.72 nats, cl100k compacted to
-19,447 ids, 410k training tokens each; +0.5% with --revive-dead), and a cached attribution query is ~1,500x
-faster than dense TracIn for one query alone (~100x per query in a batch of 16).
+Expected (CPU preset, 2 cores, 2026-12-01): `python prism.py` takes about 5 minutes (4 min 49 s) for the twin,
+PRISM and every analysis; PRISM's val loss ends 1.6% above the twin's (6.80 vs 6.70 nats, cl100k compacted to
+19,447 ids, 410k training tokens each; +0.5% with --revive-dead, measured 2026-11-30), and a cached attribution
+query is ~2,200x faster than dense TracIn for one query alone (~150x per query in a batch of 16).
 """
 from __future__ import annotations
 
