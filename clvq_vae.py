@@ -1069,6 +1069,31 @@ def load_source_model(name: str = DEFAULT_MODEL, device="cpu") -> SourceModel:
 FINETUNE_FORMAT = "glassbox-clvq-finetuned/1"
 
 
+def _texts_hash(texts: list[str], labels: list[int]) -> str:
+    """A cache key's part for the exact labelled texts."""
+    th = hashlib.sha256()
+    for t, y in zip(texts, labels):
+        th.update(f"{y}\0{t}\0".encode())
+    return th.hexdigest()
+
+
+def _save_cache(obj: dict, path: Path, what: str) -> None:
+    """torch.save to a temporary name, then os.replace (atomic): a crash never leaves half a file under the final
+    name. An OS error is a one-line DataError naming the file."""
+    from common import DataError
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            torch.save(obj, tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as e:
+        raise DataError(f"{what} {path}: {e.strerror or e}") from None
+
+
 def _padded(src: SourceModel, enc, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids [B, T], attention_mask [B, T]) of the tokenised passages idx, right-padded."""
     pad = src.tokenizer.pad_token_id if src.tokenizer.pad_token_id is not None else 0
@@ -1118,10 +1143,7 @@ def cached_finetune(src: SourceModel, texts: list[str], labels: list[int], n_cla
     fingerprint. Written atomically; an unreadable file is a one-line DataError naming it."""
     from common import DataError, default_cache_dir
 
-    th = hashlib.sha256()
-    for t, y in zip(texts, labels):
-        th.update(f"{y}\0{t}\0".encode())
-    spec = dict(format=FINETUNE_FORMAT, model=src.name, base_fingerprint=src.fingerprint, texts=th.hexdigest(),
+    spec = dict(format=FINETUNE_FORMAT, model=src.name, base_fingerprint=src.fingerprint, texts=_texts_hash(texts, labels),
                 n=len(texts), n_classes=n_classes, epochs=epochs, lr=lr, batch=batch, seed=seed,
                 word_re=WORD_RE.pattern, max_tokens=src.max_tokens)  # what _encode feeds the model
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
@@ -1140,17 +1162,8 @@ def cached_finetune(src: SourceModel, texts: list[str], labels: list[int], n_cla
         log(f"fine-tuning: reusing {path} (loss per epoch {', '.join(f'{x:.4f}' for x in sd['losses'])})")
     else:
         head, info = finetune_source(src, texts, labels, n_classes, epochs, lr, batch, seed, log)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            try:
-                torch.save(dict(spec=spec, model=src.model.state_dict(), head=head.state_dict(),
-                                losses=info["losses"]), tmp)
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
-        except OSError as e:
-            raise DataError(f"fine-tuned model cache {path}: {e.strerror or e}") from None
+        _save_cache(dict(spec=spec, model=src.model.state_dict(), head=head.state_dict(), losses=info["losses"]),
+                    path, "fine-tuned model cache")
     src.head, src.fingerprint = head, _model_fingerprint(src.model, src.tokenizer)
     return src
 
@@ -1408,11 +1421,8 @@ def activation_cache_path(src: SourceModel, dataset: str, texts: list[str], labe
     and labels, layers, filter settings, the word splitter and the format, so a stale file is never reused."""
     from common import default_cache_dir
 
-    th = hashlib.sha256()
-    for t, y in zip(texts, labels):
-        th.update(f"{y}\0{t}\0".encode())
     spec = dict(format=ACTS_FORMAT, model=src.name, model_fingerprint=src.fingerprint, max_tokens=src.max_tokens,
-                dataset=dataset, texts=th.hexdigest(), n=len(texts), layers=[int(x) for x in layers],
+                dataset=dataset, texts=_texts_hash(texts, labels), n=len(texts), layers=[int(x) for x in layers],
                 min_count=min_count, max_per_type=max_per_type, word_re=WORD_RE.pattern)
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -1438,8 +1448,6 @@ def cached_activations(src: SourceModel, dataset: str, texts: list[str], labels:
                        **kw) -> Activations:
     """extract_activations, computed once per key and then read from disk. Written to a temporary name and
     renamed into place (os.replace is atomic), so a crash never leaves half a file under the final name."""
-    from common import DataError
-
     path, spec = activation_cache_path(src, dataset, texts, labels, layers, min_count, max_per_type, cache_dir)
     if path.exists():
         acts = load_activation_cache(path, spec)
@@ -1447,16 +1455,7 @@ def cached_activations(src: SourceModel, dataset: str, texts: list[str], labels:
             log(f"activations: reusing {path} ({acts.x_l.shape[0]:,} rows)")
         return acts
     acts = extract_activations(src, texts, labels, layers, min_count, max_per_type, log=log, **kw)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            torch.save(dict(acts.state_dict(), spec=spec), tmp)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-    except OSError as e:
-        raise DataError(f"activation cache {path}: {e.strerror or e}") from None
+    _save_cache(dict(acts.state_dict(), spec=spec), path, "activation cache")
     return acts
 
 
