@@ -91,6 +91,7 @@ this scale no concept removes clearly more probe accuracy than a random directio
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import html
 import io
@@ -329,11 +330,27 @@ _VQ_CHUNK_ELEMS = 1 << 22  # distance entries per row chunk of the torch form (1
 # ----------------------------------------------------------------------------------------------------------
 # 1. The reference (materialises the [N, K] distances)
 
+@contextlib.contextmanager
+def full_fp32():
+    """IEEE fp32 matmuls inside. setup_device turns TF32 on for the decoder's GEMMs on CUDA (a no-op elsewhere); the
+    distances of (2) are claimed in fp32 (spec §10.12), TF32's 10-bit mantissa would reorder near-equal codes, and
+    the Triton kernel's tl.dot is IEEE, so the torch forms agree with it, and the benchmark compares like precision,
+    only with TF32 off here. The flags are process-global; the callers are @torch.compiler.disable'd or run
+    outside any compiled graph."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def _distances(x, e):
     """(2) as the full [N, K] matrix, in fp32 (fp64 if x or e is fp64)."""
     dt = torch.float64 if torch.float64 in (x.dtype, e.dtype) else torch.float32
     x, e = x.to(dt), e.to(dt)
-    return (x.pow(2).sum(-1)[:, None] + e.pow(2).sum(-1)[None, :]) - 2.0 * (x @ e.T)
+    with full_fp32():
+        return (x.pow(2).sum(-1)[:, None] + e.pow(2).sum(-1)[None, :]) - 2.0 * (x @ e.T)
 
 
 def _draw(top, top_d, temperature, u):
@@ -598,7 +615,7 @@ def _vq_select_triton(x, e, k, temperature, u, BLOCK_N=64, BLOCK_K=64, BLOCK_D=N
     _vq_search_fwd[(triton.cdiv(N, BLOCK_N),)](
         x, e, u.float().contiguous(), top, top_d, idx, dist, N, K, d, k, float(max(temperature, 1e-30)),
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_D=block_d, KP=KP, ONE_D=one_d, SAMPLE=temperature > 0,
-        num_warps=4)
+        num_warps=8)  # compiled for sm_90 (tests/test_sm90_compile.py): 4 warps spill 64-224 B per thread, 8 none
     return top, top_d, idx, dist
 
 
@@ -1970,7 +1987,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
             n_global = n_local.float().clone()  # the gradient of the mean over the whole global batch
             torch.distributed.all_reduce(n_global)
             loss = loss * (n_local * world / n_global)
-        rows_seen += float(n_local) * world
+        rows_seen = rows_seen + n_local * world  # a device tensor: float() here would sync every step
         sampler_state = sampler.state()
         x_l, x_h, mask = next_batch()  # prefetch while the backward runs (async on CUDA)
         loss.backward()
@@ -1985,7 +2002,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
             if any_rank(bad):
                 raise RunError(nan_message(step, path))
             dt = (time.time() - t0) / (step - t0_step)
-            rows_s = rows_seen / (time.time() - t0)
+            rows_s = float(rows_seen) / (time.time() - t0)
             if peak and step > 5 * cfg.log_interval:  # skip warm-up/compile steps, smooth like nanoGPT
                 m = fpr * rows_s / (peak * world)
                 mfu_ema = m if mfu_ema is None else 0.9 * mfu_ema + 0.1 * m
@@ -2806,10 +2823,16 @@ def _peak_mb(fn, device) -> Optional[float]:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
+def _cdist_topk(x, e, k):
+    with full_fp32():  # like precision: the kernel's and the reference's distances are IEEE fp32 too
+        return torch.cdist(x, e).topk(k, dim=-1, largest=False)
+
+
 def bench(cfg, device, log=print, sizes=None) -> dict:
     """The training-time search (top_k = cfg.top_k, T = cfg.temperature, one uniform per row) three ways:
     vq_search (the Triton kernel on CUDA, the chunked torch form on CPU), vq_search_reference (the [N, K] matrix
     and a full sort) and torch.cdist + topk (the k nearest only, no sampling: what one would write in torch).
+    All three compute IEEE fp32 distances (full_fp32: no TF32 GEMM in the torch ones).
     Median time and, on CUDA, peak extra memory. Sizes: N = 64k, K ∈ {400, 1024, 4096}, d ∈ {384, 768} on CUDA;
     N = 8k on CPU (time only). The GPU goal: kernel >= 3x cdist + topk at N = 64k, K = 4096, d = 768 with O(N·k)
     extra memory."""
@@ -2822,14 +2845,15 @@ def bench(cfg, device, log=print, sizes=None) -> dict:
     kernel = "triton" if cuda and HAS_TRITON else "torch"
     log(f"bench: vq_search ({kernel}) vs reference vs torch.cdist+topk, k={k}, T={T}, "
         f"{'CUDA' if cuda else 'CPU (time only)'}")
-    res = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", kernel=kernel, k=k, T=T, rows=[])
+    res = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", kernel=kernel, k=k, T=T, rows=[],
+               precision="IEEE fp32 distances in all three")
     for n, K, d in sizes:
         x = torch.randn(n, d, generator=g).to(device)
         e = (x[torch.randperm(n, generator=g)[:K].to(device)] + 0.1 * torch.randn(K, d, generator=g).to(device))
         u = torch.rand(n, generator=g).to(device)
         fns = {"kernel": lambda: vq_search(x, e, k, T, uniforms=u, backend="auto"),
                "reference": lambda: vq_search_reference(x, e, k, T, uniforms=u),
-               "cdist+topk": lambda: torch.cdist(x, e).topk(k, dim=-1, largest=False)}
+               "cdist+topk": lambda: _cdist_topk(x, e, k)}
         row = dict(N=n, K=K, d=d)
         for name, fn in fns.items():
             row[f"{name}_ms"] = 1e3 * bench_time(fn, device)

@@ -490,16 +490,18 @@ def _amp_empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _amp_launch_config(q):
+def _amp_launch_config(q, cuda=None):
     """Tile sizes and the dot operand type. Square tiles (BLOCK_M = BLOCK_N) keep the causal loop bounds simple; wide
-    heads get smaller tiles so that the [BLOCK, BLOCK_D] fp32 accumulators still fit in registers."""
+    heads and fp32 dots get 32-wide tiles so that the tiles stay in registers: compiled for sm_90
+    (tests/test_sm90_compile.py), 64-wide fp32 tiles at d_h = 64 spill 1-12 KB per thread, 32-wide ones at most
+    0.3 KB, and 64-wide bf16 ones nothing. `cuda` overrides q.is_cuda (that test records the CUDA choice on CPU)."""
     T, d_h = q.shape[-2:]
     block_d = max(16, triton.next_power_of_2(d_h))
-    block = max(16, min(64 if block_d <= 64 else 32, triton.next_power_of_2(T)))
     # On CUDA 16-bit inputs go to the tensor cores as they are (p and dS rounded to that type, as FlashAttention
     # does); the interpreter has no bf16 (numpy), so there, and for fp32 inputs, the dots run in fp32.
-    native = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    native = (q.is_cuda if cuda is None else cuda) and q.dtype in (torch.bfloat16, torch.float16)
     dot_t = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[q.dtype] if native else tl.float32
+    block = max(16, min(64 if block_d <= 64 and native else 32, triton.next_power_of_2(T)))
     return dict(BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, DOT_T=dot_t)
 
 
@@ -615,14 +617,16 @@ class HeadMix(nn.Module):
         return torch.einsum("...hd,gh->...gd", xs, self.weight).flatten(-2)   # kronecker: y_g = Σ_h A[g,h] x_h
 
     def matrix(self) -> torch.Tensor:
+        """The full d×d matrix (analyses and tests only), on the weight's device (identity: the CPU)."""
         d = self.H * self.dh
         if self.kind == "identity":
             return torch.eye(d)
+        w = self.weight.detach()
         if self.kind == "dense":
-            return self.weight.detach()
+            return w
         if self.kind == "independent":
-            return torch.block_diag(*self.weight.detach())
-        return torch.kron(self.weight.detach(), torch.eye(self.dh))
+            return torch.block_diag(*w)
+        return torch.kron(w, torch.eye(self.dh, device=w.device, dtype=w.dtype))
 
 
 def rope(x, theta: float = 10000.0):

@@ -687,6 +687,17 @@ def _prefix_mean_blocks(R, dv):
     return RP, BDV, min(BDV, 32)
 
 
+# The read kernels hold an [RP, BDV] state tile. Compiled for sm_90 (tests/test_sm90_compile.py), RP·BDV = 32768
+# needs 153-194 KiB of shared memory (R 256 × d_v 128, 128 × 256, 64 × 512) and 65536 needs 297 KiB, over the
+# 227 KiB an sm_90 block may use: larger shapes take the chunked torch form (auto) or are an error (triton).
+_PREFIX_MEAN_MAX_TILE = 32768
+
+
+def _prefix_mean_fits(R, dv):
+    RP, BDV, _ = _prefix_mean_blocks(R, dv)
+    return RP * BDV <= _PREFIX_MEAN_MAX_TILE
+
+
 class PrefixMeanRead(torch.autograd.Function):
     """Triton prefix-mean read. Saves w, v, ρ, β, the carried states [B, T/16, R, dv] and masses, and M_{t-1}
     [B, T, R]; nothing of size [B, T, R, dv] exists in the forward or the backward."""
@@ -755,12 +766,16 @@ def prefix_mean_read(w, v, rho, beta, backend="auto"):
                          f"{tuple(w.shape)}, v {tuple(v.shape)}, rho {tuple(rho.shape)}, beta {tuple(beta.shape)}")
     if backend == "recurrent":
         return prefix_mean_read_recurrent(w, v, rho, beta)
-    if backend == "torch" or (backend == "auto" and not (HAS_TRITON and v.is_cuda)):
+    fits = _prefix_mean_fits(w.shape[-1], v.shape[-1])
+    if backend == "torch" or (backend == "auto" and not (HAS_TRITON and v.is_cuda and fits)):
         return prefix_mean_read_chunked(w, v, rho, beta)
     if not HAS_TRITON:
         raise RuntimeError(f"backend='triton' needs the triton package, which failed to import: {TRITON_ERROR}")
     if not (v.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         raise RuntimeError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (Triton's CPU interpreter)")
+    if not fits:
+        raise ValueError(f"backend='triton' supports R·d_v up to {_PREFIX_MEAN_MAX_TILE} after padding to powers of "
+                         f"two (shared memory), got R={w.shape[-1]}, d_v={v.shape[-1]}; use 'torch'")
     return _prefix_mean_read_triton(w, v, rho, beta)
 
 
@@ -1654,13 +1669,14 @@ def bench(cfg: Config, vocab_size: int, device, log=print) -> dict:
             res["tok_s"][k].append(T / s)
             row.append(f"{T / s:>15,.0f}")
         log(f"{T:>7} " + " ".join(row))
-    p, a = res["tok_s"]["protot-torch"], res["tok_s"]["attention"]
+    scan = "protot-triton" if "protot-triton" in res["tok_s"] else "protot-torch"  # the path the model runs here
+    p, a = res["tok_s"][scan], res["tok_s"]["attention"]
+    res["scaling_path"] = scan
     i1k = ctxs.index(1024)
     res["protot_time_ratio_8k_1k"] = (8192 / p[ctxs.index(8192)]) / (1024 / p[i1k])
     res["attention_time_ratio_8k_1k"] = (8192 / a[ctxs.index(8192)]) / (1024 / a[i1k])
-    best = res["tok_s"].get("protot-triton", p)
-    res["crossover_ctx"] = next((T for T, pt, at in zip(ctxs, best, a) if pt > at), None)
-    log(f"time(8k)/time(1k): protot {res['protot_time_ratio_8k_1k']:.1f}, attention "
+    res["crossover_ctx"] = next((T for T, pt, at in zip(ctxs, p, a) if pt > at), None)
+    log(f"time(8k)/time(1k): {scan} {res['protot_time_ratio_8k_1k']:.1f}, attention "
         f"{res['attention_time_ratio_8k_1k']:.1f} (linear = 8); ProtoT faster from ctx "
         f"{res['crossover_ctx'] or '> ' + str(ctxs[-1])}")
     # decode: the O(1) step at position 256 and at 16k
@@ -1697,9 +1713,10 @@ def bench_kernel(device, log=print) -> dict:
         row = {}
         for name in ("torch", "triton"):
             fwd = lambda: prefix_mean_read(*args, backend=name)
+            t_fwd = bench_time(fwd, device)  # bench() runs under no_grad: the forward builds no graph
             with torch.enable_grad():
                 fb = lambda: prefix_mean_read(*args, backend=name).float().sum().backward()
-                row[name] = (bench_time(fwd, device), bench_time(fb, device))
+                row[name] = (t_fwd, bench_time(fb, device))
         key = f"B{B} T{T} R{R} dv{dv}"
         out[key] = {"fwd_speedup": row["torch"][0] / row["triton"][0], "fwdbwd_speedup": row["torch"][1] / row["triton"][1],
                     "ms": {k: [1e3 * t for t in v] for k, v in row.items()}}
@@ -1881,6 +1898,10 @@ def run(cfg: Config, explicit) -> int:
         raise RunError(f"--kernels triton needs the triton package, which failed to import ({TRITON_ERROR})")
     if cfg.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RunError("--kernels triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
+    dv = cfg.d_model // 2 if cfg.value_dim == "half" else cfg.d_model
+    if cfg.kernels == "triton" and (cfg.mixer == "proto" or cfg.compare) and not _prefix_mean_fits(cfg.n_protos, dv):
+        raise RunError(f"--kernels triton: the scan kernel supports --n-protos × d_v up to {_PREFIX_MEAN_MAX_TILE} "
+                       f"(padded to powers of two), got {cfg.n_protos} × {dv}; use --kernels auto or torch")
     rank = dist_info["rank"]
     mixers = ("proto", "attention") if cfg.compare else (cfg.mixer,)
     loaded = {}  # --no-train / --resume: the architecture and the data come from the checkpoint

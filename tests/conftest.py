@@ -33,6 +33,9 @@ def pytest_configure(config):
     import torch
 
     if not torch.cuda.is_available():
+        if gpu_run:  # skipping every test would exit 0 and pass for a GPU check that never ran
+            raise pytest.UsageError("-m gpu selects the CUDA tests, but torch sees no CUDA device "
+                                    f"(torch {torch.__version__}; a CPU build, or no driver)")
         os.environ["TRITON_INTERPRET"] = "1"
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

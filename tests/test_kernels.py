@@ -409,7 +409,8 @@ class TestRealisticSizesOnGPU:
         (loss * dloss).backward()
         loss_ref, grad_ref = ce_truth(logits, target, dloss, "mean")
         assert_close("loss", loss_ref, loss)
-        assert_close("dlogits", grad_ref, z.grad)
+        # every |dlogit| is below 1/3511 here, under the bf16 atol: atol=0 makes the relative check decide
+        assert_close("dlogits", grad_ref, z.grad, atol=0)
 
     def test_cross_entropy_memory(self):
         """logits = h @ Wᵀ, fwd+bwd peak beyond h and W: inplace < grad buffer < F.cross_entropy."""

@@ -376,7 +376,7 @@ class TestOnCUDA:
         a_true = scores.gather(1, idx)
         (a_true * ga.double()).sum().backward()
         check_close("cuda a", a_true, a)
-        check_close("cuda dz", z64.grad, gz, RATIO[torch.bfloat16])
+        check_close("cuda dz", z64.grad, gz, RATIO[torch.bfloat16], atol=1e-6)  # |dz| ~5e-3: bf16's atol would pass 20 % errors
         check_close("cuda dP", P64.grad, gP, RATIO[torch.float32] * 10)
         del scores, z64, P64, a_true
         idx_t, _ = op.proto_topk(z, P, k, backend="torch")

@@ -4,13 +4,14 @@ gradient (w, v, ρ, β), driven by a random cotangent. Kernel outputs are NaN-po
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 import protot as op
-from conftest import RATIO, check_close as assert_close
+from conftest import RATIO, check_close as assert_close, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -183,6 +184,20 @@ def test_dispatch(monkeypatch):
             op.prefix_mean_read(w, v, rho, beta, backend="triton")
 
 
+def test_tiles_over_the_shared_memory_limit_are_refused(cache_dir, tmp_path):
+    """R·d_v past what the kernels' state tile may use on sm_90 (see _PREFIX_MEAN_MAX_TILE): one clear error, from
+    the op and from the command line, and the limit sits where tests/test_sm90_compile.py measured it."""
+    assert op._prefix_mean_fits(256, 128) and op._prefix_mean_fits(32, 512) and op._prefix_mean_fits(129, 64)
+    assert not op._prefix_mean_fits(512, 128) and not op._prefix_mean_fits(257, 128) and not op._prefix_mean_fits(64, 513)
+    (w, v, rho, beta), _ = make_inputs(1, 3, 512, 128)
+    with pytest.raises(ValueError, match="supports R·d_v up to 32768"):
+        op.prefix_mean_read(w, v, rho, beta, backend="triton")
+    r = run_script("protot.py", "--kernels", "triton", "--n-protos", "300", "--d-model", "256", "--out-dir",
+                   str(tmp_path), "--cache-dir", str(cache_dir), env={"TRITON_INTERPRET": "1"})
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "supports --n-protos × d_v up to 32768" in r.stderr and "got 300 × 128" in r.stderr
+
+
 def test_nan_poisoning_catches_a_skipped_tile():
     """Kernel outputs start as NaN in tests: launching the read kernel on all chunks but the last leaves NaN."""
     assert op._prefix_mean_empty((3,), torch.float32, DEVICE).isnan().all()
@@ -260,12 +275,26 @@ class TestOnCUDA:
             assert_close(f"cuda {name}", r, o, RATIO[dtype] if name != "dbeta" else RATIO[torch.float32] * 100)
 
     def test_model_triton_path_matches_torch_path(self):
+        """Same weights, kernels torch (chunked scan, torch RMSNorm and cross-entropy) vs triton: logits, loss and
+        every parameter gradient, in fp32 and under bf16 autocast."""
         torch.manual_seed(0)
         cfg = op.Config(layers=2, d_model=256, dropout=0.0)
-        model = op.ProtoT(cfg, 1000).cuda()
-        x = torch.randint(0, 1000, (4, 1024), device="cuda")
+        ref_model = op.ProtoT(replace(cfg, kernels="torch"), 1000).cuda()
+        model = op.ProtoT(replace(cfg, kernels="triton"), 1000).cuda()
+        model.load_state_dict(ref_model.state_dict())
+        x, y = (torch.randint(0, 1000, (4, 1024), device="cuda") for _ in range(2))
         with torch.no_grad():
-            ref = model(x)
-            for m in model.mixers():
-                m.kernels = "triton"
-            assert_close("logits", ref, model(x), RATIO[torch.float32] * 10)
+            assert_close("logits", ref_model(x), model(x), RATIO[torch.float32] * 10)
+        for dtype, ratio in ((torch.float32, RATIO[torch.float32] * 10), (torch.bfloat16, 5e-2)):
+            grads = []
+            for m in (ref_model, model):
+                m.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                    loss = m(x, y)
+                loss.backward()
+                grads.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+            (ref_loss, ref_g), (loss, g) = grads
+            assert_close(f"loss {dtype}", ref_loss, loss, ratio)
+            assert ref_g.keys() == g.keys()
+            for n in ref_g:
+                assert_close(f"grad {n} {dtype}", ref_g[n], g[n], ratio)
