@@ -298,6 +298,12 @@ def test_every_kernel_compiles_for_sm90():
         pytest.skip("records launches in the interpreter; on a CUDA machine `pytest -m gpu` compiles them for real")
     if _nvidia_bin("ptxas") is None or _nvidia_bin("cuobjdump") is None:
         pytest.skip("this triton wheel ships no ptxas/cuobjdump")
+    try:  # Triton internals (3.4-3.9): the JIT's specialiser and ahead-of-time compile entry points
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+        from triton.runtime.jit import native_specialize_impl  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"this triton lacks an internal the check uses ({e})")
     launches = record_launches()
     missing = launched_kernels() - {(x["module"], x["name"]) for x in launches}
     assert not missing, f"kernels the workloads never launched (add a workload): {sorted(missing)}"
