@@ -688,7 +688,7 @@ def _prefix_mean_blocks(R, dv):
 
 
 # The read kernels hold an [RP, BDV] state tile. Compiled for sm_90 (tests/test_sm90_compile.py), RP·BDV = 32768
-# needs 153-194 KiB of shared memory (R 256 × d_v 128, 128 × 256, 64 × 512) and 65536 needs 297 KiB, over the
+# needs 148-194 KiB of shared memory (R 256 × d_v 128, 128 × 256, 64 × 512) and 65536 needs 297 KiB, over the
 # 227 KiB an sm_90 block may use: larger shapes take the chunked torch form (auto) or are an error (triton).
 _PREFIX_MEAN_MAX_TILE = 32768
 
