@@ -694,8 +694,9 @@ _PREFIX_MEAN_MAX_TILE = 32768
 
 
 def _prefix_mean_fits(R, dv):
+    # The state kernels hold [RP, 32] tiles whatever d_v: R 1024 × d_v 32 needs 324 KiB, R 512 × d_v 64 165 KiB.
     RP, BDV, _ = _prefix_mean_blocks(R, dv)
-    return RP * BDV <= _PREFIX_MEAN_MAX_TILE
+    return RP * BDV <= _PREFIX_MEAN_MAX_TILE and RP <= 512
 
 
 class PrefixMeanRead(torch.autograd.Function):
@@ -774,8 +775,8 @@ def prefix_mean_read(w, v, rho, beta, backend="auto"):
     if not (v.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         raise RuntimeError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (Triton's CPU interpreter)")
     if not fits:
-        raise ValueError(f"backend='triton' supports R·d_v up to {_PREFIX_MEAN_MAX_TILE} after padding to powers of "
-                         f"two (shared memory), got R={w.shape[-1]}, d_v={v.shape[-1]}; use 'torch'")
+        raise ValueError(f"backend='triton' supports R·d_v up to {_PREFIX_MEAN_MAX_TILE} and R up to 512 after padding "
+                         f"to powers of two (shared memory), got R={w.shape[-1]}, d_v={v.shape[-1]}; use 'torch'")
     return _prefix_mean_read_triton(w, v, rho, beta)
 
 
@@ -1901,7 +1902,7 @@ def run(cfg: Config, explicit) -> int:
     dv = cfg.d_model // 2 if cfg.value_dim == "half" else cfg.d_model
     if cfg.kernels == "triton" and (cfg.mixer == "proto" or cfg.compare) and not _prefix_mean_fits(cfg.n_protos, dv):
         raise RunError(f"--kernels triton: the scan kernel supports --n-protos × d_v up to {_PREFIX_MEAN_MAX_TILE} "
-                       f"(padded to powers of two), got {cfg.n_protos} × {dv}; use --kernels auto or torch")
+                       f"and --n-protos up to 512 (padded to powers of two), got {cfg.n_protos} × {dv}; use --kernels auto or torch")
     rank = dist_info["rank"]
     mixers = ("proto", "attention") if cfg.compare else (cfg.mixer,)
     loaded = {}  # --no-train / --resume: the architecture and the data come from the checkpoint

@@ -25,7 +25,13 @@ def pytest_configure(config):
       is first imported, which is why this happens here and torch/triton are imported only afterwards);
     * `-m gpu`: the CUDA tests at realistic sizes, with compiled kernels."""
     markexpr = config.getoption("markexpr") or ""
-    gpu_run = "gpu" in markexpr and "not gpu" not in markexpr
+    # A GPU run is one whose -m selects gpu-marked tests and no unmarked ones ("gpu", "gpu and not slow"), judged
+    # by evaluating the expression, so "not (gpu or slow)" stays a CPU run.
+    from _pytest.mark.expression import Expression
+
+    expr = Expression.compile(markexpr) if markexpr else None
+    matches = lambda *marks: expr is None or expr.evaluate(lambda name, **kw: name in marks)
+    gpu_run = expr is not None and matches("gpu") and not matches()
     if not gpu_run:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.setdefault("GLASSBOX_POISON", "1")

@@ -189,8 +189,9 @@ def test_tiles_over_the_shared_memory_limit_are_refused(cache_dir, tmp_path):
     the op and from the command line, and the limit sits where tests/test_sm90_compile.py measured it."""
     assert op._prefix_mean_fits(256, 128) and op._prefix_mean_fits(32, 512) and op._prefix_mean_fits(129, 64)
     assert not op._prefix_mean_fits(512, 128) and not op._prefix_mean_fits(257, 128) and not op._prefix_mean_fits(64, 513)
+    assert op._prefix_mean_fits(512, 64) and not op._prefix_mean_fits(1024, 32) and not op._prefix_mean_fits(2048, 16)
     (w, v, rho, beta), _ = make_inputs(1, 3, 512, 128)
-    with pytest.raises(ValueError, match="supports R·d_v up to 32768"):
+    with pytest.raises(ValueError, match="supports R·d_v up to 32768 and R up to 512"):
         op.prefix_mean_read(w, v, rho, beta, backend="triton")
     r = run_script("protot.py", "--kernels", "triton", "--n-protos", "300", "--d-model", "256", "--out-dir",
                    str(tmp_path), "--cache-dir", str(cache_dir), env={"TRITON_INTERPRET": "1"})
