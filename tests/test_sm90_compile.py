@@ -24,6 +24,7 @@ import inspect
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -176,12 +177,12 @@ def _op_shapes():
 
 
 def _protot_tiles():
-    """protot's scan at the largest state tiles it accepts (RP·BDV = 32768) and at the first it refuses (65536):
+    """protot's scan at the largest state tiles it accepts (RP·BDV = 32768, R = 512) and at ones it refuses (RP·BDV = 65536, R = 1024):
     the measurement behind protot._PREFIX_MEAN_MAX_TILE. Minutes of ptxas, so not part of the test."""
     import torch
     import protot
 
-    for R, dv in ((256, 128), (128, 256), (64, 512), (512, 128)):
+    for R, dv in ((256, 128), (128, 256), (64, 512), (512, 64), (512, 128), (1024, 32)):
         args = [torch.softmax(torch.randn(1, 40, R), -1).requires_grad_(), torch.randn(1, 40, dv).requires_grad_(),
                 torch.softmax(torch.randn(1, 40, R), -1).requires_grad_(), torch.sigmoid(torch.randn(R)).requires_grad_()]
         protot._prefix_mean_read_triton(*args).sum().backward()
@@ -270,9 +271,16 @@ def compile_all(launches, workers=2):
         src.write_text(json.dumps(launches))
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
-        r = subprocess.run([sys.executable, __file__, "--compile", str(src), str(dst), str(workers)],
-                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        # its own session, so that a timeout ends the worker pool too, not only the child that started it
+        child = subprocess.Popen([sys.executable, __file__, "--compile", str(src), str(dst), str(workers)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                                 start_new_session=True)
+        try:
+            out, err = child.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            raise
+        assert child.returncode == 0, out[-3000:] + err[-3000:]
         return json.loads(dst.read_text())
 
 
@@ -298,7 +306,7 @@ def test_every_kernel_compiles_for_sm90():
         pytest.skip("records launches in the interpreter; on a CUDA machine `pytest -m gpu` compiles them for real")
     if _nvidia_bin("ptxas") is None or _nvidia_bin("cuobjdump") is None:
         pytest.skip("this triton wheel ships no ptxas/cuobjdump")
-    try:  # Triton internals (3.4-3.9): the JIT's specialiser and ahead-of-time compile entry points
+    try:  # Triton internals (as of 3.9): the JIT's specialiser and ahead-of-time compile entry points
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.compiler import ASTSource  # noqa: F401
         from triton.runtime.jit import native_specialize_impl  # noqa: F401
