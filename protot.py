@@ -178,6 +178,11 @@ ARCH_KEYS = ("mixer", "layers", "d_model", "n_protos", "heads", "value_dim", "em
 MERGED_KEYS = ARCH_KEYS + ("ctx",)
 
 
+def value_width(cfg: Config) -> int:
+    """d_v, the width of V and of the prototype states: d/2 (the paper) or d (--value-dim full)."""
+    return cfg.d_model // 2 if cfg.value_dim == "half" else cfg.d_model
+
+
 # -----------------------------------------------------------------------------
 # Core op: prefix_mean_read(w, v, rho, beta) -> y,   y_t = Σ_k ρ_tk · N_{t-1,k} / max(M_{t-1,k}, eps)
 
@@ -807,7 +812,7 @@ class ProtoMixer(nn.Module):
     def __init__(self, cfg: Config, layer_id: int):
         super().__init__()
         d, R = cfg.d_model, cfg.n_protos
-        dv = d // 2 if cfg.value_dim == "half" else d
+        dv = value_width(cfg)
         self.layer_id, self.kernels, self.ema = layer_id, cfg.kernels, cfg.ema
         self.P = nn.Parameter(F.normalize(torch.randn(R, d) / math.sqrt(d), dim=-1))  # unit rows at init only
         self.gamma = nn.Parameter(torch.full((R,), math.log(0.9 / 0.1)))                # β = σ(γ) = 0.9
@@ -1064,7 +1069,7 @@ def flops_per_token(model: ProtoT, cfg: Config, ctx: int) -> float:
     n = model.n_params()
     if cfg.mixer == "attention":
         return 6 * n + 12 * cfg.layers * cfg.d_model * ctx
-    dv = cfg.d_model // 2 if cfg.value_dim == "half" else cfg.d_model
+    dv = value_width(cfg)
     return 6 * n + 6 * cfg.layers * 3 * cfg.n_protos * dv
 
 
@@ -1652,8 +1657,11 @@ def bench(cfg: Config, vocab_size: int, device, log=print) -> dict:
     gpu = device.type == "cuda"
     ctxs = [1024, 2048, 4096, 8192, 16384, 32768] if gpu else [256, 512, 1024, 2048, 4096, 8192]
     variants = {"protot-torch": dict(mixer="proto", kernels="torch"), "attention": dict(mixer="attention")}
-    if gpu and HAS_TRITON:
+    if gpu and HAS_TRITON and _prefix_mean_fits(cfg.n_protos, value_width(cfg)):
         variants["protot-triton"] = dict(mixer="proto", kernels="triton")
+    elif gpu and HAS_TRITON:
+        log(f"bench: R {cfg.n_protos} × d_v {value_width(cfg)} is past the scan kernel's tile limit; "
+            "timing the chunked torch form only")
     dtype = torch.bfloat16 if gpu else torch.float32
     res = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "ctx": ctxs, "tok_s": {}}
     log(f"bench: {cfg.layers} layers, d={cfg.d_model}, R={cfg.n_protos}, vocab {vocab_size}, batch 1, {dtype}")
@@ -1899,10 +1907,6 @@ def run(cfg: Config, explicit) -> int:
         raise RunError(f"--kernels triton needs the triton package, which failed to import ({TRITON_ERROR})")
     if cfg.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RunError("--kernels triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
-    dv = cfg.d_model // 2 if cfg.value_dim == "half" else cfg.d_model
-    if cfg.kernels == "triton" and (cfg.mixer == "proto" or cfg.compare) and not _prefix_mean_fits(cfg.n_protos, dv):
-        raise RunError(f"--kernels triton: the scan kernel supports --n-protos × d_v up to {_PREFIX_MEAN_MAX_TILE} "
-                       f"and --n-protos up to 512 (padded to powers of two), got {cfg.n_protos} × {dv}; use --kernels auto or torch")
     rank = dist_info["rank"]
     mixers = ("proto", "attention") if cfg.compare else (cfg.mixer,)
     loaded = {}  # --no-train / --resume: the architecture and the data come from the checkpoint
@@ -1912,6 +1916,10 @@ def run(cfg: Config, explicit) -> int:
             loaded[mixer] = (path, *load_checkpoint(path, replace(cfg, mixer=mixer), explicit))
         saved = loaded[mixers[0]][2]
         cfg = replace(cfg, **{k: getattr(saved, k) for k in MERGED_KEYS if k != "mixer"})
+    dv = value_width(cfg)  # after the merge: --resume / --no-train take n_protos and d_model from the checkpoint
+    if cfg.kernels == "triton" and (cfg.mixer == "proto" or cfg.compare) and not _prefix_mean_fits(cfg.n_protos, dv):
+        raise RunError(f"--kernels triton: the scan kernel supports --n-protos × d_v up to {_PREFIX_MEAN_MAX_TILE} "
+                       f"and --n-protos up to 512 (padded to powers of two), got {cfg.n_protos} × {dv}; use --kernels auto or torch")
     if cfg.intervene:
         parse_units(cfg.intervene, cfg.layers, cfg.n_protos)
     out_dir = Path(cfg.out_dir)

@@ -67,6 +67,24 @@ def test_triton_matches_reference(shape, alpha):
     _compare(_truth(q, k, v, do, alpha), out, atol=_single_key_atol(q, k, v, do, alpha) if shape[2] == 1 else None)
 
 
+@needs_triton
+@pytest.mark.parametrize("block", [16, 64])
+@pytest.mark.parametrize("shape", [(1, 2, 200, 64), (1, 2, 77, 24)], ids=str)
+def test_triton_forced_tiles(shape, block, monkeypatch):
+    """_amp_launch_config picks 32-wide tiles for fp32 dots and 64-wide ones only for bf16 on CUDA, so the
+    interpreter would never run the 64-wide loop bounds (the causal start of the dk/dv loop, the partial last
+    tile). Force each square tile size on fp32 inputs: the kernels must be right at any BLOCK_M = BLOCK_N."""
+    config = op._amp_launch_config
+
+    def forced(q, cuda=None):
+        return dict(config(q, cuda), BLOCK_M=block, BLOCK_N=block)
+
+    monkeypatch.setattr(op, "_amp_launch_config", forced)
+    q, k, v, do = _inputs(*shape)
+    out = _run(lambda *x: op.amp_attention(*x, 4.0, backend="triton"), q, k, v, do)
+    _compare(_truth(q, k, v, do, 4.0), out)
+
+
 @pytest.mark.parametrize("alpha", [1.0, 16.0])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_torch_matches_reference(shape, alpha):

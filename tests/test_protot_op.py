@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import protot as op
-from conftest import RATIO, check_close as assert_close, run_script
+from conftest import RATIO, SMALL_CORPUS, check_close as assert_close, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -197,6 +197,15 @@ def test_tiles_over_the_shared_memory_limit_are_refused(cache_dir, tmp_path):
                    str(tmp_path), "--cache-dir", str(cache_dir), env={"TRITON_INTERPRET": "1"})
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert "supports --n-protos × d_v up to 32768" in r.stderr and "got 300 × 128" in r.stderr
+    # --resume takes the architecture from the checkpoint, so the check must see the checkpoint's R, not the default
+    args = ["--layers", "1", "--d-model", "32", "--ctx", "32", "--batch-size", "4", "--eval-iters", "1", "--no-labels",
+            "--no-robustness", "--no-report", "--find-prototype", "off", "--sample-tokens", "0", *SMALL_CORPUS,
+            "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)]
+    r = run_script("protot.py", *args, "--n-protos", "600", "--max-iters", "1", "--kernels", "torch")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_script("protot.py", *args, "--max-iters", "2", "--resume", "--kernels", "triton", env={"TRITON_INTERPRET": "1"})
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert "got 600 × 16" in r.stderr
 
 
 def test_nan_poisoning_catches_a_skipped_tile():
@@ -274,6 +283,19 @@ class TestOnCUDA:
         out = forward_backward(lambda *a: op.prefix_mean_read(*a, backend="triton"), inputs, dy)
         for name, r, o in zip(NAMES, ref, out):
             assert_close(f"cuda {name}", r, o, RATIO[dtype] if name != "dbeta" else RATIO[torch.float32] * 100)
+
+    def test_auto_takes_the_chunked_form_past_the_tile_limit(self, monkeypatch):
+        """On CUDA, backend='auto' runs the Triton scan where its tile fits and the chunked form where it does not
+        (R 600 pads to 1024 > 512): never the kernel with a tile that cannot launch."""
+        calls = []
+        chunked = op.prefix_mean_read_chunked
+        monkeypatch.setattr(op, "prefix_mean_read_chunked", lambda *a: calls.append(a[0].shape[-1]) or chunked(*a))
+        for R in (32, 600):
+            w, rho = ((2 * torch.randn(2, 64, R, device="cuda")).softmax(-1) for _ in range(2))
+            v = torch.randn(2, 64, 16, device="cuda")
+            y = op.prefix_mean_read(w.requires_grad_(), v, rho, torch.rand(R, device="cuda"))
+            assert (type(y.grad_fn).__name__ == "PrefixMeanReadBackward") == (R == 32)
+        assert calls == [600]
 
     def test_model_triton_path_matches_torch_path(self):
         """Same weights, kernels torch (chunked scan, torch RMSNorm and cross-entropy) vs triton: logits, loss and

@@ -145,18 +145,19 @@ def _op_shapes():
     import protot
 
     bf16 = torch.bfloat16
-    for D in (256, 384, 768, 1024, 4096):                     # kernels.py --bench: norms in bf16
-        for dtype in (torch.float32, bf16):
+    for D in (256, 384, 768, 1024, 4096):                     # kernels.py --bench: norms in bf16; and bf16 weights
+        for dtype, w_dtype in ((torch.float32,) * 2, (bf16, torch.float32), (bf16, bf16)):  # (models cast to bf16)
             x = torch.randn(2, D, dtype=dtype, requires_grad=True)
-            w, b = torch.randn(D, requires_grad=True), torch.randn(D, requires_grad=True)
+            w, b = (torch.randn(D, dtype=w_dtype, requires_grad=True) for _ in range(2))
             kernels.rms_norm(x, w, backend="triton").float().sum().backward()
             for g in (1, 6, 12):
                 if D % g == 0:
                     kernels.layer_norm(x, w, b, g, backend="triton").float().sum().backward()
-    for dtype in (torch.float32, bf16):                       # kernels.py --bench: cross-entropy at V = 100277
-        for inplace in (False, True):
-            z = torch.randn(2, 100277, dtype=dtype, requires_grad=True)
-            kernels.cross_entropy(z, torch.tensor([3, 100276]), inplace_grad=inplace, backend="triton").sum().backward()
+    for V in (100277, 16384):                                 # cross-entropy: kernels.py --bench's vocabulary and
+        for dtype in (torch.float32, bf16):                   # an aligned one (protot --bench's 16k: V % 16 == 0
+            for inplace in (False, True):                     # specialises the strides)
+                z = torch.randn(2, V, dtype=dtype, requires_grad=True)
+                kernels.cross_entropy(z, torch.tensor([3, V - 1]), inplace_grad=inplace, backend="triton").sum().backward()
     for R, dv in ((32, 128), (32, 64)):                       # protot --bench
         args = [torch.softmax(torch.randn(1, 40, R), -1).requires_grad_(), torch.randn(1, 40, dv, dtype=bf16).requires_grad_(),
                 torch.softmax(torch.randn(1, 40, R), -1).requires_grad_(), torch.sigmoid(torch.randn(R)).requires_grad_()]
@@ -205,11 +206,11 @@ def record_launches(workload=None):
                 for autocast in (False, True):
                     _lm_step(mod, autocast)
             _op_shapes()
-    distinct = {}  # one launch per kernel, declared constexprs, pointer types and options: the JIT's other
-    for v in launches:  # specialisations (alignment, an int equal to 1) change little of the code
+    distinct = {}  # one launch per kernel, declared constexprs, pointer types, options and 16-divisible arguments
+    for v in launches:  # (vectorised loads change registers); an int equal to 1 changes little of the code
         declared = {k: v["constexprs"][k] for k in v["declared"]}
         key = [v["module"], v["name"], declared, [t for t in v["signature"].values() if t.startswith("*")],
-               v["options"]]
+               v["options"], v["aligned"]]
         distinct.setdefault(json.dumps(key, sort_keys=True), v)
     return list(distinct.values())
 
@@ -246,7 +247,8 @@ def _compile_one(launch):
     attrs = {(i,): [["tt.divisibility", 16]] for i in launch["aligned"]}
     row = {k: launch[k] for k in ("module", "name", "options")}
     row["constexprs"] = {k: launch["constexprs"][k] for k in launch["declared"]}
-    row["dtypes"] = sorted({t for t in launch["signature"].values() if t.startswith("*")})
+    row["dtypes"] = [t for t in launch["signature"].values() if t.startswith("*")]  # in argument order
+    row["aligned"] = len(launch["aligned"])
     try:
         kernel = triton.compile(ASTSource(fn, launch["signature"], constexprs, attrs),
                                 target=GPUTarget("cuda", 90, 32), options=launch["options"])
@@ -285,11 +287,15 @@ def compile_all(launches, workers=2):
 
 
 def format_rows(rows):
-    lines = [f"{'kernel':<34} {'constexprs':<58} {'pointers':<10} {'warps':>5} {'regs':>4} {'stack B':>7} {'smem B':>7}"]
+    # pointers: one letter per pointer argument (f fp32, b bf16, h fp16, l int64, i int32); aligned: how many
+    # arguments are 16-byte aligned pointers or ints divisible by 16 (the JIT's tt.divisibility)
+    lines = [f"{'kernel':<34} {'constexprs':<52} {'pointers':<14} {'al':>2} {'warps':>5} {'regs':>4} {'stack B':>7} "
+             f"{'smem B':>7}"]
+    letter = {"*fp32": "f", "*bf16": "b", "*fp16": "h", "*i64": "l", "*i32": "i"}
     for r in sorted(rows, key=lambda r: (r["module"], r["name"], json.dumps(r["constexprs"], sort_keys=True))):
         cx = ",".join(f"{k}={v['tl.dtype'] if isinstance(v, dict) else v}" for k, v in r["constexprs"].items())
-        ptrs = "/".join(t[1:] for t in r["dtypes"])
-        head = f"{r['module']}.{r['name']:<{33 - len(r['module'])}} {cx[:58]:<58} {ptrs[:10]:<10}"
+        ptrs = "".join(letter.get(t, "?") for t in r["dtypes"])
+        head = f"{r['module']}.{r['name']:<{33 - len(r['module'])}} {cx[:52]:<52} {ptrs[:14]:<14} {r['aligned']:>2}"
         if "error" in r:
             lines.append(f"{head} ERROR {r['error']}")
         else:
