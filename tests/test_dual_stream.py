@@ -452,7 +452,7 @@ def test_sweep_configurations_train_on_the_same_batches(tmp_path, cache_dir):
     assert a["train"] == b["train"] and a["val"] == b["val"]
 
 
-def test_tiny_run_end_to_end(tmp_path, cache_dir):
+def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     """The issue's tiny run: falling loss, a checkpoint, samples and the report with the amplification, ablation
     and specialisation results; then the same analyses on the checkpoint without training."""
     r = run_script("dual_stream.py", *TINY, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
@@ -486,12 +486,14 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
                                                                                   ("x_e", "all")]
     assert "without attention writes in every block (logits from x_t + x_e" in r.stdout
     assert "specialization" not in res or not res["specialization"]
-    r = run_script("dual_stream.py", "--no-train", *arch, "--max-tokens", "30000", "--out-dir", str(tmp_path),
-                   "--cache-dir", str(cache_dir))
-    assert r.returncode == 1 and r.stderr.count("\n") == 1
-    assert "was trained with max_tokens=40000 (asked 30000); drop those flags or use another --out-dir" in r.stderr
-    r = run_script("dual_stream.py", "--no-train", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
-    assert r.returncode == 1 and r.stderr.count("\n") == 1 and f"holds ckpt-{name}.pt" in r.stderr
+    # mismatches, in-process (seconds less than a run each)
+    rc, err = call_main(ds.main, ["--no-train", *arch, "--max-tokens", "30000", "--out-dir", str(tmp_path),
+                                  "--cache-dir", str(cache_dir)], capsys, monkeypatch)
+    assert rc == 1 and err.count("\n") == 1
+    assert "was trained with max_tokens=40000 (asked 30000); drop those flags or use another --out-dir" in err
+    rc, err = call_main(ds.main, ["--no-train", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys,
+                        monkeypatch)
+    assert rc == 1 and err.count("\n") == 1 and f"holds ckpt-{name}.pt" in err
 
 
 def test_sweep_from_the_command_line(tmp_path, cache_dir):

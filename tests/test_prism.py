@@ -356,7 +356,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache_dir, 
     assert ck["step"] == 10 and all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
 
 
-def test_tiny_run_end_to_end(tmp_path, cache_dir):
+def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     """The issue's tiny run: falling loss, checkpoints of PRISM and its twin, the report, the attribution and
     suppression tables."""
     r = run_script("prism.py", *TINY, "--suppress", "0,1", "--suppress-keywords", "the,and", "--out-dir", str(tmp_path),
@@ -389,9 +389,10 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
                    "--no-attribution", "--no-controller", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "suppression of 2 prototypes" in r.stdout
-    r = run_script("prism.py", "--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
-    assert r.returncode == 1 and r.stderr.count("\n") == 1
-    assert "was trained with layers=1 (asked 3); drop those flags or use another --out-dir" in r.stderr
+    rc, err = call_main(prism.main, ["--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir",
+                                     str(cache_dir)], capsys, monkeypatch)  # in-process: seconds less than a run
+    assert rc == 1 and err.count("\n") == 1
+    assert "was trained with layers=1 (asked 3); drop those flags or use another --out-dir" in err
 
 
 def test_resume_from_the_command_line(tmp_path, cache_dir):

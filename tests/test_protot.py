@@ -166,7 +166,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache_dir, 
     assert ck["step"] == 10 and all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
 
 
-def test_tiny_run_end_to_end(tmp_path, cache_dir):
+def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     """The issue's tiny run: falling loss, a checkpoint, samples, the prototype labels and the HTML report."""
     r = run_script("protot.py", *TINY, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -192,9 +192,10 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
                    "--no-labels", "--no-robustness", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "read-mask L1 P3,L0 P2 on 'queen' (8 prompts): target probability max" in r.stdout
-    r = run_script("protot.py", "--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
-    assert r.returncode == 1 and r.stderr.count("\n") == 1
-    assert "was trained with layers=2 (asked 3); drop those flags or use another --out-dir" in r.stderr
+    rc, err = call_main(protot.main, ["--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir",
+                                      str(cache_dir)], capsys, monkeypatch)  # in-process: seconds less than a run
+    assert rc == 1 and err.count("\n") == 1
+    assert "was trained with layers=2 (asked 3); drop those flags or use another --out-dir" in err
 
 
 @pytest.mark.parametrize("args,code,needle", [
