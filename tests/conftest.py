@@ -96,8 +96,8 @@ def run_script(*args, cwd=ROOT, env=None, timeout=600):
 def run_one_and_ddp(script: str, args: list, tmp_path: Path, ckpt: str) -> tuple[dict, dict]:
     """`script args` in one process (out_dir tmp_path/one) and under torchrun with 2 gloo processes (tmp_path/two);
     -> the two checkpoints `ckpt`. The two runs go side by side (their start-up is mostly single-threaded imports,
-    so side by side they take about a fifth less time on 2 cores); they share only caches, which every script writes atomically
-    under a per-process temporary name."""
+    so together they take about a fifth less time on 2 cores); they share only caches, which every script writes
+    atomically under a per-process temporary name."""
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         one = pool.submit(run_script, script, *args, "--out-dir", str(tmp_path / "one"))
         two = pool.submit(run_script, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,

@@ -609,8 +609,8 @@ def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
     """torchrun with 2 gloo processes, each rank half of the global batch: the same weights as one process."""
     args = ["--layers", "1", "--d-model", "24", "--heads", "3", "--ctx", "32", "--batch-size", "8", "--max-iters", "6",
             "--eval-interval", "3", "--eval-iters", "2", "--log-interval", "3", "--dropout", "0", "--amplify", "",
-            "--no-ablation", "--no-specialization", "--no-report", "--sample-tokens", "5", "--max-tokens", str(MAX_TOKENS),
-            "--cache-dir", str(cache_dir)]
+            "--no-ablation", "--no-specialization", "--no-report", "--sample-tokens", "5",
+            "--max-tokens", str(MAX_TOKENS), "--cache-dir", str(cache_dir)]
     common.load_data(max_tokens=MAX_TOKENS, cache_dir=cache_dir)  # the cache exists before the ranks start
     a, b = run_one_and_ddp("dual_stream.py", args, tmp_path, "ckpt-token-factor-kronecker-heads-3-layers-1-d-model-24.pt")
     torch.testing.assert_close(a["history"]["val"], b["history"]["val"], rtol=1e-5, atol=0)

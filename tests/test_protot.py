@@ -14,9 +14,8 @@ import protot
 from protot import Config, ProtoT
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--layers", "2", "--d-model", "64", "--ctx", "64", "--batch-size", "8", "--max-iters", "30", "--log-interval", "10",
-        "--eval-interval", "15",
-        "--label-windows", "64", *SMALL_CORPUS, "--sample", "ROSALIND:\n"]
+TINY = ["--layers", "2", "--d-model", "64", "--ctx", "64", "--batch-size", "8", "--max-iters", "30",
+        "--log-interval", "10", "--eval-interval", "15", "--label-windows", "64", *SMALL_CORPUS, "--sample", "ROSALIND:\n"]
 
 
 @pytest.fixture(scope="module")
