@@ -19,6 +19,30 @@ from pathlib import Path
 import pytest
 
 
+def interpreter_problem(triton_version=None, numpy_version=None):
+    """Why Triton's interpreter cannot run the kernels with the installed versions, or None. Triton before 3.7
+    turns a scalar kernel argument into a Python int with int() of a one-element array (`range(0, K, BLOCK)`
+    fails), which NumPy 2.4 made a TypeError; 3.7 squeezes the array first. Seen here: 3.4.0, 3.5.1 and 3.6.0
+    fail every kernel test with numpy 2.4.6 and pass with 2.3.5; 3.7.1, 3.8.0 and 3.9.0 pass with 2.4.6. torch
+    2.11's CUDA build pins triton 3.6.0, so a CUDA machine with that torch and a new NumPy meets this."""
+    def release(version):  # "3.6.0" -> (3, 6); "2.4.0rc1" -> (2, 4)
+        return tuple(int(part) for part in version.split(".")[:2])
+
+    if triton_version is None or numpy_version is None:
+        try:
+            import triton
+        except ImportError:  # no Triton: the kernel tests check the torch-only path instead
+            return None
+        import numpy
+
+        triton_version, numpy_version = triton.__version__, numpy.__version__
+    if release(triton_version) < (3, 7) and release(numpy_version) >= (2, 4):
+        return (f"the CPU suite runs the Triton kernels in Triton's interpreter, and triton {triton_version}'s "
+                f"interpreter fails with numpy {numpy_version} (int() of a one-element array): "
+                f"pip install 'numpy<2.4', or triton>=3.7")
+    return None
+
+
 def pytest_configure(config):
     """Runs before any test module is imported. The suite has two modes:
     * the CPU suite (the default, and CI): GPUs are hidden so it behaves the same on a CUDA machine, and the
@@ -44,6 +68,9 @@ def pytest_configure(config):
             raise pytest.UsageError("-m gpu selects the CUDA tests, but torch sees no CUDA device "
                                     f"(torch {torch.__version__}; a CPU build, or no driver)")
         os.environ["TRITON_INTERPRET"] = "1"
+        problem = interpreter_problem()
+        if problem:
+            raise pytest.UsageError(problem)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
 

@@ -319,21 +319,26 @@ class RecordTF32(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_scoring_gemms_run_in_ieee_fp32_with_tf32_on(monkeypatch):
+def test_scoring_gemms_run_in_ieee_fp32_with_tf32_on():
     """setup_device turns TF32 on for training on CUDA; the torch forms' scoring GEMMs and nearest_pairs claim fp32
     (spec §7) and must turn it off around their matmuls (as the Triton kernel's IEEE tl.dot), then restore it. The
-    flag is only recorded here (on CPU it changes nothing), so this runs anywhere."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    z, P = make_inputs(20, 12, 16)
-    for name, fn in (("ref", lambda: op.proto_topk_ref(z, P, 3)),
-                     ("torch", lambda: op.proto_topk(z, P, 3, backend="torch")),
-                     ("nearest_pairs", lambda: op.nearest_pairs(z, P, "l2")),
-                     ("nearest_pairs cosine", lambda: op.nearest_pairs(z, P, "cosine"))):
-        with RecordTF32() as rec:
-            fn()
-        assert rec.seen and not any(rec.seen), (name, rec.seen)
-        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32  # restored
+    flag is only recorded here (on CPU it changes nothing), so this runs anywhere. The flags are set and restored by
+    hand: torch.backends.cuda.matmul takes them through __setattr__ and has no __delattr__, which the monkeypatch of
+    pytest >= 9.2 calls on undo for an attribute that is not in the instance's __dict__."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        z, P = make_inputs(20, 12, 16)
+        for name, fn in (("ref", lambda: op.proto_topk_ref(z, P, 3)),
+                         ("torch", lambda: op.proto_topk(z, P, 3, backend="torch")),
+                         ("nearest_pairs", lambda: op.nearest_pairs(z, P, "l2")),
+                         ("nearest_pairs cosine", lambda: op.nearest_pairs(z, P, "cosine"))):
+            with RecordTF32() as rec:
+                fn()
+            assert rec.seen and not any(rec.seen), (name, rec.seen)
+            assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32  # restored
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def test_imports_and_runs_without_triton():
