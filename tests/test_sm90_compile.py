@@ -267,15 +267,23 @@ def _compile_one(launch):
     return row
 
 
+def _pythonpath():
+    """The repo first, then the caller's PYTHONPATH: a child must import the same triton as its parent, or the
+    launches recorded with one version would be compiled by another."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+
+
 def compile_all(launches, workers=2):
     """Compile in a fresh process (the interpreter must be off when triton is imported); -> one row per launch."""
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "launches.json", Path(tmp) / "compiled.json"
         src.write_text(json.dumps(launches))
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
+        env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=_pythonpath(), TRITON_DEFAULT_FP_FUSION="1")
         # its own session, so that a timeout ends the worker pool too, not only the child that started it
-        child = subprocess.Popen([sys.executable, __file__, "--compile", str(src), str(dst), str(workers)],
+        import triton
+        child = subprocess.Popen([sys.executable, __file__, "--compile", str(src), str(dst), str(workers),
+                                  triton.__file__],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                                  start_new_session=True)
         try:
@@ -334,13 +342,15 @@ def test_every_kernel_compiles_for_sm90():
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--compile"]:  # the compiling child of compile_all
         sys.path.insert(0, str(ROOT))
+        import triton
+        assert triton.__file__ == sys.argv[5], f"compiling with {triton.__file__}, recorded with {sys.argv[5]}"
         launches, workers = json.loads(Path(sys.argv[2]).read_text()), int(sys.argv[4])
         with concurrent.futures.ProcessPoolExecutor(workers) as pool:
             rows = list(pool.map(_compile_one, launches))
         Path(sys.argv[3]).write_text(json.dumps(rows))
     else:  # the table, by hand: record in the interpreter (a child with TRITON_INTERPRET=1), then compile
         if os.environ.get("TRITON_INTERPRET") != "1":
-            env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+            env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=_pythonpath())
             sys.exit(subprocess.run([sys.executable, __file__] + sys.argv[1:], env=env).returncode)
         sys.path.insert(0, str(ROOT))
         tiles = sys.argv[1:2] == ["--protot-tiles"]
