@@ -692,14 +692,18 @@ def _prefix_mean_blocks(R, dv):
     return RP, BDV, min(BDV, 32)
 
 
-# The read kernels hold an [RP, BDV] state tile. Compiled for sm_90 (tests/test_sm90_compile.py), RP·BDV = 32768
-# needs 148-194 KiB of shared memory (R 256 × d_v 128, 128 × 256, 64 × 512) and 65536 needs 297 KiB, over the
-# 227 KiB an sm_90 block may use: larger shapes take the chunked torch form (auto) or are an error (triton).
-_PREFIX_MEAN_MAX_TILE = 32768
+# The kernels hold [RP, BDV] state tiles; their shared memory depends on the Triton version's compiler as much as on
+# the shape. Compiled for sm_90 (python tests/test_sm90_compile.py --protot-tiles), the largest block at
+# RP·BDV = 16384 (R 128 × d_v 128, 64 × 256, 32 × 512, 256 × 64, 512 × 32) needs at most 194 KiB with triton 3.6
+# (torch 2.11's) and 164 KiB with 3.9, under the 227 KiB an sm_90 block may use. At 32768 triton 3.6's
+# _prefix_mean_bwd_write needs 280-322 KiB (3.9: 148-194 KiB), so it could not launch. Larger shapes take the
+# chunked torch form (auto) or are an error (triton). At 16384 the backward kernels already spill up to 20 KB per
+# thread (the default R 32 × d_v 128: under 1 KB): where the chunked form overtakes them is for a GPU to measure.
+_PREFIX_MEAN_MAX_TILE = 16384
 
 
 def _prefix_mean_fits(R, dv):
-    # The state kernels hold [RP, 32] tiles whatever d_v: R 1024 × d_v 32 needs 324 KiB, R 512 × d_v 64 165 KiB.
+    # The state kernels hold [RP, 32] tiles whatever d_v: R 1024 × d_v 32 needs 324 KiB, R 512 × d_v 32 164 KiB.
     RP, BDV, _ = _prefix_mean_blocks(R, dv)
     return RP * BDV <= _PREFIX_MEAN_MAX_TILE and RP <= 512
 
