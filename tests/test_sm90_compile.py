@@ -136,7 +136,8 @@ def _lm_step(mod, dtype_autocast, V=5000, T=64):
 
 
 def _op_shapes():
-    """The ops at the shapes of each script's --bench (the widths that set the block sizes), tiny in N, B and T."""
+    """The ops at the shapes of each script's --bench (the widths that set the block sizes) and at the extreme widths
+    they accept, tiny in N, B and T."""
     import torch
     import clvq_vae
     import dual_stream
@@ -166,9 +167,16 @@ def _op_shapes():
     # and k only), so K = 512 gives the same launch and the interpreter runs it in seconds less
     z, P = torch.randn(70, 768, dtype=bf16, requires_grad=True), torch.randn(512, 768, requires_grad=True)
     prism.proto_topk(z, P, 16, backend="triton")[1].sum().backward()
+    for d, k in ((256, 1), (1600, 32)):                       # prism's extremes: k = 1 and 32, GPT-2 XL's width
+        z, P = torch.randn(70, d, dtype=bf16, requires_grad=True), torch.randn(300, d, requires_grad=True)
+        prism.proto_topk(z, P, k, backend="triton")[1].sum().backward()
     for T in (64, 256):                                       # dual_stream --bench: d_h = 64, bf16
         q, k, v = (torch.randn(1, 2, T, 64, dtype=bf16, requires_grad=True) for _ in range(3))
         dual_stream.amp_attention(q, k, v, 1.0, backend="triton")[0].float().sum().backward()
+    for d_h in (16, 128):                                     # dual_stream's narrowest and widest heads
+        for dtype in (torch.float32, bf16):
+            q, k, v = (torch.randn(1, 2, 70, d_h, dtype=dtype, requires_grad=True) for _ in range(3))
+            dual_stream.amp_attention(q, k, v, 1.0, backend="triton")[0].float().sum().backward()
     cfg = clvq_vae.Config()
     for d in (384, 768):                                      # clvq_vae: training draws, inference nearest, init
         x, e = torch.randn(70, d), torch.randn(cfg.codebook_size, d)
