@@ -72,3 +72,24 @@ def test_old_triton_with_new_numpy_stops_the_suite_in_one_line(tmp_path):
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert r.returncode == 4, r.stdout + r.stderr
     assert "triton 3.6.0's interpreter fails with numpy 2.4.6" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_gpu_check_brings_back_at_most_8_files(tmp_path):
+    """.ci/gpu on a stand-in python that passes every step: it runs them all, exits 0, and leaves at most the 8 files
+    the device tool brings back from $OUT (a ninth would be lost); a wrong argument is a usage error."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    fake = bin_dir / "python"  # every step "passes"; --bench-json PATH writes PATH, as kernels.py does
+    fake.write_text('#!/bin/sh\nprev=""\nfor a in "$@"; do [ "$prev" = --bench-json ] && : > "$a"; prev="$a"; done\n'
+                    'echo "stand-in python $*"\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out), GPU_BUDGET="120")
+    r = subprocess.run(["bash", str(ROOT / ".ci/gpu")], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and "steps.txt" in files and "kernels-bench.json" in files, files
+    steps = (out / "steps.txt").read_text()
+    for name in ("pytest-gpu", "kernels-bench", "protot-bench", "prism-bench", "dual_stream-bench", "clvq_vae-bench"):
+        assert f"{name}: exit 0" in steps, steps
+    r = subprocess.run(["bash", str(ROOT / ".ci/gpu"), "everything"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "usage: .ci/gpu [all|tests|bench]" in r.stderr
