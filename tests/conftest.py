@@ -22,9 +22,10 @@ import pytest
 def interpreter_problem(triton_version=None, numpy_version=None):
     """Why Triton's interpreter cannot run the kernels with the installed versions, or None. Triton before 3.7
     turns a scalar kernel argument into a Python int with int() of a one-element array (`range(0, K, BLOCK)`
-    fails), which NumPy 2.4 made a TypeError; 3.7 squeezes the array first. Seen here: 3.4.0, 3.5.1 and 3.6.0
-    fail every kernel test with numpy 2.4.6 and pass with 2.3.5; 3.7.1, 3.8.0 and 3.9.0 pass with 2.4.6. torch
-    2.11's CUDA build pins triton 3.6.0, so a CUDA machine with that torch and a new NumPy meets this."""
+    fails), which NumPy 2.4 made a TypeError; 3.7 squeezes the array first. Seen here with numpy 2.4.6: 3.4.0,
+    3.5.1 and 3.6.0 fail the kernel tests, 3.7.1 and 3.8.0 pass the RMSNorm ones, 3.9.0 the suite; with numpy
+    2.3.5, 3.4.0 and 3.6.0 pass the suite. torch 2.11's CUDA build pins triton 3.6.0, so a CUDA machine with that
+    torch and a new NumPy meets this."""
     def release(version):  # "3.6.0" -> (3, 6); "2.4.0rc1" -> (2, 4)
         return tuple(int(part) for part in version.split(".")[:2])
 
