@@ -12,6 +12,7 @@
 import concurrent.futures
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,8 +27,9 @@ def interpreter_problem(triton_version=None, numpy_version=None):
     3.5.1 and 3.6.0 fail the kernel tests, 3.7.1 and 3.8.0 pass the RMSNorm ones, 3.9.0 the suite; with numpy
     2.3.5, 3.4.0 and 3.6.0 pass the suite. torch 2.11's CUDA build pins triton 3.6.0, so a CUDA machine with that
     torch and a new NumPy meets this."""
-    def release(version):  # "3.6.0" -> (3, 6); "2.4.0rc1" -> (2, 4)
-        return tuple(int(part) for part in version.split(".")[:2])
+    def release(version):  # "3.6.0" -> (3, 6); "2.4rc1" -> (2, 4); None for what is not "MAJOR.MINOR..."
+        m = re.match(r"(\d+)\.(\d+)", version)
+        return (int(m[1]), int(m[2])) if m else None
 
     if triton_version is None or numpy_version is None:
         try:
@@ -37,7 +39,8 @@ def interpreter_problem(triton_version=None, numpy_version=None):
         import numpy
 
         triton_version, numpy_version = triton.__version__, numpy.__version__
-    if release(triton_version) < (3, 7) and release(numpy_version) >= (2, 4):
+    triton_release, numpy_release = release(triton_version), release(numpy_version)
+    if triton_release and numpy_release and triton_release < (3, 7) and numpy_release >= (2, 4):
         return (f"the CPU suite runs the Triton kernels in Triton's interpreter, and triton {triton_version}'s "
                 f"interpreter fails with numpy {numpy_version} (int() of a one-element array): "
                 f"pip install 'numpy<2.4', or triton>=3.7")

@@ -1,6 +1,7 @@
 """The repository's layout: the shared modules are the repo's own files (PyPI has unrelated packages named
 `common` and `kernels`), the files the README promises exist, and CI runs the README's commands."""
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +59,8 @@ def test_interpreter_version_rule():
     assert interpreter_problem("3.6.0", "2.3.5") is None
     assert interpreter_problem("3.7.1", "2.4.6") is None
     assert interpreter_problem("3.10.0", "2.4.6") is None
-    assert interpreter_problem() is None  # the installed pair runs the suite
+    assert interpreter_problem("3.6.0+git1234", "2.4rc1") and interpreter_problem("3.6.0", "2.5.0.dev0")
+    assert interpreter_problem("nightly", "2.4.6") is None  # unparsable: no verdict rather than a traceback
 
 
 def test_old_triton_with_new_numpy_stops_the_suite_in_one_line(tmp_path):
@@ -68,7 +70,9 @@ def test_old_triton_with_new_numpy_stops_the_suite_in_one_line(tmp_path):
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("import numpy\nnumpy.__version__ = '2.4.6'\n__version__ = '3.6.0'\n")
     env = dict(os.environ, PYTHONPATH=str(fake.parent))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_layout.py"],
+    # --collect-only: should the check ever not fire, the child must not run this test again (and again)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                        "tests/test_layout.py"],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert r.returncode == 4, r.stdout + r.stderr
     assert "triton 3.6.0's interpreter fails with numpy 2.4.6" in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -93,3 +97,12 @@ def test_gpu_check_brings_back_at_most_8_files(tmp_path):
         assert f"{name}: exit 0" in steps, steps
     r = subprocess.run(["bash", str(ROOT / ".ci/gpu"), "everything"], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "usage: .ci/gpu [all|tests|bench]" in r.stderr
+    # a CUDA image with python3 and no `python`: the same stand-in, named python3, on a PATH of just the tools used
+    only = tmp_path / "only"
+    only.mkdir()
+    fake.rename(only / "python3")
+    for tool in ("bash", "dirname", "mkdir", "date", "tee", "timeout"):
+        (only / tool).symlink_to(shutil.which(tool))
+    r = subprocess.run(["bash", str(ROOT / ".ci/gpu"), "tests"], capture_output=True, text=True,
+                       env=dict(env, PATH=str(only), OUT=str(tmp_path / "out3")), timeout=120)
+    assert r.returncode == 0 and "stand-in python -m pytest -m gpu" in r.stdout, r.stdout + r.stderr

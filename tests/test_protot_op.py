@@ -191,7 +191,7 @@ def test_tiles_over_the_shared_memory_limit_are_refused(cache_dir, tmp_path):
     assert op._prefix_mean_fits(512, 32) and op._prefix_mean_fits(256, 33)  # d_v 33 pads to 64
     # R·d_v = 32768 compiles with triton 3.9 but needs 280 KiB with triton 3.6: refused for every version
     assert not op._prefix_mean_fits(256, 128) and not op._prefix_mean_fits(129, 128) and not op._prefix_mean_fits(32, 513)
-    assert not op._prefix_mean_fits(1024, 16) and not op._prefix_mean_fits(2048, 8)  # R over 512
+    assert not op._prefix_mean_fits(1024, 16)  # R·d_v = 16384, but R over 512
     (w, v, rho, beta), _ = make_inputs(1, 3, 256, 128)
     with pytest.raises(ValueError, match="supports R·d_v up to 16384 and R up to 512"):
         op.prefix_mean_read(w, v, rho, beta, backend="triton")
