@@ -80,7 +80,8 @@ def test_old_triton_with_new_numpy_stops_the_suite_in_one_line(tmp_path):
 
 def test_gpu_check_brings_back_at_most_8_files(tmp_path):
     """.ci/gpu on a stand-in python that passes every step: it runs them all, exits 0, and leaves at most the 8 files
-    the device tool brings back from $OUT (a ninth would be lost); a wrong argument is a usage error."""
+    the device tool brings back from $OUT (a ninth would be lost); a wrong argument is a usage error; with python3
+    and no `python` on the PATH it still runs."""
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir()
     fake = bin_dir / "python"  # every step "passes"; --bench-json PATH writes PATH, as kernels.py does
