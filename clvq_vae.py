@@ -437,8 +437,8 @@ def _select_rows_topk(x, e, k, temperature, u):
 def _vq_select_torch(x, e, k, temperature, u):
     N = x.shape[0]
     rows = max(1, _VQ_CHUNK_ELEMS // e.shape[0])
-    parts = [_select_rows_topk(x[r0:r0 + rows], e, k, temperature, u[r0:r0 + rows]) for r0 in range(0, N, rows)]
-    return tuple(torch.cat(p) for p in zip(*parts))
+    parts = [_select_rows_topk(x[r0:r0 + rows], e, k, temperature, u[r0:r0 + rows]) for r0 in range(0, max(N, 1), rows)]
+    return tuple(torch.cat(p) for p in zip(*parts))  # N = 0: one empty chunk, so empty tensors, not ()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1143,6 +1143,9 @@ def finetune_source(src: SourceModel, texts: list[str], labels: list[int], n_cla
                 group["lr"] = lr * (1 - step / steps)
             hs = model(input_ids=inp, attention_mask=att).last_hidden_state
             loss = F.cross_entropy(head(hs[:, 0].float()), y_all[idx])
+            if not torch.isfinite(loss):  # before a poisoned model reaches the cache under a key that a rerun reuses
+                raise RunError(f"fine-tuning {src.name}: non-finite loss at step {step + 1}; nothing was cached "
+                               "(try a lower --finetune-lr)")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -2165,10 +2168,12 @@ def train_sae(cfg, x: torch.Tensor, y: torch.Tensor, device, log=print) -> tuple
     opt = torch.optim.Adam(sae.parameters(), lr=cfg.sae_lr)
     B, l1, steps = min(cfg.sae_batch, len(x)), cfg.sae_l1, cfg.sae_steps
     x, y = x.to(device).float(), y.to(device).float()
-    for _ in range(steps):
+    for step in range(steps):
         i = torch.randint(len(x), (B,), generator=g).to(device)
         yh, f = sae(x[i])
         loss = F.mse_loss(yh, y[i]) + l1 * f.abs().sum(-1).mean()
+        if not torch.isfinite(loss):
+            raise RunError(f"baseline SAE: non-finite loss at step {step + 1} (try a lower --sae-lr)")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -2220,6 +2225,8 @@ def build_methods(cfg, train_acts: Activations, dev_acts: Activations, model: CL
     for b in wanted:
         if b == "kmeans":
             methods.append(kmeans_method(cfg, train_acts.x_l, device, log))
+        elif b == "vq" and lo == hi:  # the run's own model is that baseline (same name, same checkpoint)
+            log(f"baseline VQ-VAE l{lo}->h{lo}: skipped, the model of this run has l = h already")
         elif b == "vq":  # §5.2: the same model with l = h; fit_fn trains (or loads) it on x_l -> x_l
             t0 = time.time()
             vq = fit_fn(cfg, replace(train_acts, x_h=train_acts.x_l, layers=(lo, lo)),
@@ -2242,7 +2249,8 @@ def _blocks(model, n_layers: int) -> nn.ModuleList:
     for mod in model.modules():
         if isinstance(mod, nn.ModuleList) and len(mod) == n_layers:
             return mod
-    raise ValueError("could not find the model's transformer blocks (a ModuleList of n_layers modules)")
+    raise RunError(f"could not find the model's {n_layers} transformer blocks (a ModuleList of n_layers modules), "
+                   "which Integrated Gradients hooks; pass --no-fidelity for this model")
 
 
 def _encode(src: SourceModel, texts: list[str]):
@@ -2523,7 +2531,14 @@ def probe_fidelity(r: torch.Tensor, labels, ablations: dict, folds: int = 20, se
     r = r.float()
     y = torch.as_tensor(labels, dtype=torch.long)
     C = int(y.max()) + 1
-    k = max(2, min(folds, len(y)))
+    present = torch.bincount(y)[torch.unique(y)] if len(y) else torch.zeros(0, dtype=torch.long)
+    smallest = int(present.min()) if len(present) else 0
+    if len(present) < 2 or smallest < 2:  # a fold must leave every class in the other folds' training set
+        raise ValueError(f"the probe needs >= 2 classes with >= 2 sentences each; the sentences per class are "
+                         f"{torch.bincount(y, minlength=2).tolist()}")
+    k = min(folds, smallest)  # every fold then holds each class at least once (stratified_folds deals round-robin)
+    if k < folds:
+        log(f"fidelity: {k} folds, not {folds}: the smallest class has {smallest} sentences")
     fold = stratified_folds(y, k, seed)
     ranks = sorted({int(B.shape[1]) for B in ablations.values()})
     g = torch.Generator().manual_seed(seed)
@@ -2605,9 +2620,13 @@ def run_fidelity(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
         ids = m.assign(x)
         ablations[m.name] = m.ablation(x, ids)
         codes[m.name] = ids
-    table = probe_fidelity(r, [dev_acts.labels[int(s)] for s in keep], ablations, cfg.probe_folds, seed,
-                           log, epochs=cfg.probe_epochs, patience=cfg.probe_patience,
-                           standardise=cfg.probe_standardise)
+    try:
+        table = probe_fidelity(r, [dev_acts.labels[int(s)] for s in keep], ablations, cfg.probe_folds, seed,
+                               log, epochs=cfg.probe_epochs, patience=cfg.probe_patience,
+                               standardise=cfg.probe_standardise)
+    except ValueError as e:
+        raise RunError(f"fidelity on {len(keep)} dev sentences: {e} (raise --dev-per-class or "
+                       "--fidelity-sentences)") from None
     for w in table:
         w["distinct_concepts"] = int(torch.unique(codes[w["method"]]).numel())
     # Diagnostic: the same test on the sentences whose salient unit is a word. When [CLS] itself is salient, its
@@ -2616,12 +2635,15 @@ def run_fidelity(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
     word = ~dev_acts.special[rows]
     words_only = []
     if 0 < int(word.sum()) < len(rows):
-        words_only = probe_fidelity(r[word], [dev_acts.labels[int(s)] for s in keep[word]],
-                                    {n: B[word] for n, B in ablations.items()}, cfg.probe_folds, seed, log,
-                                    epochs=cfg.probe_epochs, patience=cfg.probe_patience,
-                                    standardise=cfg.probe_standardise)
-        log(f"fidelity, the {int(word.sum())} sentences whose salient unit is a word (not [CLS]):\n"
-            + fidelity_table(words_only))
+        try:
+            words_only = probe_fidelity(r[word], [dev_acts.labels[int(s)] for s in keep[word]],
+                                        {n: B[word] for n, B in ablations.items()}, cfg.probe_folds, seed, log,
+                                        epochs=cfg.probe_epochs, patience=cfg.probe_patience,
+                                        standardise=cfg.probe_standardise)
+            log(f"fidelity, the {int(word.sum())} sentences whose salient unit is a word (not [CLS]):\n"
+                + fidelity_table(words_only))
+        except ValueError as e:
+            log(f"fidelity, the {int(word.sum())} sentences whose salient unit is a word: skipped, {e}")
     salient = [dev_acts.words[int(i)] for i in rows]
     freq: dict[str, int] = {}
     for w in salient:
@@ -2984,7 +3006,11 @@ class Logger:
     def __init__(self, path: Optional[Path], rank: int):
         self.path, self.rank = path, rank
         if path is not None and rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            try:  # an unusable --out-dir is found here, before any work
+                path.parent.mkdir(parents=True, exist_ok=True)
+                open(path, "a").close()
+            except OSError as e:
+                raise RunError(f"--out-dir {path.parent}: cannot write there ({e.strerror or e})") from None
 
     def __call__(self, msg: str) -> None:
         if self.rank != 0:
@@ -3019,6 +3045,8 @@ def validate(cfg: Config, explicit=()) -> None:
               (cfg.dec_layers >= 1, "--dec-layers must be >= 1"), (cfg.dec_heads >= 1, "--dec-heads must be >= 1"),
               (cfg.dec_ffn >= 1, "--dec-ffn must be >= 1"), (0 <= cfg.dropout < 1, "--dropout must be in [0, 1)"),
               (cfg.layer_l >= 0, "--layer-l must be >= 0 (0 = the embeddings)"),
+              (cfg.fixed_alpha is None or 0 <= cfg.fixed_alpha <= 2,
+               "--fixed-alpha must be in [0, 2] (m = fixed_alpha / 2 blends x and LN(Wx + b), §1)"),
               (cfg.layer_h >= cfg.layer_l, f"--layer-h {cfg.layer_h} is below --layer-l {cfg.layer_l}: the target "
                                            "layer h must be at or above the input layer l (spec §1)"),
               (cfg.per_class is None or cfg.per_class >= 1, "--per-class must be >= 1 (or none)"),
@@ -3056,6 +3084,18 @@ def validate(cfg: Config, explicit=()) -> None:
         raise RunError(f"--baselines: unknown {', '.join(unknown)}; a comma list of kmeans, vq, sae ('' for none)")
 
 
+def check_layers(cfg: Config, src: SourceModel) -> None:
+    """The layer pair against the loaded source model, before anything is fine-tuned, extracted or trained:
+    0 <= l <= h <= n_layers (0 = the embeddings); the fidelity test's Integrated Gradients also needs a block
+    above l (1 <= l < n_layers, §6.1 step 1)."""
+    n, lo, hi = src.n_layers, cfg.layer_l, cfg.layer_h
+    if not 0 <= lo <= hi <= n:
+        raise RunError(f"--layer-l {lo} --layer-h {hi}: need 0 <= l <= h <= {n} for {src.name} (0 = embeddings)")
+    if cfg.fidelity and not 1 <= lo < n:
+        raise RunError(f"--layer-l {lo}: the fidelity test's Integrated Gradients needs 1 <= l < {n} for "
+                       f"{src.name} (a block below and above l); pick another l or pass --no-fidelity")
+
+
 def load_activations(cfg: Config, device, dist_info, log) -> tuple[SourceModel, Activations, Activations]:
     """Passages (train: per_class per class, filtered min_count/max_per_type; dev = the val split, unfiltered,
     spec §5.1), the frozen source model and the word-level activations at layers l and h, from the cache when it
@@ -3068,6 +3108,7 @@ def load_activations(cfg: Config, device, dist_info, log) -> tuple[SourceModel, 
         tr = load_passages(cfg.dataset, "train", cfg.per_class, **kw)  # before the model: a hub dataset fails fast
         dv = load_passages(cfg.dataset, "val", cfg.dev_per_class, **kw)
         src = load_source_model(cfg.model, device)
+        check_layers(cfg, src)
         if cfg.finetune_epochs and src.kind == "encoder":
             cached_finetune(src, tr.texts, tr.labels, len(tr.label_names), cfg.finetune_epochs, cfg.finetune_lr,
                             cfg.finetune_batch, cfg.seed, cfg.cache_dir, log)
@@ -3084,7 +3125,7 @@ def load_activations(cfg: Config, device, dist_info, log) -> tuple[SourceModel, 
     if dist_info["rank"] == 0:
         try:
             out = get()
-        except DataError as e:
+        except (DataError, RunError) as e:
             error = e
     if dist_info["ddp"]:
         torch.distributed.barrier()
@@ -3123,6 +3164,8 @@ def run(cfg: Config, explicit) -> int:
     if "d_model" in explicit and cfg.d_model != src.d_model:
         raise RunError(f"--d-model {cfg.d_model}: the codes live in the source model's space, d = {src.d_model} "
                        f"for {cfg.model} (spec §2.1); drop the flag")
+    if cfg.d_model != src.d_model:  # the config line above shows the flag's default; the checkpoint stores this
+        log(f"config: d_model {cfg.d_model} -> {src.d_model}, the source model's width")
     cfg = replace(cfg, d_model=src.d_model)
     log(f"source model {cfg.model}: {src.kind}, {src.n_layers} layers, d = {src.d_model}; codes in R^{src.d_model}, "
         f"layer {cfg.layer_l} -> layer {cfg.layer_h}")

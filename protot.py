@@ -1832,7 +1832,11 @@ class Logger:
     def __init__(self, path: Optional[Path], rank: int):
         self.path, self.rank = path, rank
         if path is not None and rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            try:  # an unusable --out-dir is found here, before any work
+                path.parent.mkdir(parents=True, exist_ok=True)
+                open(path, "a").close()
+            except OSError as e:
+                raise RunError(f"--out-dir {path.parent}: cannot write there ({e.strerror or e})") from None
 
     def __call__(self, msg: str) -> None:
         if self.rank != 0:

@@ -1,5 +1,7 @@
 """Tests of clvq_vae.py's analyses section: baselines (§6.4), concept-ablation fidelity (§6.1), concept cards and
 the coherence proxy (§7, §6.2), and --bench. Offline, CPU, on a tiny random BERT built in tmp_path."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -184,6 +186,41 @@ def test_fidelity_drops_only_for_the_carrying_direction():
     assert by["carrier"]["acc_random"] > 0.85
     assert by["orthogonal"]["acc_concept"] > 0.9
     assert all(w["folds"] == 4 and w["n_sentences"] == S and w["rank"] == 1 for w in rows)
+
+
+def test_probe_needs_two_sentences_of_each_class_and_says_when_it_uses_fewer_folds():
+    """Too few sentences is an error, not a probe trained on nothing (which once printed 0.000 for every method);
+    fewer sentences of a class than --probe-folds runs with fewer folds and says so."""
+    r, B = torch.randn(6, 4), {"m": torch.randn(6, 1, 4)}
+    for labels in ([0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1]):
+        with pytest.raises(ValueError, match="needs >= 2 classes with >= 2 sentences each"):
+            cv.probe_fidelity(r, labels, B, folds=3)
+    lines = []
+    rows = cv.probe_fidelity(r, [0, 0, 0, 0, 1, 1], B, folds=3, log=lines.append, epochs=5)
+    assert rows[0]["folds"] == 2 and any("2 folds, not 3" in ln for ln in lines)
+    rows = cv.probe_fidelity(r, [0, 0, 2, 2, 2, 0], B, folds=3, log=lines.append, epochs=5)  # label 1 absent
+    assert rows[0]["folds"] == 3
+
+
+def test_sae_with_a_diverging_loss_stops_with_one_line():
+    cfg = cv.Config(sae_latents=8, sae_k=2, sae_steps=20, sae_lr=1e30)
+    x = torch.randn(64, 4)
+    with pytest.raises(cv.RunError, match="baseline SAE: non-finite loss at step"):
+        cv.train_sae(cfg, x, x, torch.device("cpu"), log=lambda s: None)
+
+
+def test_l_equal_h_does_not_retrain_its_own_model_as_the_vq_baseline():
+    """With l = h the run's model is the single-layer VQ-VAE (same name, same checkpoint): the baseline is
+    skipped, not trained a second time over the same file."""
+    acts = _acts([["a", "b"], ["c"]])
+    acts = replace(acts, layers=(1, 1))
+    cfg = cv.Config(d_model=4, codebook_size=2, baselines="vq", kernels="torch")
+    model = cv.CLVQVAE(cfg)
+    model.init_codebook(acts.x_l)
+    lines, fits = [], []
+    methods = cv.build_methods(cfg, acts, acts, model, lambda *a: fits.append(a), "cpu", log=lines.append)
+    assert [m.name for m in methods] == ["CLVQ-VAE l1->h1"] and not fits
+    assert any("skipped, the model of this run has l = h already" in ln for ln in lines)
 
 
 def test_stratified_folds_balance_classes():

@@ -284,6 +284,11 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     (["--codebook-size", "0"], 1, "error: --codebook-size must be >= 1"),
     (["--layer-l", "2", "--layer-h", "1"], 1, "--layer-h 1 is below --layer-l 2"),
     (["--layer-h", "5"], 1, "need 0 <= l <= h <= 2"),
+    (["--layer-l", "2", "--layer-h", "2"], 1, "Integrated Gradients needs 1 <= l < 2"),  # before any training
+    (["--layer-l", "0", "--layer-h", "1"], 1, "Integrated Gradients needs 1 <= l < 2"),
+    (["--fixed-alpha", "-7"], 1, "--fixed-alpha must be in [0, 2]"),
+    (["--finetune-epochs", "1", "--finetune-lr", "1e12"], 1, "non-finite loss at step"),
+    (["--out-dir", "/dev/null/x"], 1, "--out-dir /dev/null/x: cannot write there"),
     (["--model", "FacebookAI/roberta-base"], 1, "needs the Hugging Face hub, which is unreachable (offline)"),
     (["--model", "/no/such/folder"], 1, "does not exist"),
     (["--dataset", "imdb"], 1, "needs the Hugging Face hub, which is unreachable"),
@@ -304,8 +309,9 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, tiny_bert, cache_dir, args,
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     model = [] if "--model" in args else ["--model", tiny_bert]
-    rc, err = call_main(cv.main, [*TINY, *model, *args, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)],
-                        capsys, monkeypatch)
+    out = [] if "--out-dir" in args else ["--out-dir", str(tmp_path)]
+    cache = str(tmp_path / "cache") if "--finetune-lr" in args else str(cache_dir)  # nothing poisoned is kept
+    rc, err = call_main(cv.main, [*TINY, *model, *args, *out, "--cache-dir", cache], capsys, monkeypatch)
     assert rc == code and needle in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
 

@@ -107,6 +107,17 @@ def test_k_nearest_match_reference(N, K, k, d, form):
     assert torch.equal(idx, top[:, 0]) and torch.equal(dist, top_d[:, 0]), "T = 0 must take the nearest"
 
 
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("T", [0.0, 1.0])
+def test_zero_rows_give_empty_results(form, T):
+    """N = 0 (a batch whose rows are all padding) gives empty tensors of the contract's shapes and dtypes in every
+    form; the chunked torch form returned () here once, so the model's zero-row paths raised IndexError."""
+    x, e = make_inputs(1, 10, 16)
+    top, top_d, idx, dist = FORMS[form](x[:0], e, 3, T, None, torch.zeros(0, device=DEVICE) if T else None)
+    assert top.shape == top_d.shape == (0, 3) and idx.shape == dist.shape == (0,)
+    assert idx.dtype == torch.long and dist.dtype == torch.float32
+
+
 def sampling_inputs(N, K, k, d, seed=0):
     """Random rows and codes with a temperature at the scale of the gaps between the k nearest, so draws spread."""
     x, e = make_inputs(N, K, d, seed)
