@@ -1553,10 +1553,8 @@ def setup_device(cfg: Config):
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
-    try:
-        torch.device(device)
-    except RuntimeError:
-        raise RunError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps") from None
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", device):  # torch.device also takes xpu, meta, ...: not run here
+        raise RunError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RunError(f"--device {device}: CUDA is not available")
     if device.startswith("cuda:"):  # Triton launches on the current device: make it the one asked for
@@ -3021,6 +3019,19 @@ class Logger:
                 f.write(msg + "\n")
 
 
+def preset_banner(cfg: Config, explicit, device, minutes: str) -> str:
+    """Why the CPU preset runs (asked for, or chosen for want of CUDA), the preset values it applied, and its time
+    only when the run is the preset's own: a typed size or step flag (other than a default's or the preset's own
+    value) makes the quoted minutes wrong, so they are left out."""
+    why = "running the CPU preset (--preset cpu)" if cfg.preset == "cpu" else "no GPU: running the CPU preset"
+    applied = [f"{k}={getattr(cfg, k)}" for k in CPU_PRESET if k not in explicit]
+    default = Config()
+    own = [k for k in explicit if k not in RUNTIME_KEYS and getattr(cfg, k) != CPU_PRESET.get(k, getattr(default, k))]
+    return (why + (f" ({', '.join(applied)})" if applied else "")
+            + (f", {minutes}" if device.type == "cpu" and not own else "")
+            + "; --preset paper runs the paper's configuration")
+
+
 def apply_preset(cfg: Config, explicit) -> str:
     preset = cfg.preset if cfg.preset != "auto" else ("paper" if torch.cuda.is_available() else "cpu")
     if preset == "cpu":
@@ -3032,6 +3043,9 @@ def apply_preset(cfg: Config, explicit) -> str:
 
 def validate(cfg: Config, explicit=()) -> None:
     """Every bad flag value found before anything is loaded or trained, each as one line."""
+    seeds = [f.name for f in fields(cfg) if f.name.endswith("seed") and not 0 <= getattr(cfg, f.name) < 2**32]
+    if seeds:  # torch.manual_seed overflows past 64 bits with a traceback; numpy's legacy seeding past 32
+        raise RunError(f"--{seeds[0].replace('_', '-')} must be in [0, 2**32)")
     bad = [f.name for f in fields(cfg) if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
     if bad:
         raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number")
@@ -3147,9 +3161,8 @@ def run(cfg: Config, explicit) -> int:
         cfg = load_checkpoint(ckpt_path(cfg), cfg, explicit)[1]
     out_dir = Path(cfg.out_dir)
     log = Logger(None if cfg.bench else out_dir / f"log-{variant_name(cfg)}.txt", rank)
-    if preset == "cpu" and not cfg.bench and cfg.train:
-        log("no GPU: running the CPU preset (" + ", ".join(f"{k}={getattr(cfg, k)}" for k in CPU_PRESET)
-            + "), about 4 minutes; --preset paper runs the paper's configuration")
+    if preset == "cpu" and not cfg.bench and cfg.train and not cfg.resume:  # a resumed run keeps its own settings
+        log(preset_banner(cfg, explicit, device, "about 4 minutes on 2 CPU cores"))
     log("config: " + json.dumps(asdict(cfg)))
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"

@@ -77,8 +77,8 @@ Commands
     python dual_stream.py --dataset tinystories --max-tokens 100000000     # online
     torchrun --standalone --nproc_per_node=8 dual_stream.py               # DDP
 
-Expected (CPU preset, 2 cores, 2026-12-01): `python dual_stream.py` takes about 4.5 minutes (4 min 29 s with
-the token cache built, 243 s of it training); the logged loss falls from 6.95 (step 20) to ~5.2 and val
+Expected (CPU preset, 2 cores, 2026-12-01): `python dual_stream.py` takes about 4.5 minutes (4 min 29 s, the
+token cache's build included, 243 s of it training); the logged loss falls from 6.95 (step 20) to ~5.2 and val
 perplexity ends near 335 (cl100k compacted to 19,447 ids, 614k tokens seen). At this budget amplification
 barely moves the loss (+0.2% at α = 16, against the paper's 16-27%) and, at the readout, removing x_e hurts far
 more than removing x_t (+86% vs +3%; the paper: +9.5% vs +36%): a short run on plays is not the paper's regime,
@@ -93,6 +93,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -278,7 +279,7 @@ def amp_attention_torch(q, k, v, alpha=1.0, stats=True, block=128):
         return o, None, None
     entropy = q.new_empty(q.shape[:-1], dtype=_amp_up(q).dtype)
     max_weight = torch.empty_like(entropy)
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(q.device.type, enabled=False):  # fp32 statistics under bf16 autocast too
         qf, kf = _amp_up(q), _amp_up(k)
         for t0 in range(0, T, block):
             t1 = min(t0 + block, T)  # rows t0..t1-1 see keys 0..t1-1 only
@@ -838,10 +839,8 @@ def setup_device(cfg: Config):
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
-    try:
-        torch.device(device)
-    except RuntimeError:
-        raise RunError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps") from None
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", device):  # torch.device also takes xpu, meta, ...: not run here
+        raise RunError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RunError(f"--device {device}: CUDA is not available")
     if device.startswith("cuda:"):  # Triton launches on the current device: make it the one asked for
@@ -931,8 +930,10 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
     model.eval()
     total, count = 0.0, 0
     for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):
-        if max_windows is not None and i * batch_size >= max_windows:
-            break
+        if max_windows is not None:
+            if i * batch_size >= max_windows:
+                break
+            x, y = x[:max_windows - i * batch_size], y[:max_windows - i * batch_size]  # exactly max_windows
         with autocast:
             logits = model(x, **forward_kw)
         total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
@@ -1227,6 +1228,7 @@ def amplification(model: DualStream, data, cfg: Config, alphas: list[float], aut
             for i, (x, y) in enumerate(data.iter_eval("val", 8, cfg.ctx)):
                 if i * 8 >= cfg.analysis_windows:
                     break
+                x, y = x[:cfg.analysis_windows - i * 8], y[:cfg.analysis_windows - i * 8]  # exactly that many
                 with autocast:
                     logits = model(x)
                 total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
@@ -1400,6 +1402,10 @@ def coref_positions(tok, text: str, pron: str, right: str, wrong: str):
     q = covering(text.index(f" {pron} ") + 1, len(pron))
     r, w = covering(text.index(right), len(right)), covering(text.index(wrong), len(wrong))
     return ids, q[-1], r, w
+
+
+NO_COREF = ("coreference probe: no usable prompt (each has a token lost to the vocabulary compaction, so it does "
+            "not decode token by token, or is longer than --ctx)")
 
 
 @torch.no_grad()
@@ -1636,6 +1642,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                          f"(attention margin {b['margin']:+.3f} ± {b['stderr']:.3f}, right > wrong in {b['accuracy']:.0%}, "
                          f"chance 50%); mean margin over heads {c['mean_margin']:+.3f}; best margin per layer "
                          + " ".join(f"{v:+.3f}" for v in c["layer_best_margin"]) + "</p>")
+        else:
+            parts.append(f"<p>{NO_COREF}</p>")
     for m, samples in results.get("samples", {}).items():
         parts.append(f"<h2>Samples ({html.escape(m)})</h2>" + "".join(f"<pre>{html.escape(s)}</pre>" for s in samples))
     path = out_dir / f"{name}.html"
@@ -1671,6 +1679,19 @@ class Logger:
                 f.write(msg + "\n")
 
 
+def preset_banner(cfg: Config, explicit, device, minutes: str) -> str:
+    """Why the CPU preset runs (asked for, or chosen for want of CUDA), the preset values it applied, and its time
+    only when the run is the preset's own: a typed size or step flag (other than a default's or the preset's own
+    value) makes the quoted minutes wrong, so they are left out."""
+    why = "running the CPU preset (--preset cpu)" if cfg.preset == "cpu" else "no GPU: running the CPU preset"
+    applied = [f"{k}={getattr(cfg, k)}" for k in CPU_PRESET if k not in explicit]
+    default = Config()
+    own = [k for k in explicit if k not in RUNTIME_KEYS and getattr(cfg, k) != CPU_PRESET.get(k, getattr(default, k))]
+    return (why + (f" ({', '.join(applied)})" if applied else "")
+            + (f", {minutes}" if device.type == "cpu" and not own else "")
+            + "; --preset paper runs the paper's configuration")
+
+
 def apply_preset(cfg: Config, explicit) -> str:
     preset = cfg.preset if cfg.preset != "auto" else ("paper" if torch.cuda.is_available() else "cpu")
     if preset == "cpu":
@@ -1682,6 +1703,9 @@ def apply_preset(cfg: Config, explicit) -> str:
 
 def validate(cfg: Config, explicit=()) -> None:
     """Every bad flag value found before anything is trained, each as one line."""
+    seeds = [f.name for f in fields(cfg) if f.name.endswith("seed") and not 0 <= getattr(cfg, f.name) < 2**32]
+    if seeds:  # torch.manual_seed overflows past 64 bits with a traceback; numpy's legacy seeding past 32
+        raise RunError(f"--{seeds[0].replace('_', '-')} must be in [0, 2**32)")
     for ok, msg in ((cfg.heads >= 1, "--heads must be >= 1"), (cfg.d_model >= 1, "--d-model must be >= 1")):
         if not ok:  # before the checks below divide by them
             raise RunError(msg)
@@ -1779,9 +1803,8 @@ def run(cfg: Config, explicit) -> int:
     log_name = ("sweep" if cfg.sweep else f"head-sweep-{variant(replace(cfg, heads=Config.heads))}" if cfg.head_sweep
                 else variant(cfg))
     log = Logger(None if cfg.bench else out_dir / f"log-{log_name}.txt", rank)
-    if preset == "cpu" and not cfg.bench and cfg.train:
-        log("no GPU: running the CPU preset (" + ", ".join(f"{k}={getattr(cfg, k)}" for k in CPU_PRESET)
-            + f"), about {5 * len(confs)} minutes; --preset paper runs the paper's configuration")
+    if preset == "cpu" and not cfg.bench and cfg.train and not cfg.resume:  # a resumed run keeps its own settings
+        log(preset_banner(cfg, explicit, device, f"about {5 * len(confs)} minutes on 2 CPU cores"))
     log("config: " + json.dumps(asdict(cfg)))
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"
@@ -1879,6 +1902,8 @@ def run(cfg: Config, explicit) -> int:
                 line += (f"; coreference ({c['prompts']} prompts): best head L{c['best']['layer']}h{c['best']['head']} "
                          f"margin {c['best']['margin']:+.3f} ± {c['best']['stderr']:.3f}, right name first in "
                          f"{c['best']['accuracy']:.0%} (chance 50%); mean over heads {c['mean_margin']:+.3f}")
+            else:
+                line += f"; {NO_COREF}"
             log(f"specialisation, {name}: {line}")
     if cfg.head_sweep:
         rows = results["head_sweep"] = head_sweep_table(models, ppl, results["specialization"])

@@ -59,9 +59,11 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     time is one batched scoring pass over the Q queries divided by Q (labelled so, like the dense TracIn batch
     row); the cached and exact times are one query at a time. Overlaps are reported beside their chance level
     n/M (a random ranking of the M windows).
-  * Suppression keywords default to "lord,king", frequent words of the plays, so that a small model has
-    prototypes to match; a card matches when a keyword is one of its signature's top 3 tokens, or is the
-    activating token or the next token in at least half of its top contexts. Controllers: a 4-way cloze from
+  * Suppression keywords default to `auto`: the word (4+ letters) that the most-used live cards are about, so
+    that the default run always suppresses prototypes that fire (a fixed word such as "lord" matched only a
+    dead card of the CPU preset: a no-op). A live card (active on the card windows) matches when a keyword is one
+    of its signature's top 3 tokens, or is the activating token or the next token in at least half of its top
+    contexts; dead cards never match. Controllers: a 4-way cloze from
     the val text (fit on the first half of the stream, scored on the second; distractors within ±5 frequency
     ranks), proximal Adam with L1, K gains for both controllers.
 Commands
@@ -91,6 +93,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -203,7 +206,7 @@ class Config:
     attr_damping: float = field(default=1e-3, metadata={"help": "curvature damping λ, relative to the mean eigenvalue"})
     attr_curvature: Literal["block", "kfac"] = field(default="block", metadata={"help": "cached curvature: per-prototype blocks or with co-usage"})
     ekfac: bool = field(default=False, metadata={"help": "also rank with EK-FAC through kronfluence (if installed)"})
-    suppress_keywords: str = field(default="lord,king", metadata={"help": "WORD[,WORD..]: suppress prototypes whose cards match ('' off)"})
+    suppress_keywords: str = field(default="auto", metadata={"help": "WORD[,WORD..]: suppress prototypes whose live cards match; auto: the word the most-used live cards are about; '' off"})
     suppress: str = field(default="", metadata={"help": "ID[,ID..]: suppress these prototypes"})
     suppress_factor: float = field(default=0.0, metadata={"help": "kept fraction of suppressed terms (0 drops, <0 pushes away)"})
     controller: bool = field(default=True, metadata={"help": "sparse prototype controller vs SAE controller (4-way cloze)"})
@@ -226,6 +229,9 @@ ARCH_KEYS = ("head", "layers", "d_model", "heads", "n_protos", "topk", "act", "r
 RUNTIME_KEYS = ("head", "preset", "device", "dtype", "compile", "kernels", "out_dir", "cache_dir", "resume", "train",
                 "twin", "bench", "report", "sample")
 MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS)
+# The recipe a dense twin must share with PRISM for the CE gap at equal steps to mean anything.
+TWIN_KEYS = ("layers", "d_model", "heads", "dropout", "dataset", "tokenizer", "compact", "max_tokens", "batch_size", "ctx",
+             "lr", "min_lr_ratio", "warmup_frac", "max_iters", "weight_decay", "grad_clip", "eval_interval", "seed")
 # -----------------------------------------------------------------------------
 # Core op: proto_topk(z, P, k) -> (idx, a),   a_{n,j} = relu(cos(z_n, P_{idx_{n,j}})) for the k best prototypes
 
@@ -834,10 +840,8 @@ def setup_device(cfg: Config):
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
-    try:
-        torch.device(device)
-    except RuntimeError:
-        raise RunError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps") from None
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", device):  # torch.device also takes xpu, meta, ...: not run here
+        raise RunError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RunError(f"--device {device}: CUDA is not available")
     if device == "mps" and not torch.backends.mps.is_available():
@@ -1395,18 +1399,35 @@ def keywords_of(spec: str) -> list[str]:
     return [w.strip().lower() for w in spec.split(",") if w.strip()]
 
 
+def card_words(card: dict, sig_top: int = 3) -> set[str]:
+    """The words (whole tokens, lower-cased) a card is *about*: its signature's top `sig_top` tokens, and any
+    token that is the activating token or the token after it in at least half of its top contexts. (Any mention
+    among ten signature tokens would select a large part of a small bank.)"""
+    words = {s.strip().lower() for s in card["signature"][:sig_top]}
+    ctx = [{x["token"].strip().lower(), x["next"].strip().lower()} for x in card["contexts"]]
+    for w in set().union(*ctx) if ctx else ():
+        if 2 * sum(w in c for c in ctx) >= len(ctx):
+            words.add(w)
+    return words - {""}
+
+
 def match_keywords(cards: list[dict], keywords: list[str], sig_top: int = 3) -> list[int]:
-    """Prototypes whose card is *about* a keyword (whole words, case-insensitive): the keyword is one of the
-    signature's top `sig_top` tokens, or the activating token or the token it precedes in at least half of the
-    card's top contexts. (Any mention among ten signature tokens would select a large part of a small bank.)"""
+    """Live prototypes (active on the card windows) whose card is about a keyword. A dead prototype never fires,
+    so suppressing it changes nothing: it is never selected."""
     kw = set(keywords)
-    hits = []
+    return [c["proto"] for c in cards if c["uses"] > 0 and card_words(c, sig_top) & kw]
+
+
+def auto_keyword(cards: list[dict], min_letters: int = 4) -> list[str]:
+    """--suppress-keywords auto: the word of min_letters+ letters that the live cards are about, weighted by
+    their uses (activations on the card windows); [] when no live card is about such a word."""
+    score: dict[str, int] = {}
     for c in cards:
-        in_signature = {s.strip().lower() for s in c["signature"][:sig_top]} & kw
-        in_contexts = sum(bool({x["token"].strip().lower(), x["next"].strip().lower()} & kw) for x in c["contexts"])
-        if in_signature or (c["contexts"] and 2 * in_contexts >= len(c["contexts"])):
-            hits.append(c["proto"])
-    return hits
+        if c["uses"] > 0:
+            for w in card_words(c):
+                if w.isalpha() and len(w) >= min_letters:
+                    score[w] = score.get(w, 0) + c["uses"]
+    return [min(score, key=lambda w: (-score[w], w))] if score else []
 
 
 def parse_ids(spec: str, K: int) -> list[int]:
@@ -2434,6 +2455,7 @@ def bench_kernel(device, log=print) -> dict:
                 with full_fp32():  # forward and backward: the torch reference's GEMMs in IEEE fp32, like tl.dot
                     _, a = fn(z, P)
                     (a * ga).sum().backward()
+            z.grad = P.grad = None  # each form allocates its own gradients inside the measured peak
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
@@ -2556,6 +2578,19 @@ class Logger:
                 f.write(msg + "\n")
 
 
+def preset_banner(cfg: Config, explicit, device, minutes: str) -> str:
+    """Why the CPU preset runs (asked for, or chosen for want of CUDA), the preset values it applied, and its time
+    only when the run is the preset's own: a typed size or step flag (other than a default's or the preset's own
+    value) makes the quoted minutes wrong, so they are left out."""
+    why = "running the CPU preset (--preset cpu)" if cfg.preset == "cpu" else "no GPU: running the CPU preset"
+    applied = [f"{k}={getattr(cfg, k)}" for k in CPU_PRESET if k not in explicit]
+    default = Config()
+    own = [k for k in explicit if k not in RUNTIME_KEYS and getattr(cfg, k) != CPU_PRESET.get(k, getattr(default, k))]
+    return (why + (f" ({', '.join(applied)})" if applied else "")
+            + (f", {minutes}" if device.type == "cpu" and not own else "")
+            + "; --preset paper runs the paper's configuration")
+
+
 def apply_preset(cfg: Config, explicit) -> str:
     preset = cfg.preset if cfg.preset != "auto" else ("paper" if torch.cuda.is_available() else "cpu")
     if preset == "cpu":
@@ -2567,6 +2602,9 @@ def apply_preset(cfg: Config, explicit) -> str:
 
 def validate(cfg: Config) -> None:
     """Every bad flag value found before anything is trained, each as one line."""
+    seeds = [f.name for f in fields(cfg) if f.name.endswith("seed") and not 0 <= getattr(cfg, f.name) < 2**32]
+    if seeds:  # torch.manual_seed overflows past 64 bits with a traceback; numpy's legacy seeding past 32
+        raise RunError(f"--{seeds[0].replace('_', '-')} must be in [0, 2**32)")
     checks = [(cfg.layers >= 1, "--layers must be >= 1"), (cfg.heads >= 1, "--heads must be >= 1"),
               (cfg.d_model % cfg.heads == 0, f"--d-model {cfg.d_model} must split into --heads {cfg.heads} heads"),
               (cfg.n_protos >= 1, "--n-protos must be >= 1"),
@@ -2625,15 +2663,24 @@ def load_model(ck: dict, c: Config, data, device, path: Path) -> PRISM:
     return model
 
 
-def twin_history(cfg: Config, histories: dict) -> Optional[dict]:
-    """The dense twin's history for the CE gap: from this run, else from its checkpoint in out_dir if any."""
+def twin_history(cfg: Config, histories: dict, log=print) -> Optional[dict]:
+    """The dense twin's history for the CE gap: from this run, else from its checkpoint in out_dir if any, when
+    that twin was trained with this run's settings (a gap at equal steps to another recipe would mislead)."""
     if "dense" in histories:
         return histories["dense"]
     path = ckpt_path(replace(cfg, head="dense"))
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)["history"] if path.exists() else None
+        ck = torch.load(path, map_location="cpu", weights_only=True) if path.exists() else None
     except Exception:  # an unreadable twin only costs the gap column
         return None
+    if ck is None:
+        return None
+    recipe = [k for k in TWIN_KEYS if k in ck["config"] and ck["config"][k] != getattr(cfg, k)]
+    if recipe:
+        log(f"gap to dense: not computed, {path} was trained with other settings ("
+            + ", ".join(f"{k}={ck['config'][k]!r}, here {getattr(cfg, k)!r}" for k in recipe[:3]) + ")")
+        return None
+    return ck["history"]
 
 
 def run(cfg: Config, explicit) -> int:
@@ -2667,12 +2714,8 @@ def run(cfg: Config, explicit) -> int:
         parse_ids(cfg.suppress, cfg.n_protos)
     out_dir = Path(cfg.out_dir)
     log = Logger(None if cfg.bench else out_dir / f"log-{cfg.head}.txt", rank)
-    if preset == "cpu" and not cfg.bench and cfg.train:
-        # say why: asked for (--preset cpu, possibly on a GPU), or chosen by --preset auto for want of CUDA
-        why = "running the CPU preset (--preset cpu)" if cfg.preset == "cpu" else "no GPU: running the CPU preset"
-        log(f"{why} (" + ", ".join(f"{k}={getattr(cfg, k)}" for k in CPU_PRESET) + ")"
-            + (", about 6 minutes on 2 CPU cores" if device.type == "cpu" else "")
-            + "; --preset paper runs the paper's configuration")
+    if preset == "cpu" and not cfg.bench and cfg.train and not cfg.resume:  # a resumed run keeps its own settings
+        log(preset_banner(cfg, explicit, device, "about 6 minutes on 2 CPU cores"))
     log("config: " + json.dumps(asdict(cfg)))
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"
@@ -2711,7 +2754,7 @@ def run(cfg: Config, explicit) -> int:
                 check_tokenizer(ck, data, path)
             t0 = time.time()
             models[h], histories[h] = train(c, data, device, autocast, dist_info, explicit, log, ck,
-                                            twin=twin_history(c, histories) if h == "prism" else None,
+                                            twin=twin_history(c, histories, log) if h == "prism" else None,
                                             start_rng=start_rng)
             log(f"{h}: trained in {time.time() - t0:.0f}s; checkpoint {ckpt_path(c)}")
         else:
@@ -2764,10 +2807,16 @@ def run(cfg: Config, explicit) -> int:
             targets.append(("ids", parse_ids(cfg.suppress, cfg.n_protos), []))
         if cfg.suppress_keywords:
             kws = keywords_of(cfg.suppress_keywords)
-            targets.append(("keywords", match_keywords(cards["cards"], kws), kws))
+            if kws == ["auto"]:
+                kws = auto_keyword(cards["cards"])
+                log(f"suppression: auto keyword {kws[0]!r}, the word the most-used live cards are about "
+                    "(--suppress-keywords WORD,... chooses)" if kws else
+                    "suppression: no live prototype card is about a word of 4+ letters; nothing to suppress")
+            if kws:
+                targets.append(("keywords", match_keywords(cards["cards"], kws), kws))
         for kind, ids, kws in targets:
             if not ids:
-                log(f"suppression: no prototype card matches {', '.join(kws)}; nothing to suppress")
+                log(f"suppression: no live prototype card matches {', '.join(kws)}; nothing to suppress")
                 continue
             if not kws:  # --suppress IDS: measure the words those prototypes promote most (top-3 of each signature)
                 sig = signatures(model, top=3)

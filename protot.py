@@ -67,9 +67,10 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -172,10 +173,16 @@ class Config:
 # layer-0/1 specials) but shrinks width, context, batch and steps so the whole run takes about 5 minutes.
 CPU_PRESET = dict(d_model=128, ctx=128, batch_size=16, max_iters=320, lr=3e-3, eval_interval=80, eval_iters=5,
                   log_interval=20, label_windows=512)
-# A checkpoint fixes these (asking for other values is an error); MERGED_KEYS also come from it unless typed.
+# A checkpoint fixes ARCH_KEYS (asking for other values is an error); --resume and --no-train take every other
+# setting from it too unless typed (MERGED_KEYS: all but how and where this invocation runs), so a plain
+# --resume continues the run's own schedule, not the preset's or the defaults'.
 ARCH_KEYS = ("mixer", "layers", "d_model", "n_protos", "heads", "value_dim", "ema", "shared_routing",
              "conv_layers", "dataset", "tokenizer", "compact", "max_tokens")
-MERGED_KEYS = ARCH_KEYS + ("ctx",)
+ANALYSIS_KEYS = ("labels", "label_windows", "intervene", "mode", "target", "prompts", "find_prototype", "robustness",
+                 "sample", "sample_tokens")
+RUNTIME_KEYS = ("mixer", "preset", "device", "dtype", "compile", "kernels", "out_dir", "cache_dir", "resume", "train",
+                "compare", "bench", "report") + ANALYSIS_KEYS
+MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS)
 
 
 def value_width(cfg: Config) -> int:
@@ -809,6 +816,14 @@ def prefix_state(w, v, beta):
     return torch.einsum("btr,btd->brd", cw, _fp32(v)), cw.sum(1)
 
 
+def _gate_softmax(s, masked: bool):
+    """Softmax over the prototypes, in fp32. Under an intervention mask a row may have every logit at -inf (every
+    prototype of the layer masked): its gate is then all zeros, the mask's limit (no write: prefix mean 0; no
+    read: y = 0), not softmax's 0/0."""
+    p = torch.softmax(_fp32(s), -1)
+    return p.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0) if masked else p
+
+
 class ProtoMixer(nn.Module):
     """The prototype mixer of one layer, Eqs. (1)-(6). Interventions set `write_mask` / `read_mask` (bool [R],
     True = masked: logit -inf) or swap rows of P; `record = True` keeps the last gates for the analyses."""
@@ -841,13 +856,13 @@ class ProtoMixer(nn.Module):
         s_w = x @ self.P.t() / (self.tau_w.abs() + 1e-6)
         if self.write_mask is not None:
             s_w = s_w.masked_fill(self.write_mask, float("-inf"))
-        w = torch.softmax(_fp32(s_w), -1)
+        w = _gate_softmax(s_w, self.write_mask is not None)
         if self.shared and self.read_mask is None:
             return w, w  # layer 0 reads with its write gate (a write mask therefore masks the read too)
         s_r = s_w if self.shared else self.W_r(x) @ self.P.t() / (self.tau_r.abs() + 1e-6)
         if self.read_mask is not None:
             s_r = s_r.masked_fill(self.read_mask, float("-inf"))
-        return w, torch.softmax(_fp32(s_r), -1)
+        return w, _gate_softmax(s_r, self.read_mask is not None or (self.shared and self.write_mask is not None))
 
     def forward(self, x, cache=None):
         """x: [B, T, d], the block's pre-normed input. cache None: the parallel form. cache a dict: recurrent
@@ -1023,10 +1038,8 @@ def setup_device(cfg: Config):
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
-    try:
-        torch.device(device)
-    except RuntimeError:
-        raise RunError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps") from None
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", device):  # torch.device also takes xpu, meta, ...: not run here
+        raise RunError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RunError(f"--device {device}: CUDA is not available")
     if device == "mps" and not torch.backends.mps.is_available():
@@ -1469,7 +1482,7 @@ def intervention(model: ProtoT, units: list[tuple[int, int]], mode: str, seed: i
     try:
         yield
     finally:
-        for m, row, k in saved:
+        for m, row, k in reversed(saved):  # reversed: a unit listed twice gets its original row back
             m.P.data[k] = row
         for m in mixers:
             m.write_mask = m.read_mask = None
@@ -1484,11 +1497,14 @@ def parse_units(spec: str, layers: int, n_protos: int) -> list[tuple[int, int]]:
             raise RunError(f"--intervene expects LAYER:PROTO[,LAYER:PROTO...], got {part!r}") from None
         if not (0 <= l < layers and 0 <= k < n_protos):
             raise RunError(f"--intervene {part}: layer must be in 0..{layers - 1}, prototype in 0..{n_protos - 1}")
-        units.append((l, k))
+        if (l, k) not in units:
+            units.append((l, k))
     return units
 
 
 def relative(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    if not torch.isfinite(new).all():
+        raise RunError("the intervened model gives non-finite probabilities")
     keep = base >= 1e-6  # the official script skips sentences whose baseline probability is below 1e-6
     return (new[keep] - base[keep]) / base[keep]
 
@@ -1774,7 +1790,7 @@ def table_html(rows: list[dict], cols: list[str]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict) -> Path:
+def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, stem: str = "report") -> Path:
     parts = [f"<h1>ProtoT report</h1><p>{html.escape(time.strftime('%Y-%m-%d %H:%M'))}, preset "
              f"{html.escape(results.get('preset', ''))}, device {html.escape(results.get('device', ''))}</p>",
              "<h2>Configuration</h2>" + table_html([asdict(cfg)], list(asdict(cfg)))]
@@ -1813,7 +1829,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict) -> 
     if "samples" in results:
         parts.append("<h2>Samples (O(1) cached generation)</h2>" + "".join(
             f"<pre>{html.escape(s)}</pre>" for s in results["samples"]))
-    path = out_dir / "report.html"
+    path = out_dir / f"{stem}.html"
     path.write_text("<!doctype html><meta charset=utf-8><title>ProtoT report</title><style>body{font-family:"
                     "sans-serif;max-width:1100px}table{border-collapse:collapse;font-size:12px}td,th{border:1px "
                     "solid #ccc;padding:2px 6px}pre{background:#f6f6f6;padding:6px;white-space:pre-wrap}</style>"
@@ -1847,6 +1863,19 @@ class Logger:
                 f.write(msg + "\n")
 
 
+def preset_banner(cfg: Config, explicit, device, minutes: str) -> str:
+    """Why the CPU preset runs (asked for, or chosen for want of CUDA), the preset values it applied, and its time
+    only when the run is the preset's own: a typed size or step flag (other than a default's or the preset's own
+    value) makes the quoted minutes wrong, so they are left out."""
+    why = "running the CPU preset (--preset cpu)" if cfg.preset == "cpu" else "no GPU: running the CPU preset"
+    applied = [f"{k}={getattr(cfg, k)}" for k in CPU_PRESET if k not in explicit]
+    default = Config()
+    own = [k for k in explicit if k not in RUNTIME_KEYS and getattr(cfg, k) != CPU_PRESET.get(k, getattr(default, k))]
+    return (why + (f" ({', '.join(applied)})" if applied else "")
+            + (f", {minutes}" if device.type == "cpu" and not own else "")
+            + "; --preset paper runs the paper's configuration")
+
+
 def apply_preset(cfg: Config, explicit) -> str:
     preset = cfg.preset if cfg.preset != "auto" else ("paper" if torch.cuda.is_available() else "cpu")
     if preset == "cpu":
@@ -1858,6 +1887,9 @@ def apply_preset(cfg: Config, explicit) -> str:
 
 def validate(cfg: Config) -> None:
     """Every bad flag value found before anything is trained, each as one line."""
+    seeds = [f.name for f in fields(cfg) if f.name.endswith("seed") and not 0 <= getattr(cfg, f.name) < 2**32]
+    if seeds:  # torch.manual_seed overflows past 64 bits with a traceback; numpy's legacy seeding past 32
+        raise RunError(f"--{seeds[0].replace('_', '-')} must be in [0, 2**32)")
     checks = [(cfg.layers >= 1, "--layers must be >= 1"), (cfg.d_model >= 2 and cfg.d_model % 2 == 0, "--d-model must be even"),
               (cfg.n_protos >= 1, "--n-protos must be >= 1"), (cfg.ctx >= 1, "--ctx must be >= 1"),
               (cfg.batch_size >= 1, "--batch-size must be >= 1"), (cfg.max_iters >= 1, "--max-iters must be >= 1"),
@@ -1869,7 +1901,7 @@ def validate(cfg: Config) -> None:
               (cfg.conv_layers >= 0, "--conv-layers must be >= 0"), (cfg.label_windows >= 1, "--label-windows must be >= 1"),
               (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"), (cfg.heads >= 1, "--heads must be >= 1"),
               (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file")]
-    if cfg.mixer == "attention" or cfg.compare:
+    if cfg.mixer == "attention" or cfg.compare or cfg.bench:  # --bench times the attention baseline too
         checks.append((cfg.d_model % cfg.heads == 0 and (cfg.d_model // cfg.heads) % 2 == 0,
                        f"--d-model {cfg.d_model} must split into --heads {cfg.heads} heads of even size"))
     for ok, msg in checks:
@@ -1921,9 +1953,11 @@ def run(cfg: Config, explicit) -> int:
     if not cfg.train or cfg.resume:
         for mixer in mixers:
             path = ckpt_path(replace(cfg, mixer=mixer))
+            if cfg.train and cfg.compare and not path.exists() and mixer != mixers[0]:
+                continue  # --compare stopped before this mixer's first checkpoint: it trains from step 0
             loaded[mixer] = (path, *load_checkpoint(path, replace(cfg, mixer=mixer), explicit))
         saved = loaded[mixers[0]][2]
-        cfg = replace(cfg, **{k: getattr(saved, k) for k in MERGED_KEYS if k != "mixer"})
+        cfg = replace(cfg, **{k: getattr(saved, k) for k in MERGED_KEYS})
     dv = value_width(cfg)  # after the merge: --resume / --no-train take n_protos and d_model from the checkpoint
     if cfg.kernels == "triton" and (cfg.mixer == "proto" or cfg.compare) and not _prefix_mean_fits(cfg.n_protos, dv):
         raise RunError(f"--kernels triton: the scan kernel supports --n-protos × d_v up to {_PREFIX_MEAN_MAX_TILE} "
@@ -1932,9 +1966,8 @@ def run(cfg: Config, explicit) -> int:
         parse_units(cfg.intervene, cfg.layers, cfg.n_protos)
     out_dir = Path(cfg.out_dir)
     log = Logger(None if cfg.bench else out_dir / f"log-{'-'.join(mixers)}.txt", rank)  # --compare: log-proto-attention
-    if preset == "cpu" and not cfg.bench and cfg.train:
-        log("no GPU: running the CPU preset (" + ", ".join(f"{k}={getattr(cfg, k)}" for k in CPU_PRESET)
-            + "), about 5 minutes; --preset paper runs the paper's configuration")
+    if preset == "cpu" and not cfg.bench and cfg.train and not cfg.resume:  # a resumed run keeps its own settings
+        log(preset_banner(cfg, explicit, device, "about 5 minutes on 2 CPU cores"))
     log("config: " + json.dumps(asdict(cfg)))
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"
@@ -1970,6 +2003,9 @@ def run(cfg: Config, explicit) -> int:
             if mixer in loaded:  # --resume
                 path, ck, _ = loaded[mixer]
                 check_tokenizer(ck, data, path)
+            elif cfg.resume:
+                c = replace(c, resume=False)
+                log(f"{mixer}: no checkpoint at {ckpt_path(c)} yet; training it from step 0")
             t0 = time.time()
             models[mixer], histories[mixer] = train(c, data, device, autocast, dist_info, explicit, log, ck)
             log(f"{mixer}: trained in {time.time() - t0:.0f}s; checkpoint {ckpt_path(c)}")
@@ -2040,9 +2076,10 @@ def run(cfg: Config, explicit) -> int:
         results["samples"] = [sample_text(m, data.tokenizer, p, cfg.sample_tokens, device, cfg.seed) for p in prompts]
         for s in results["samples"]:
             log("sample: " + s.replace("\n", "\n        "))
-    (out_dir / "results.json").write_text(json.dumps(results, default=str))
+    tag = "results" if cfg.train else "analysis"  # an analysis-only run never overwrites the training run's report
+    (out_dir / f"{tag}.json").write_text(json.dumps(results, default=str))
     if cfg.report:
-        log(f"report: {write_report(out_dir, cfg, results, histories)}")
+        log(f"report: {write_report(out_dir, cfg, results, histories, 'report' if cfg.train else 'analysis')}")
     return 0
 
 

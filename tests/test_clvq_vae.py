@@ -287,6 +287,8 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     (["--layer-l", "2", "--layer-h", "2"], 1, "Integrated Gradients needs 1 <= l < 2"),  # before any training
     (["--layer-l", "0", "--layer-h", "1"], 1, "Integrated Gradients needs 1 <= l < 2"),
     (["--fixed-alpha", "-7"], 1, "--fixed-alpha must be in [0, 2]"),
+    (["--device", "meta"], 1, "--device meta: expected auto"),
+    (["--analysis-seed", "-1"], 1, "--analysis-seed must be in [0, 2**32)"),
     (["--finetune-epochs", "1", "--finetune-lr", "1e12"], 1, "non-finite loss at step"),
     (["--out-dir", "/dev/null/x"], 1, "--out-dir /dev/null/x: cannot write there"),
     (["--model", "FacebookAI/roberta-base"], 1, "needs the Hugging Face hub, which is unreachable (offline)"),

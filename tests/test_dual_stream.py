@@ -276,10 +276,16 @@ class FakeData:
         yield tokens(B=batch_size, T=ctx, seed=2)
 
 
+def test_evaluate_ppl_reads_exactly_max_windows():
+    """--analysis-windows 3 is 3 windows, not the 8 of a whole batch."""
+    res = ds.evaluate_ppl(tiny_model(), FakeData(), 16, torch.autocast("cpu", enabled=False), max_windows=3)
+    assert res["tokens"] == 3 * 16
+
+
 def test_ablation_rows_say_what_they_remove_and_fts_skips_the_repeats():
     """Token-factor with --ablate-at all: five distinct rows, "no attention writes" (readout x_t + x_e) apart from
     "no x_t at all". FTS: the at-every-layer passes would equal the readout ones exactly, so they are skipped."""
-    cfg = Config(ctx=16, analysis_windows=2, ablate_at="all")
+    cfg = Config(ctx=16, analysis_windows=8, ablate_at="all")  # a random tiny model: x_e rows differ by ~1e-7
     auto = torch.autocast("cpu", enabled=False)
     rows = ds.ablation(tiny_model(), FakeData(), cfg, auto)
     assert [(r["stream"], r["at"]) for r in rows] == [("x_t", "readout"), ("x_e", "readout"), ("x_t", "writes"),
@@ -575,12 +581,15 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     (["--head-sweep", "--sweep"], 1, "--sweep and --head-sweep are separate runs"),
     (["--head-sweep", "--d-model", "36"], 1, "--head-sweep needs --d-model 36 to split into even heads"),
     (["--head-sweep", "--no-specialization"], 1, "--head-sweep compares the specialisation analyses"),
+    (["--device", "meta"], 1, "--device meta: expected auto, cpu, cuda, cuda:N or mps"),  # torch.device takes it
+    (["--seed", "99999999999999999999999"], 1, "--seed must be in [0, 2**32)"),
+    (["--out-dir", "/dev/null/x"], 1, "--out-dir /dev/null/x: cannot write there"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tmp_path, cache_dir, args, code, needle, capsys, monkeypatch):
     """In-process main() (what `python dual_stream.py ...` runs), offline and without the tests' Triton interpreter;
     the subprocess form of the same path is covered by test_corrupt_checkpoint_is_one_line."""
-    rc, err = call_main(ds.main, [*args, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys,
-                        monkeypatch)
+    out = [] if "--out-dir" in args else ["--out-dir", str(tmp_path)]
+    rc, err = call_main(ds.main, [*args, *out, "--cache-dir", str(cache_dir)], capsys, monkeypatch)
     assert rc == code and needle in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
 

@@ -199,6 +199,18 @@ def test_torch_block_statistics():
     check_close("max_weight", ref_maxw, maxw)
 
 
+def test_torch_statistics_stay_fp32_under_bf16_autocast():
+    """The model runs under bf16 autocast on a GPU; the torch form's entropy and max weight must still be the fp32
+    numbers (in bf16, α = 16 misses the entropy by ~0.06)."""
+    q, k, v, _ = _inputs(1, 2, 64, 32)
+    _, ref_ent, ref_maxw = op.amp_attention_reference(q.double(), k.double(), v.double(), 16.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, ent, maxw = op.amp_attention_torch(q, k, v, 16.0)
+    assert ent.dtype == maxw.dtype == torch.float32
+    check_close("entropy under autocast", ref_ent, ent)
+    check_close("max_weight under autocast", ref_maxw, maxw)
+
+
 def test_dispatch():
     q, k, v, _ = _inputs(1, 2, 9, 16)
     o, ent, maxw = op.amp_attention(q, k, v, stats=False, backend="torch")

@@ -1,6 +1,7 @@
 """prism.py beyond the core op: the prototype head's identity and gradient routing, suppression (and the
 recompute-the-residual trap), the losses, seeding, training (resume, NaN, DDP), checkpoints, the command line,
 and that the script works when copied alone."""
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -316,11 +317,32 @@ def test_push_turns_each_prototype_onto_its_nearest_token():
 def test_match_keywords_needs_the_card_to_be_about_the_word():
     def ctx(tok, nxt):
         return {"token": tok, "next": nxt, "a": 1.0, "before": ""}
-    cards = [{"proto": 0, "signature": [" lord", "a", "b"], "contexts": []},
-             {"proto": 1, "signature": ["a", "b", "c", " lord"], "contexts": [ctx(" my", " Lord"), ctx(" x", " y")]},
-             {"proto": 2, "signature": ["a", "b", "c", " lord"], "contexts": [ctx(" x", " y"), ctx(" x", " y"), ctx(" lord", ",")]}]
+    cards = [{"proto": 0, "uses": 3, "signature": [" lord", "a", "b"], "contexts": []},
+             {"proto": 1, "uses": 2, "signature": ["a", "b", "c", " lord"], "contexts": [ctx(" my", " Lord"), ctx(" x", " y")]},
+             {"proto": 2, "uses": 3, "signature": ["a", "b", "c", " lord"], "contexts": [ctx(" x", " y"), ctx(" x", " y"), ctx(" lord", ",")]},
+             {"proto": 3, "uses": 0, "signature": [" lord", " king", "b"], "contexts": []}]  # dead: never fires
     assert prism.match_keywords(cards, ["lord"]) == [0, 1]
     assert prism.match_keywords(cards, ["lord"], sig_top=4) == [0, 1, 2]
+    assert prism.match_keywords(cards, ["king"]) == []
+    # auto: the 4+ letter word the live cards are about, weighted by uses: "lord" (cards 0 and 1: 3 + 2 uses)
+    # beats "king" (only the dead card) and the short "my", "x", "y"
+    assert prism.auto_keyword(cards) == ["lord"]
+    assert prism.auto_keyword([cards[3]]) == [] and prism.auto_keyword(cards[2:3]) == []
+
+
+def test_gap_needs_a_twin_trained_with_the_same_recipe(tmp_path):
+    """--no-twin reads the twin's history from its checkpoint; a twin of another recipe gives no gap (and says
+    why) rather than a gap at equal step numbers between two different schedules."""
+    cfg = prism.Config(out_dir=str(tmp_path), head="prism")
+    hist = {"step": [5], "val": [6.0]}
+    torch.save({"config": dataclasses.asdict(dataclasses.replace(cfg, head="dense", n_protos=7)), "history": hist},
+               tmp_path / "ckpt-dense.pt")
+    assert prism.twin_history(cfg, {}) == hist  # prototype settings do not matter to the twin
+    torch.save({"config": dataclasses.asdict(dataclasses.replace(cfg, head="dense", lr=1.0)), "history": hist},
+               tmp_path / "ckpt-dense.pt")
+    lines = []
+    assert prism.twin_history(cfg, {}, lines.append) is None
+    assert "gap to dense: not computed" in lines[0] and f"lr=1.0, here {cfg.lr}" in lines[0]
 
 
 def test_twin_and_prism_train_on_the_same_batches(tmp_path, cache_dir):
@@ -359,8 +381,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache_dir, 
 def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     """The issue's tiny run: falling loss, checkpoints of PRISM and its twin, the report, the attribution and
     suppression tables."""
-    r = run_script("prism.py", *TINY, "--suppress", "0,1", "--suppress-keywords", "the,and", "--out-dir", str(tmp_path),
-                   "--cache-dir", str(cache_dir))
+    r = run_script("prism.py", *TINY, "--suppress", "0,1", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     assert "no GPU: running the CPU preset" in out
@@ -378,9 +399,15 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert res["decomposition"]["max_abs_error"] < 1e-3
     assert [r["method"] for r in res["attribution"]["table"]][:2] == ["PRISM cached (block)", "prototype-space exact"]
     assert len(res["controller"]["table"]) == 2
-    sup = res["suppression"][0]  # by id; then by keyword, if a card is about 'the' or 'and'
+    sup = res["suppression"][0]  # by id; then by the auto keyword, when a live card is about a 4+ letter word
     assert sup["prototypes"] == [0, 1] and sup["keywords"] and "rate_after" in sup and "ppl_change" in sup
-    assert len(res["suppression"]) == 2 or "no prototype card matches the, and" in out
+    if len(res["suppression"]) == 2:
+        word = out.split("suppression: auto keyword '")[1].split("'")[0]
+        assert res["suppression"][1]["keywords"] == [word]
+        live = {c["proto"] for c in json.loads((tmp_path / "prototypes.json").read_text())["cards"] if c["uses"]}
+        assert set(res["suppression"][1]["prototypes"]) <= live  # never a dead prototype
+    else:
+        assert "no live prototype card is about a word of 4+ letters" in out
     report = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64" in report and "Suppression" in report
 
@@ -436,12 +463,15 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     (["--attr-damping", "0"], 1, "--attr-damping must be > 0"),
     (["--suppress-factor", "nan"], 1, "--suppress-factor must be a finite number"),
     (["--resid-grad", "full", "--attribution"], 1, "attribution needs --resid-grad detach-zhat or detach-r"),
+    (["--device", "meta"], 1, "--device meta: expected auto, cpu, cuda, cuda:N or mps"),  # torch.device takes it
+    (["--seed", "99999999999999999999999"], 1, "--seed must be in [0, 2**32)"),
+    (["--out-dir", "/dev/null/x"], 1, "--out-dir /dev/null/x: cannot write there"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tmp_path, cache_dir, args, code, needle, capsys, monkeypatch):
     """In-process main() (what `python prism.py ...` runs), offline and without the tests' Triton interpreter;
     the subprocess form of the same path is covered by test_corrupt_checkpoint_is_one_line."""
-    rc, err = call_main(prism.main, [*args, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys,
-                        monkeypatch)
+    out = [] if "--out-dir" in args else ["--out-dir", str(tmp_path)]
+    rc, err = call_main(prism.main, [*args, *out, "--cache-dir", str(cache_dir)], capsys, monkeypatch)
     assert rc == code and needle in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
 

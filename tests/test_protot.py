@@ -90,6 +90,19 @@ def test_interventions_mask_and_restore():
     with protot.intervention(model, [(1, 3)], "reinit"):
         assert not torch.equal(model.mixers()[1].P[3], P[3]) and torch.equal(model.mixers()[1].P[4], P[4])
     torch.testing.assert_close(model(x), before)  # everything restored
+    # every prototype of a layer masked: that layer writes (or reads) nothing, finite logits, not softmax's 0/0
+    for mode in ("write-mask", "read-mask"):
+        for layer in (0, 1):  # layer 0 reads with its write gate
+            with protot.intervention(model, [(layer, k) for k in range(6)], mode):
+                out = model(x)
+                assert torch.isfinite(out).all(), (mode, layer)
+                assert model.mixers()[layer].last["rho" if mode == "read-mask" else "w"].abs().max() == 0
+    # a unit listed twice under reinit gets its own row back (restored in reverse order)
+    with protot.intervention(model, [(1, 2), (1, 2)], "reinit"):
+        pass
+    assert torch.equal(model.mixers()[1].P, P)
+    assert protot.parse_units("1:2,0:1,1:2", 2, 6) == [(1, 2), (0, 1)]
+    torch.testing.assert_close(model(x), before)
     with pytest.raises(protot.RunError, match="LAYER:PROTO"):
         protot.parse_units("3-1", 2, 6)
     with pytest.raises(protot.RunError, match="prototype in 0..5"):
@@ -192,6 +205,8 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
                    "--no-labels", "--no-robustness", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "read-mask L1 P3,L0 P2 on 'queen' (8 prompts): target probability max" in r.stdout
+    assert (tmp_path / "analysis.json").is_file() and (tmp_path / "analysis.html").is_file()
+    assert json.loads((tmp_path / "results.json").read_text()) == res  # the training run's results are kept
     rc, err = call_main(protot.main, ["--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir",
                                       str(cache_dir)], capsys, monkeypatch)  # in-process: seconds less than a run
     assert rc == 1 and err.count("\n") == 1
@@ -215,14 +230,45 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     (["--dataset", "fineweb-edu"], 1, "needs the Hugging Face hub, which is unreachable"),
     (["--kernels", "triton"], 1, "--kernels triton needs a CUDA device"),
     (["--mixer", "attention", "--find-prototype", "queen"], 1, "need --mixer proto"),
+    (["--device", "meta"], 1, "--device meta: expected auto, cpu, cuda, cuda:N or mps"),  # torch.device takes it
+    (["--device", "xpu"], 1, "--device xpu: expected auto"),
+    (["--seed", "-1"], 1, "--seed must be in [0, 2**32)"),
+    (["--bench", "--d-model", "36", "--layers", "1"], 1, "must split into --heads 4 heads"),  # bench times attention
+    (["--out-dir", "/dev/null/x"], 1, "--out-dir /dev/null/x: cannot write there"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tmp_path, cache_dir, args, code, needle, capsys, monkeypatch):
     """In-process main() (what `python protot.py ...` runs), offline and without the tests' Triton interpreter;
     the subprocess form of the same path is covered by test_corrupt_checkpoint_is_one_line."""
-    rc, err = call_main(protot.main, [*args, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys,
-                        monkeypatch)
+    out = [] if "--out-dir" in args else ["--out-dir", str(tmp_path)]
+    rc, err = call_main(protot.main, [*args, *out, "--cache-dir", str(cache_dir)], capsys, monkeypatch)
     assert rc == code and needle in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_resume_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
+    """A plain --resume takes the run's own settings from the checkpoint (not the preset's); --compare resumed
+    after it stopped before the baseline's first checkpoint trains the baseline from step 0 with those settings;
+    --max-iters extends a finished run."""
+    small = ["--layers", "1", "--d-model", "32", "--n-protos", "4", "--heads", "2", "--ctx", "32", "--batch-size", "4",
+             "--lr", "1e-3", "--eval-interval", "5", "--eval-iters", "1", "--log-interval", "5", *SMALL_CORPUS]
+    quiet = ["--no-labels", "--no-robustness", "--no-report", "--find-prototype", "off", "--sample-tokens", "4",
+             "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)]
+    rc, err = call_main(protot.main, [*small, *quiet, "--max-iters", "10"], capsys, monkeypatch)
+    assert rc == 0, err
+    rc, err = call_main(protot.main, ["--compare", "--resume", *quiet], capsys, monkeypatch)
+    assert rc == 0, err
+    log = (tmp_path / "log-proto-attention.txt").read_text()
+    assert "attention: no checkpoint at" in log and "training it from step 0" in log
+    assert "CPU preset" not in log  # its settings are the checkpoint's, so no preset banner
+    for mixer in ("proto", "attention"):
+        c = torch.load(tmp_path / f"ckpt-{mixer}.pt", weights_only=True)
+        assert c["step"] == 10 and c["config"]["mixer"] == mixer, mixer
+        assert (c["config"]["batch_size"], c["config"]["lr"], c["config"]["max_iters"], c["config"]["d_model"]) == \
+            (4, 1e-3, 10, 32), mixer
+    rc, err = call_main(protot.main, ["--resume", "--max-iters", "15", *quiet], capsys, monkeypatch)
+    assert rc == 0, err
+    c = torch.load(tmp_path / "ckpt-proto.pt", weights_only=True)
+    assert c["step"] == 15 and c["config"]["lr"] == 1e-3 and c["config"]["batch_size"] == 4
 
 
 def test_corrupt_checkpoint_is_one_line(tmp_path, cache_dir):
