@@ -3019,19 +3019,6 @@ class Logger:
                 f.write(msg + "\n")
 
 
-def preset_banner(cfg: Config, explicit, device, minutes: str) -> str:
-    """Why the CPU preset runs (asked for, or chosen for want of CUDA), the preset values it applied, and its time
-    only when the run is the preset's own: a typed size or step flag (other than a default's or the preset's own
-    value) makes the quoted minutes wrong, so they are left out."""
-    why = "running the CPU preset (--preset cpu)" if cfg.preset == "cpu" else "no GPU: running the CPU preset"
-    applied = [f"{k}={getattr(cfg, k)}" for k in CPU_PRESET if k not in explicit]
-    default = Config()
-    own = [k for k in explicit if k not in RUNTIME_KEYS and getattr(cfg, k) != CPU_PRESET.get(k, getattr(default, k))]
-    return (why + (f" ({', '.join(applied)})" if applied else "")
-            + (f", {minutes}" if device.type == "cpu" and not own else "")
-            + "; --preset paper runs the paper's configuration")
-
-
 def apply_preset(cfg: Config, explicit) -> str:
     preset = cfg.preset if cfg.preset != "auto" else ("paper" if torch.cuda.is_available() else "cpu")
     if preset == "cpu":
@@ -3149,6 +3136,8 @@ def load_activations(cfg: Config, device, dist_info, log) -> tuple[SourceModel, 
 
 
 def run(cfg: Config, explicit) -> int:
+    from common import preset_banner
+
     preset = apply_preset(cfg, explicit)
     validate(cfg, explicit)
     device, _, dist_info = setup_device(cfg)
@@ -3162,7 +3151,7 @@ def run(cfg: Config, explicit) -> int:
     out_dir = Path(cfg.out_dir)
     log = Logger(None if cfg.bench else out_dir / f"log-{variant_name(cfg)}.txt", rank)
     if preset == "cpu" and not cfg.bench and cfg.train and not cfg.resume:  # a resumed run keeps its own settings
-        log(preset_banner(cfg, explicit, device, "about 4 minutes on 2 CPU cores"))
+        log(preset_banner(cfg, explicit, device, "about 4 minutes on 2 CPU cores", CPU_PRESET, RUNTIME_KEYS))
     log("config: " + json.dumps(asdict(cfg)))
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"

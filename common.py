@@ -721,6 +721,19 @@ def parse_config(cfg_cls, argv=None, description: str = "", extra=None):
     return cfg_cls(**{k: v for k, v in vars(args).items() if k in names}), args
 
 
+def preset_banner(cfg, explicit, device, minutes: str, preset: dict, runtime_keys) -> str:
+    """The line a script logs when it runs its CPU preset: why (asked for, or chosen for want of CUDA), the preset
+    values it applied, and its time `minutes` only when the run is the preset's own: a typed flag outside
+    `runtime_keys`, other than a default's or the preset's own value, makes the quoted minutes wrong."""
+    why = "running the CPU preset (--preset cpu)" if cfg.preset == "cpu" else "no GPU: running the CPU preset"
+    applied = [f"{k}={getattr(cfg, k)}" for k in preset if k not in explicit]
+    default = type(cfg)()
+    own = [k for k in explicit if k not in runtime_keys and getattr(cfg, k) != preset.get(k, getattr(default, k))]
+    return (why + (f" ({', '.join(applied)})" if applied else "")
+            + (f", {minutes}" if device.type == "cpu" and not own else "")
+            + "; --preset paper runs the paper's configuration")
+
+
 # -----------------------------------------------------------------------------
 # python common.py: prepare a corpus and print its statistics
 

@@ -58,10 +58,11 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     With --resid-grad full CE gives P no gradient, so attribution is skipped (an error if asked for). EK-FAC's
     time is one batched scoring pass over the Q queries divided by Q (labelled so, like the dense TracIn batch
     row); the cached and exact times are one query at a time. Overlaps are reported beside their chance level
-    n/M (a random ranking of the M windows).
-  * Suppression keywords default to `auto`: the word (4+ letters) that the most-used live cards are about, so
-    that the default run always suppresses prototypes that fire (a fixed word such as "lord" matched only a
-    dead card of the CPU preset: a no-op). A live card (active on the card windows) matches when a keyword is one
+    n/M (a random ranking of the M windows), and once more with no curvature in either ranking (plain gradient
+    dot products), which separates the cache's fixed-a gradients from the curvature in the gap to exact.
+  * Suppression keywords default to `auto`: of the words (4+ letters) that live cards are about, the one the
+    model generates most, so that the default run suppresses prototypes that fire, measured on a word whose
+    rate can move (a fixed word such as "lord" matched only a dead card of the CPU preset: a no-op). A live card (active on the card windows) matches when a keyword is one
     of its signature's top 3 tokens, or is the activating token or the next token in at least half of its top
     contexts; dead cards never match. Controllers: a 4-way cloze from
     the val text (fit on the first half of the stream, scored on the second; distractors within ±5 frequency
@@ -206,7 +207,7 @@ class Config:
     attr_damping: float = field(default=1e-3, metadata={"help": "curvature damping λ, relative to the mean eigenvalue"})
     attr_curvature: Literal["block", "kfac"] = field(default="block", metadata={"help": "cached curvature: per-prototype blocks or with co-usage"})
     ekfac: bool = field(default=False, metadata={"help": "also rank with EK-FAC through kronfluence (if installed)"})
-    suppress_keywords: str = field(default="auto", metadata={"help": "WORD[,WORD..]: suppress prototypes whose live cards match; auto: the word the most-used live cards are about; '' off"})
+    suppress_keywords: str = field(default="auto", metadata={"help": "WORD[,WORD..]: suppress prototypes whose live cards match; auto: of the words live cards are about, the one generated most; '' off"})
     suppress: str = field(default="", metadata={"help": "ID[,ID..]: suppress these prototypes"})
     suppress_factor: float = field(default=0.0, metadata={"help": "kept fraction of suppressed terms (0 drops, <0 pushes away)"})
     controller: bool = field(default=True, metadata={"help": "sparse prototype controller vs SAE controller (4-way cloze)"})
@@ -753,10 +754,12 @@ class PRISM(nn.Module):
         else:
             rec = r.pow(2).mean(-1).mean()
         proto_of_token, token_of_proto = nearest_pairs(zf, self.P, cfg.dist)
-        near_tokens = zf[token_of_proto]
+        # index_select, not zf[...]: advanced indexing's backward is index_put_(accumulate=True), whose CPU kernel
+        # adds duplicate rows in thread order (runs differed in the last bits); index_add_ is deterministic
+        near_tokens = zf.index_select(0, token_of_proto)
         P = self.P.to(zf.dtype)
         d1 = pair_distance(P, near_tokens.detach() if cfg.r1_detach_z else near_tokens, cfg.dist)  # [K]
-        r2 = pair_distance(zf, P[proto_of_token], cfg.dist).mean()
+        r2 = pair_distance(zf, P.index_select(0, proto_of_token), cfg.dist).mean()
         return {"rec": rec, "r1": d1.mean(), "r2": r2, **({"r1_each": d1} if r1_each else {})}
 
     def forward(self, idx, targets=None):
@@ -1418,16 +1421,19 @@ def match_keywords(cards: list[dict], keywords: list[str], sig_top: int = 3) -> 
     return [c["proto"] for c in cards if c["uses"] > 0 and card_words(c, sig_top) & kw]
 
 
-def auto_keyword(cards: list[dict], min_letters: int = 4) -> list[str]:
-    """--suppress-keywords auto: the word of min_letters+ letters that the live cards are about, weighted by
-    their uses (activations on the card windows); [] when no live card is about such a word."""
+def auto_keyword(cards: list[dict], generated: Optional[list[str]] = None, min_letters: int = 4) -> list[str]:
+    """--suppress-keywords auto: among the words of min_letters+ letters that live cards are about, the one the
+    model generates most (its rate in `generated`, the unsuppressed generations), so that the before/after rate
+    can move; ties, and no generations, go to the uses-weighted card score. [] when no live card is about such
+    a word."""
     score: dict[str, int] = {}
     for c in cards:
         if c["uses"] > 0:
             for w in card_words(c):
                 if w.isalpha() and len(w) >= min_letters:
                     score[w] = score.get(w, 0) + c["uses"]
-    return [min(score, key=lambda w: (-score[w], w))] if score else []
+    rate = {w: keyword_rate(generated, [w]) if generated else 0.0 for w in score}
+    return [min(score, key=lambda w: (-rate[w], -score[w], w))] if score else []
 
 
 def parse_ids(spec: str, K: int) -> list[int]:
@@ -1443,8 +1449,6 @@ def parse_ids(spec: str, K: int) -> list[int]:
 
 def keyword_rate(texts: list[str], keywords: list[str]) -> float:
     """Keyword occurrences per 1,000 generated words."""
-    import re
-
     words = [w.lower() for t in texts for w in re.findall(r"[A-Za-z']+", t)]
     kw = set(keywords)
     return 1000 * sum(w in kw for w in words) / max(1, len(words))
@@ -1455,25 +1459,33 @@ SUPPRESS_PROMPTS = ["ROMEO:\n", "JULIET:\n", "KING:\nMy lords,", "HAMLET:\n", "O
 
 
 @torch.no_grad()
+def suppression_generations(model: PRISM, data, cfg: Config, head_kw: dict, samples_per_prompt: int = 2) -> list:
+    """The generations the keyword rate is counted in: SUPPRESS_PROMPTS × samples_per_prompt, seeded per
+    (prompt, sample), so the texts before and after a suppression differ only by the suppression."""
+    model.eval()
+    texts, tok = [], data.tokenizer
+    for p_i, prompt in enumerate(SUPPRESS_PROMPTS):
+        ids_p = torch.tensor([tok.encode(prompt)], device=data.device)
+        for s in range(samples_per_prompt):
+            g = torch.Generator(device=data.device).manual_seed(cfg.seed + 100 * p_i + s)
+            out = model.generate(ids_p, cfg.sample_tokens, generator=g, **head_kw)
+            texts.append(tok.decode(out[0, ids_p.shape[1]:].tolist()))
+    return texts
+
+
+@torch.no_grad()
 def suppression(model: PRISM, data, cfg: Config, ids: list[int], keywords: list[str], autocast,
-                samples_per_prompt: int = 2, ppl_windows: int = 64) -> dict:
+                samples_per_prompt: int = 2, ppl_windows: int = 64, before: Optional[list[str]] = None) -> dict:
     """Spec §2.4, §6.3: drop the selected prototypes' terms at inference (r kept from the unsuppressed
     reconstruction), then the keywords' rate in generations (same prompts, same seeds) and val perplexity,
-    before and after."""
+    before and after. `before`: the unsuppressed generations when already made (suppression_generations)."""
     model.eval()
     mask = torch.zeros(model.P.shape[0], dtype=torch.bool, device=model.P.device)
     mask[ids] = True
     kw = {"suppress": mask, "factor": cfg.suppress_factor}
-    texts = {"before": [], "after": []}
-    tok = data.tokenizer
-    for p_i, prompt in enumerate(SUPPRESS_PROMPTS):
-        ids_p = torch.tensor([tok.encode(prompt)], device=data.device)
-        for s in range(samples_per_prompt):
-            seed = cfg.seed + 100 * p_i + s
-            for name, head_kw in (("before", {}), ("after", kw)):
-                g = torch.Generator(device=data.device).manual_seed(seed)
-                out = model.generate(ids_p, cfg.sample_tokens, generator=g, **head_kw)
-                texts[name].append(tok.decode(out[0, ids_p.shape[1]:].tolist()))
+    texts = {"before": before if before is not None else suppression_generations(model, data, cfg, {},
+                                                                                 samples_per_prompt),
+             "after": suppression_generations(model, data, cfg, kw, samples_per_prompt)}
     ppl0 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows)["ppl"]
     ppl1 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows, head_kw=kw)["ppl"]
     return {"prototypes": ids, "fraction": len(ids) / model.P.shape[0], "keywords": keywords,
@@ -1788,13 +1800,16 @@ def build_exact(model: PRISM, windows, damping: float = 1e-3) -> ExactAttr:
 
 
 @torch.no_grad()
-def exact_scores(ex: ExactAttr, g_q):
+def exact_scores(ex: ExactAttr, g_q, curvature: bool = True):
     """Woodbury scores M (M λ' I + G Gᵀ)⁻¹ G g_q for one query's exact gradient g_q [K, d] -> [M]. G g_q reads
-    only the postings of the rows where g_q is non-zero; the M×M solve then touches every sequence."""
+    only the postings of the rows where g_q is non-zero; the M×M solve then touches every sequence.
+    curvature=False: G g_q alone, the plain gradient dot products (the diagnostic without curvature)."""
     rows_q = g_q.ne(0).any(-1).nonzero().squeeze(1)
     rows, slot = ex.index.postings(rows_q)
     Gg = torch.zeros(ex.M, dtype=torch.float64, device=g_q.device)
     Gg.index_add_(0, ex.index.seq[rows].long(), (ex.index.G[rows] * g_q[rows_q][slot]).sum(-1).double())
+    if not curvature:
+        return Gg.float()
     return (ex.M * torch.cholesky_solve(Gg[:, None], ex.L)[:, 0]).float()
 
 
@@ -1980,12 +1995,22 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     ex = build_exact(model, windows, cfg.attr_damping)
     setup = attr_clock(device) - t0
     exact_query_grad(model, xq[0], yq[0])
-    scores, times = [], []
+    scores, times, exact_dots = [], [], []
     for j in range(Q):
         t0 = attr_clock(device)
-        scores.append(exact_scores(ex, exact_query_grad(model, xq[j], yq[j])))
+        g_q = exact_query_grad(model, xq[j], yq[j])
+        scores.append(exact_scores(ex, g_q))
         times.append(attr_clock(device) - t0)
+        exact_dots.append(exact_scores(ex, g_q, curvature=False))  # untimed: the diagnostic below
     add_row("prototype-space exact", torch.stack(scores), 1e3 * sum(times) / Q, ex.nbytes(), M, setup)
+    # Diagnostic: the cached and exact rankings differ in two ways, the gradients (a held fixed in the cache) and
+    # the curvature (block A_ii·S of token statistics vs the damped Fisher of window gradients). Without any
+    # curvature (the cache at damping 1e9: (C + λI)⁻¹ -> I/λ, plain dot products), the overlap measures the
+    # gradients alone; the rest of the gap is the curvature.
+    plain = build_attr_cache(model, windows, "block", 1e9)
+    plain_scores = torch.stack([cached_scores(plain, *(t[0] for t in query_state(model, xq[j:j + 1], yq[j:j + 1])))[0]
+                                for j in range(Q)])
+    gradients_only = {f"top-{n} overlap": topn_overlap(plain_scores, torch.stack(exact_dots), n) for n in (10, 100)}
     # 4. dense gradient similarity (nothing precomputed: its whole cost is per query batch)
     s, seconds, mem, dense_mem_note = dense_scores(model, windows, xq, yq)
     add_row("dense TracIn (all parameters)", s, 1e3 * seconds["single"], mem, M, 0.0)
@@ -2028,6 +2053,9 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
                f"queries, {M} training windows of {cfg.ctx} tokens; paper: ~470x faster than EK-FAC, ~80% of the "
                "top sequences preserved)")
     log(summary)
+    log(f"attribution, gradients alone (no curvature in either ranking): cached vs exact top-10/top-100 overlap "
+        f"{gradients_only['top-10 overlap']:.2f}/{gradients_only['top-100 overlap']:.2f}: what the cache's fixed-a "
+        f"gradients keep; the rest of the gap to {c['top-10 overlap']:.2f}/{c['top-100 overlap']:.2f} is the curvature")
     # the first query's most influential training windows, decoded (for the report)
     tok = data.tokenizer
     first = ranked[cached_name][0]
@@ -2038,6 +2066,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     return {"table": table, "summary": summary, "queries": Q, "seqs": M, "ctx": cfg.ctx,
             "chance": {"top-10 overlap": chance[10], "top-100 overlap": chance[100]},
             "curvature": cfg.attr_curvature, "damping": {"cached": cache.lam, "exact": ex.lam},
+            "gradients_only": gradients_only,
             "speedup": speed, "cache": {"postings": len(cache.index.seq), "bytes": cache.nbytes(),
                                         "prototypes per sequence": len(cache.index.seq) / M},
             "memory_notes": {cached_name: "the cache (index, A_ii, S's eigenbasis; A's for kfac)",
@@ -2534,6 +2563,10 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         a = results["attribution"]
         parts.append("<h2>Training-data attribution</h2>" + f"<p>{html.escape(a.get('summary', ''))}</p>"
                      + table_html(a["table"], list(a["table"][0])))
+        if a.get("gradients_only"):
+            g = a["gradients_only"]
+            parts.append(f"<p>Without curvature in either ranking (gradients alone), cached vs exact top-10/top-100 "
+                         f"overlap {g['top-10 overlap']:.2f}/{g['top-100 overlap']:.2f}.</p>")
     for r in results.get("suppression", []):
         parts.append(f"<h2>Suppression ({html.escape(', '.join(r['keywords']))})</h2>" + table_html(
             [r], ["prototypes", "fraction", "factor", "generations", "rate_before", "rate_after", "ppl_before",
@@ -2576,19 +2609,6 @@ class Logger:
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(msg + "\n")
-
-
-def preset_banner(cfg: Config, explicit, device, minutes: str) -> str:
-    """Why the CPU preset runs (asked for, or chosen for want of CUDA), the preset values it applied, and its time
-    only when the run is the preset's own: a typed size or step flag (other than a default's or the preset's own
-    value) makes the quoted minutes wrong, so they are left out."""
-    why = "running the CPU preset (--preset cpu)" if cfg.preset == "cpu" else "no GPU: running the CPU preset"
-    applied = [f"{k}={getattr(cfg, k)}" for k in CPU_PRESET if k not in explicit]
-    default = Config()
-    own = [k for k in explicit if k not in RUNTIME_KEYS and getattr(cfg, k) != CPU_PRESET.get(k, getattr(default, k))]
-    return (why + (f" ({', '.join(applied)})" if applied else "")
-            + (f", {minutes}" if device.type == "cpu" and not own else "")
-            + "; --preset paper runs the paper's configuration")
 
 
 def apply_preset(cfg: Config, explicit) -> str:
@@ -2684,7 +2704,7 @@ def twin_history(cfg: Config, histories: dict, log=print) -> Optional[dict]:
 
 
 def run(cfg: Config, explicit) -> int:
-    from common import DataError, load_data
+    from common import DataError, load_data, preset_banner
 
     preset = apply_preset(cfg, explicit)
     validate(cfg)
@@ -2715,7 +2735,7 @@ def run(cfg: Config, explicit) -> int:
     out_dir = Path(cfg.out_dir)
     log = Logger(None if cfg.bench else out_dir / f"log-{cfg.head}.txt", rank)
     if preset == "cpu" and not cfg.bench and cfg.train and not cfg.resume:  # a resumed run keeps its own settings
-        log(preset_banner(cfg, explicit, device, "about 6 minutes on 2 CPU cores"))
+        log(preset_banner(cfg, explicit, device, "about 6 minutes on 2 CPU cores", CPU_PRESET, RUNTIME_KEYS))
     log("config: " + json.dumps(asdict(cfg)))
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"
@@ -2742,6 +2762,10 @@ def run(cfg: Config, explicit) -> int:
         raise error
     if rank != 0:
         data = get_data()
+    for split in ("train", "val"):  # before any step: a window longer than a split cannot be drawn from it
+        if len(data.tokens(split)) < cfg.ctx + 1:
+            raise RunError(f"--ctx {cfg.ctx}: the {split} split has {len(data.tokens(split)):,} tokens, fewer than "
+                           f"ctx + 1; use a smaller --ctx or more data")
     results = {"preset": preset, "device": str(device)}
     histories, models = {}, {}
     start_rng = data.rng_state()
@@ -2802,15 +2826,17 @@ def run(cfg: Config, explicit) -> int:
         elif cfg.attribution:
             results["attribution"] = attribution_experiment(model, models.get("dense"), data,
                                                             replace(cfg, ctx=min(cfg.attr_ctx, cfg.ctx)), log)
-        targets = []
+        targets, before = [], None  # before: the unsuppressed generations (the same for every target), once made
         if cfg.suppress:
             targets.append(("ids", parse_ids(cfg.suppress, cfg.n_protos), []))
         if cfg.suppress_keywords:
             kws = keywords_of(cfg.suppress_keywords)
             if kws == ["auto"]:
-                kws = auto_keyword(cards["cards"])
-                log(f"suppression: auto keyword {kws[0]!r}, the word the most-used live cards are about "
-                    "(--suppress-keywords WORD,... chooses)" if kws else
+                before = suppression_generations(model, data, cfg, {})
+                kws = auto_keyword(cards["cards"], before)
+                log(f"suppression: auto keyword {kws[0]!r}, of the words live cards are about the one the model "
+                    f"generates most ({keyword_rate(before, kws):.2f} per 1k words; --suppress-keywords WORD,... "
+                    "chooses)" if kws else
                     "suppression: no live prototype card is about a word of 4+ letters; nothing to suppress")
             if kws:
                 targets.append(("keywords", match_keywords(cards["cards"], kws), kws))
@@ -2825,7 +2851,7 @@ def run(cfg: Config, explicit) -> int:
             if len(ids) > 0.1 * cfg.n_protos:
                 log(f"suppression: warning, {len(ids)} of {cfg.n_protos} prototypes match ({len(ids) / cfg.n_protos:.0%} of "
                     "the bank); the keywords are too common for a targeted edit")
-            r = suppression(model, data, cfg, ids, kws, autocast)
+            r = suppression(model, data, cfg, ids, kws, autocast, before=before)
             results.setdefault("suppression", []).append(r)
             log(f"suppression of {len(ids)} prototypes ({r['fraction']:.2%} of the bank) for {', '.join(kws)}: "
                 f"keyword rate {r['rate_before']:.2f} -> {r['rate_after']:.2f} per 1k words over {r['generations']} "

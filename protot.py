@@ -1863,19 +1863,6 @@ class Logger:
                 f.write(msg + "\n")
 
 
-def preset_banner(cfg: Config, explicit, device, minutes: str) -> str:
-    """Why the CPU preset runs (asked for, or chosen for want of CUDA), the preset values it applied, and its time
-    only when the run is the preset's own: a typed size or step flag (other than a default's or the preset's own
-    value) makes the quoted minutes wrong, so they are left out."""
-    why = "running the CPU preset (--preset cpu)" if cfg.preset == "cpu" else "no GPU: running the CPU preset"
-    applied = [f"{k}={getattr(cfg, k)}" for k in CPU_PRESET if k not in explicit]
-    default = Config()
-    own = [k for k in explicit if k not in RUNTIME_KEYS and getattr(cfg, k) != CPU_PRESET.get(k, getattr(default, k))]
-    return (why + (f" ({', '.join(applied)})" if applied else "")
-            + (f", {minutes}" if device.type == "cpu" and not own else "")
-            + "; --preset paper runs the paper's configuration")
-
-
 def apply_preset(cfg: Config, explicit) -> str:
     preset = cfg.preset if cfg.preset != "auto" else ("paper" if torch.cuda.is_available() else "cpu")
     if preset == "cpu":
@@ -1938,7 +1925,7 @@ def load_model(ck: dict, c: Config, data, device, path: Path) -> ProtoT:
 
 
 def run(cfg: Config, explicit) -> int:
-    from common import DataError, load_data
+    from common import DataError, load_data, preset_banner
 
     preset = apply_preset(cfg, explicit)
     validate(cfg)
@@ -1967,7 +1954,7 @@ def run(cfg: Config, explicit) -> int:
     out_dir = Path(cfg.out_dir)
     log = Logger(None if cfg.bench else out_dir / f"log-{'-'.join(mixers)}.txt", rank)  # --compare: log-proto-attention
     if preset == "cpu" and not cfg.bench and cfg.train and not cfg.resume:  # a resumed run keeps its own settings
-        log(preset_banner(cfg, explicit, device, "about 5 minutes on 2 CPU cores"))
+        log(preset_banner(cfg, explicit, device, "about 5 minutes on 2 CPU cores", CPU_PRESET, RUNTIME_KEYS))
     log("config: " + json.dumps(asdict(cfg)))
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"
@@ -1994,6 +1981,10 @@ def run(cfg: Config, explicit) -> int:
         raise error
     if rank != 0:
         data = get_data()
+    for split in ("train", "val"):  # before any step: a window longer than a split cannot be drawn from it
+        if len(data.tokens(split)) < cfg.ctx + 1:
+            raise RunError(f"--ctx {cfg.ctx}: the {split} split has {len(data.tokens(split)):,} tokens, fewer than "
+                           f"ctx + 1; use a smaller --ctx or more data")
     results = {"preset": preset, "device": str(device)}
     histories, models = {}, {}
     for mixer in mixers:

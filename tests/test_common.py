@@ -464,3 +464,27 @@ def test_cli_bad_input_one_line_nonzero_exit(tmp_path, args, code, needle):
     r = run_cli("--cache-dir", str(tmp_path), *args, env={"HF_HUB_OFFLINE": "1"})
     assert r.returncode == code and needle in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_preset_banner_quotes_the_time_only_for_the_presets_own_run():
+    """The CPU-preset line lists the preset values applied, and its minutes only when no typed flag (outside the
+    runtime ones, and other than a default's or the preset's own value) changed the run's size."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class C:
+        preset: str = "auto"
+        layers: int = 6
+        lr: float = 1e-3
+        out_dir: str = "out"
+
+    preset, cpu = {"lr": 3e-3}, torch.device("cpu")
+    line = common.preset_banner(C(lr=3e-3), set(), cpu, "about 5 minutes", preset, ("preset", "out_dir"))
+    assert line.startswith("no GPU: running the CPU preset (lr=0.003), about 5 minutes; --preset paper")
+    for typed, cfg in ((["layers"], C(layers=6, lr=3e-3)), (["out_dir"], C(lr=3e-3, out_dir="x")),
+                       (["lr"], C(lr=3e-3))):  # a default's value, a runtime flag, the preset's own value
+        assert "about 5 minutes" in common.preset_banner(cfg, set(typed), cpu, "about 5 minutes", preset,
+                                                         ("preset", "out_dir")), typed
+    line = common.preset_banner(C(layers=2, lr=1e-2, preset="cpu"), {"layers", "lr", "preset"}, cpu,
+                                "about 5 minutes", preset, ("preset", "out_dir"))
+    assert line == "running the CPU preset (--preset cpu); --preset paper runs the paper's configuration"

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import common
 import dual_stream as ds
-from conftest import call_main, check_ddp_weights, run_script, run_one_and_ddp
+from conftest import SMALL_CORPUS, call_main, check_ddp_weights, run_script, run_one_and_ddp
 from dual_stream import Config, DualStream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -584,6 +584,7 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     (["--device", "meta"], 1, "--device meta: expected auto, cpu, cuda, cuda:N or mps"),  # torch.device takes it
     (["--seed", "99999999999999999999999"], 1, "--seed must be in [0, 2**32)"),
     (["--out-dir", "/dev/null/x"], 1, "--out-dir /dev/null/x: cannot write there"),
+    (["--ctx", "20000", *SMALL_CORPUS], 1, "--ctx 20000: the val split has 10,000 tokens, fewer than ctx + 1"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tmp_path, cache_dir, args, code, needle, capsys, monkeypatch):
     """In-process main() (what `python dual_stream.py ...` runs), offline and without the tests' Triton interpreter;

@@ -150,6 +150,29 @@ def test_losses_follow_their_definitions():
     assert torch.autograd.grad(md.aux_losses(zz, md.head(zz))["r1"], zz, allow_unused=True)[0] is None
 
 
+def test_aux_loss_gradients_are_bitwise_reproducible_on_cpu():
+    """R1/R2 gather the nearest rows many times over (here 8192 tokens onto 4 prototypes); a gather whose backward
+    adds duplicate rows in thread order (index_put_ with accumulate, what P[idx] and z[idx] do) made training
+    runs differ in the last bits, so no CPU figure reproduced. Five backward passes must agree bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        g = torch.Generator().manual_seed(0)
+        z = torch.randn(8192, 16, generator=g, requires_grad=True)
+        P = torch.nn.Parameter(torch.randn(4, 16, generator=g))
+        m = tiny_model()
+        m.P = P
+        out = {"r": torch.zeros(8192, 16)}
+        grads = []
+        for _ in range(5):
+            aux = m.aux_losses(z, out)
+            grads.append(torch.autograd.grad(aux["r1"] + aux["r2"], (z, P)))
+        for gz, gp in grads[1:]:
+            assert torch.equal(gz, grads[0][0]) and torch.equal(gp, grads[0][1])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_nearest_pairs_chunked_equals_brute_force():
     z, P = torch.randn(37, 8, dtype=torch.float64), torch.randn(11, 8, dtype=torch.float64)
     pt, tp = prism.nearest_pairs(z, P, "l2", chunk=5)
@@ -328,6 +351,12 @@ def test_match_keywords_needs_the_card_to_be_about_the_word():
     # beats "king" (only the dead card) and the short "my", "x", "y"
     assert prism.auto_keyword(cards) == ["lord"]
     assert prism.auto_keyword([cards[3]]) == [] and prism.auto_keyword(cards[2:3]) == []
+    # with generations: the candidate the model generates most wins over the card score ("lord" is a candidate,
+    # "king" is not: only the dead card is about it)
+    cards[1]["signature"] = ["a", "b", " good"]
+    assert prism.auto_keyword(cards) == ["lord"]
+    assert prism.auto_keyword(cards, ["good king, good morrow", "my lord"]) == ["good"]
+    assert prism.auto_keyword(cards, ["king king king"]) == ["lord"]  # no candidate generated: the card score
 
 
 def test_gap_needs_a_twin_trained_with_the_same_recipe(tmp_path):
@@ -466,6 +495,7 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     (["--device", "meta"], 1, "--device meta: expected auto, cpu, cuda, cuda:N or mps"),  # torch.device takes it
     (["--seed", "99999999999999999999999"], 1, "--seed must be in [0, 2**32)"),
     (["--out-dir", "/dev/null/x"], 1, "--out-dir /dev/null/x: cannot write there"),
+    (["--ctx", "20000", *SMALL_CORPUS], 1, "--ctx 20000: the val split has 10,000 tokens, fewer than ctx + 1"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tmp_path, cache_dir, args, code, needle, capsys, monkeypatch):
     """In-process main() (what `python prism.py ...` runs), offline and without the tests' Triton interpreter;

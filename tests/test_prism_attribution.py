@@ -173,6 +173,7 @@ def test_exact_baseline_gradients_and_woodbury(assert_close):
         assert_close("exact g_q", torch.autograd.grad(F.cross_entropy(logits, xq[q, -1]), model.P)[0], g_q)
         assert_close(f"woodbury q{q}", G @ torch.linalg.solve(H, g_q.double().reshape(-1)),
                      prism.exact_scores(ex, g_q), ratio=1e-4)
+        assert_close(f"plain dots q{q}", G @ g_q.double().reshape(-1), prism.exact_scores(ex, g_q, curvature=False))
 
 
 def test_dense_baseline_is_the_dot_product_of_flattened_gradients(assert_close):
@@ -248,7 +249,11 @@ def test_experiment_table(curvature):
         assert r["ms/query"] > 0 and r["memory MB"] > 0 and 0 < r["sequences scored"] <= 30
     exact = res["table"][1]
     assert exact["top-10 overlap"] == 1 and exact["top-100 overlap"] == 1  # n capped at M = 30: all of them
-    assert len(lines) == 5 and lines[-1] == res["summary"] and "faster than dense TracIn" in res["summary"]
+    assert len(lines) == 6 and lines[-2] == res["summary"] and "faster than dense TracIn" in res["summary"]
+    # the diagnostic: gradients alone (no curvature), its overlap beside the cached row's
+    g = res["gradients_only"]
+    assert set(g) == {"top-10 overlap", "top-100 overlap"} and all(0 <= v <= 1 for v in g.values())
+    assert lines[-1].startswith("attribution, gradients alone (no curvature in either ranking): cached vs exact")
     # the chance level n/M beside every overlap: in the table, the log lines, the summary and results
     assert res["chance"] == {"top-10 overlap": 10 / 30, "top-100 overlap": 1.0}
     assert all(r["top-10 chance"] == 10 / 30 and r["top-100 chance"] == 1.0 for r in res["table"])
