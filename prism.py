@@ -69,7 +69,7 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     ranks), proximal Adam with L1, K gains for both controllers.
 Commands
     python prism.py                        # dense twin + PRISM, evaluations, every analysis, out/prism/report.html
-                                           # (no GPU: a CPU preset of about 6 minutes, announced)
+                                           # (no GPU: a CPU preset of about 4 minutes, announced)
     python prism.py --head dense           # the dense twin alone
     python prism.py --no-train --suppress-keywords love,heart      # suppression on the saved checkpoint
     python prism.py --no-train --suppress 3,17 --suppress-factor -1 # push those prototypes away
@@ -80,10 +80,11 @@ Commands
     python prism.py --dataset fineweb-edu --max-tokens 2000000000  # the paper's data (online)
     torchrun --standalone --nproc_per_node=8 prism.py              # DDP
 
-Expected (CPU preset, 2 cores, 2026-12-01): `python prism.py` takes about 5 minutes (4 min 49 s) for the twin,
-PRISM and every analysis; PRISM's val loss ends 1.6% above the twin's (6.80 vs 6.70 nats, cl100k compacted to
-19,447 ids, 410k training tokens each; +0.5% with --revive-dead, measured 2026-11-30), and a cached attribution
-query is ~2,200x faster than dense TracIn for one query alone (~150x per query in a batch of 16).
+Expected (CPU preset, 2 cores, 2026-12-02): `python prism.py` takes about 4 minutes (3 min 48 s) for the twin,
+PRISM and every analysis, with the same figures in every run; PRISM's val loss ends 1.4% above the twin's
+(6.79 vs 6.70 nats, cl100k compacted to 19,447 ids, 410k training tokens each; +0.55% with --revive-dead), and a
+cached attribution query is ~2,200x faster than dense TracIn for one query alone (~140x per query in a batch of
+16).
 """
 from __future__ import annotations
 
@@ -219,7 +220,7 @@ class Config:
 
 
 # A CPU has ~1/1000 of a GPU's FLOPs: the preset shrinks the backbone, the bank and the steps so that the dense
-# twin, PRISM and every analysis finish in about 6 minutes.
+# twin, PRISM and every analysis finish in about 4 minutes.
 CPU_PRESET = dict(layers=4, d_model=128, heads=4, n_protos=512, topk=8, ctx=128, batch_size=16, lr=2e-3,
                   max_iters=200, init_steps=20, eval_interval=50, eval_iters=5, log_interval=20,
                   card_windows=512, attr_seqs=256, attr_queries=16, attr_ctx=128)
@@ -2735,7 +2736,7 @@ def run(cfg: Config, explicit) -> int:
     out_dir = Path(cfg.out_dir)
     log = Logger(None if cfg.bench else out_dir / f"log-{cfg.head}.txt", rank)
     if preset == "cpu" and not cfg.bench and cfg.train and not cfg.resume:  # a resumed run keeps its own settings
-        log(preset_banner(cfg, explicit, device, "about 6 minutes on 2 CPU cores", CPU_PRESET, RUNTIME_KEYS))
+        log(preset_banner(cfg, explicit, device, "about 4 minutes on 2 CPU cores", CPU_PRESET, RUNTIME_KEYS))
     log("config: " + json.dumps(asdict(cfg)))
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"
