@@ -1153,6 +1153,9 @@ def finetune_source(src: SourceModel, texts: list[str], labels: list[int], n_cla
             step, total = step + 1, total + loss.item() * len(idx)
         losses.append(total / len(texts))
         log(f"fine-tuning {src.name}: epoch {ep + 1}/{epochs}, loss {losses[-1]:.4f} ({time.time() - t0:.0f}s)")
+    if not all(torch.isfinite(p).all() for p in params):  # a last step can poison the weights after a finite loss
+        raise RunError(f"fine-tuning {src.name}: non-finite weights after training; nothing was cached "
+                       "(try a lower --finetune-lr)")
     model.eval().requires_grad_(False)
     return head.eval().requires_grad_(False), dict(losses=losses, seconds=time.time() - t0)
 
@@ -2528,12 +2531,12 @@ def probe_fidelity(r: torch.Tensor, labels, ablations: dict, folds: int = 20, se
     93% is relative)."""
     r = r.float()
     y = torch.as_tensor(labels, dtype=torch.long)
-    C = int(y.max()) + 1
     present = torch.bincount(y)[torch.unique(y)] if len(y) else torch.zeros(0, dtype=torch.long)
     smallest = int(present.min()) if len(present) else 0
     if len(present) < 2 or smallest < 2:  # a fold must leave every class in the other folds' training set
         raise ValueError(f"the probe needs >= 2 classes with >= 2 sentences each; the sentences per class are "
                          f"{torch.bincount(y, minlength=2).tolist()}")
+    C = int(y.max()) + 1
     k = min(folds, smallest)  # every fold then holds each class at least once (stratified_folds deals round-robin)
     if k < folds:
         log(f"fidelity: {k} folds, not {folds}: the smallest class has {smallest} sentences")
@@ -2623,6 +2626,8 @@ def run_fidelity(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
                                log, epochs=cfg.probe_epochs, patience=cfg.probe_patience,
                                standardise=cfg.probe_standardise)
     except ValueError as e:
+        if not str(e).startswith("the probe needs"):
+            raise
         raise RunError(f"fidelity on {len(keep)} dev sentences: {e} (raise --dev-per-class or "
                        "--fidelity-sentences)") from None
     for w in table:
@@ -2641,6 +2646,8 @@ def run_fidelity(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
             log(f"fidelity, the {int(word.sum())} sentences whose salient unit is a word (not [CLS]):\n"
                 + fidelity_table(words_only))
         except ValueError as e:
+            if not str(e).startswith("the probe needs"):
+                raise
             log(f"fidelity, the {int(word.sum())} sentences whose salient unit is a word: skipped, {e}")
     salient = [dev_acts.words[int(i)] for i in rows]
     freq: dict[str, int] = {}

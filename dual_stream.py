@@ -208,7 +208,7 @@ ARCH_KEYS = ("mode", "mixing", "ffn_mixing", "v_source", "norm", "cln_gain", "cl
              "heads", "d_model", "dataset", "tokenizer", "compact", "max_tokens")
 RUNTIME_KEYS = ("mode", "mixing", "ffn_mixing", "preset", "device", "dtype", "compile", "kernels", "out_dir",
                 "cache_dir", "resume", "train", "sweep", "head_sweep", "bench", "report", "sample", "amplify",
-                "ablation", "ablate_at", "specialization", "analysis_windows")
+                "ablation", "ablate_at", "specialization", "analysis_windows", "sample_tokens")
 MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS)
 
 
@@ -1833,6 +1833,8 @@ def run(cfg: Config, explicit) -> int:
             if name in loaded:  # --resume
                 path, ck, _ = loaded[name]
                 check_tokenizer(ck, data, path)
+            elif cfg.resume:
+                log(f"{name}: no checkpoint at {ckpt_path(c)} yet; training it from step 0")
             t0 = time.time()
             models[name], histories[name] = train(c, data, device, autocast, dist_info, explicit, log, ck, start_rng)
             log(f"{name}: trained in {time.time() - t0:.0f}s; checkpoint {ckpt_path(c)}")

@@ -62,11 +62,11 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     dot products), which separates the cache's fixed-a gradients from the curvature in the gap to exact.
   * Suppression keywords default to `auto`: of the words (4+ letters) that live cards are about, the one the
     model generates most, so that the default run suppresses prototypes that fire, measured on a word whose
-    rate can move (a fixed word such as "lord" matched only a dead card of the CPU preset: a no-op). A live card (active on the card windows) matches when a keyword is one
-    of its signature's top 3 tokens, or is the activating token or the next token in at least half of its top
-    contexts; dead cards never match. Controllers: a 4-way cloze from
-    the val text (fit on the first half of the stream, scored on the second; distractors within ±5 frequency
-    ranks), proximal Adam with L1, K gains for both controllers.
+    rate can move (a fixed word such as "lord" matched only a dead card of the CPU preset: a no-op). A live
+    card (active on the card windows) matches when a keyword is one of its signature's top 3 tokens, or is the
+    activating token or the next token in at least half of its top contexts; dead cards never match.
+  * Controllers: a 4-way cloze from the val text (fit on the first half of the stream, scored on the second;
+    distractors within ±5 frequency ranks), proximal Adam with L1, K gains for both controllers.
 Commands
     python prism.py                        # dense twin + PRISM, evaluations, every analysis, out/prism/report.html
                                            # (no GPU: a CPU preset of about 4 minutes, announced)
@@ -228,8 +228,11 @@ CPU_PRESET = dict(layers=4, d_model=128, heads=4, n_protos=512, topk=8, ctx=128,
 # setting from it too unless typed (MERGED_KEYS: all but how and where this invocation runs).
 ARCH_KEYS = ("head", "layers", "d_model", "heads", "n_protos", "topk", "act", "resid_grad", "ctx", "dataset",
              "tokenizer", "compact", "max_tokens")
+ANALYSIS_KEYS = ("cards", "card_windows", "attribution", "attr_seqs", "attr_queries", "attr_ctx", "attr_damping",
+                 "attr_curvature", "ekfac", "suppress_keywords", "suppress", "suppress_factor", "controller",
+                 "controller_l1", "sample", "sample_tokens")
 RUNTIME_KEYS = ("head", "preset", "device", "dtype", "compile", "kernels", "out_dir", "cache_dir", "resume", "train",
-                "twin", "bench", "report", "sample")
+                "twin", "bench", "report") + ANALYSIS_KEYS
 MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS)
 # The recipe a dense twin must share with PRISM for the CE gap at equal steps to mean anything.
 TWIN_KEYS = ("layers", "d_model", "heads", "dropout", "dataset", "tokenizer", "compact", "max_tokens", "batch_size", "ctx",
@@ -989,8 +992,10 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
     model.eval()
     total, count = 0.0, 0
     for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):
-        if max_windows is not None and i * batch_size >= max_windows:
-            break
+        if max_windows is not None:
+            if i * batch_size >= max_windows:
+                break
+            x, y = x[:max_windows - i * batch_size], y[:max_windows - i * batch_size]  # exactly max_windows
         with autocast:
             logits = model.head(model.hidden(x), **head_kw)["logits"] if head_kw else model(x)
         total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
@@ -2777,6 +2782,8 @@ def run(cfg: Config, explicit) -> int:
             if h in loaded:  # --resume
                 path, ck, _ = loaded[h]
                 check_tokenizer(ck, data, path)
+            elif cfg.resume:
+                log(f"{h}: no checkpoint at {ckpt_path(c)} yet; training it from step 0")
             t0 = time.time()
             models[h], histories[h] = train(c, data, device, autocast, dist_info, explicit, log, ck,
                                             twin=twin_history(c, histories, log) if h == "prism" else None,

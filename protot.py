@@ -1127,8 +1127,10 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
     model.eval()
     total, count = 0.0, 0
     for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):
-        if max_windows is not None and i * batch_size >= max_windows:
-            break
+        if max_windows is not None:
+            if i * batch_size >= max_windows:
+                break
+            x, y = x[:max_windows - i * batch_size], y[:max_windows - i * batch_size]  # exactly max_windows
         with autocast:
             logits = model(x)
         total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()

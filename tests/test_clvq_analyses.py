@@ -192,6 +192,8 @@ def test_probe_needs_two_sentences_of_each_class_and_says_when_it_uses_fewer_fol
     """Too few sentences is an error, not a probe trained on nothing (which once printed 0.000 for every method);
     fewer sentences of a class than --probe-folds runs with fewer folds and says so."""
     r, B = torch.randn(6, 4), {"m": torch.randn(6, 1, 4)}
+    with pytest.raises(ValueError, match="needs >= 2 classes"):
+        cv.probe_fidelity(r[:0], [], {"m": B["m"][:0]}, folds=3)  # no sentence at all
     for labels in ([0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1]):
         with pytest.raises(ValueError, match="needs >= 2 classes with >= 2 sentences each"):
             cv.probe_fidelity(r, labels, B, folds=3)

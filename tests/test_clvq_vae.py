@@ -221,6 +221,24 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, acts, monke
 # ---------------------------------------------------------------- command line, checkpoints, fit_fn
 
 
+def test_finetuning_that_poisons_the_weights_stops_before_caching(tmp_path, tiny_bert, monkeypatch):
+    """One step with a finite loss whose update leaves a weight non-finite (simulated: the step writes an inf):
+    an error, and no cache file written."""
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *a, **k):
+        out = real_step(self, *a, **k)
+        self.param_groups[0]["params"][0].data.view(-1)[0] = float("inf")
+        return out
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    src = cv.load_source_model(tiny_bert, CPU)
+    texts = cv.load_passages("shakespeare", "train", per_class=2, max_words=60).texts
+    with pytest.raises(cv.RunError, match="non-finite weights after training; nothing was cached"):
+        cv.cached_finetune(src, texts, [0, 0, 1, 1], 2, epochs=1, lr=1e-5, batch=4, seed=0, cache_dir=tmp_path,
+                           log=quiet)
+    assert not list(tmp_path.rglob("*.pt"))
+
+
 def stub_analyses(calls):
     """Stands in for the analyses section: trains the single-layer baseline through fit_fn, as the real one does."""
     def run_analyses(cfg, src, train_acts, dev_acts, model, fit_fn, device, log):

@@ -464,6 +464,7 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
                    "--no-attribution", "--no-controller", "--suppress-keywords", "", "--no-report")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed from" in r.stdout and "ckpt-dense.pt at step 10" in r.stdout
+    assert "prism: no checkpoint at" in r.stdout and "training it from step 0" in r.stdout
     ck = torch.load(tmp_path / "ckpt-prism.pt", weights_only=True)
     assert ck["step"] == 10 and ck["config"]["batch_size"] == 4 and ck["config"]["max_iters"] == 10
     r = run_script("prism.py", "--resume", "--max-iters", "15", "--out-dir", str(tmp_path), "--cache-dir",

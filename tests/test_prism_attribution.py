@@ -110,6 +110,24 @@ def test_block_scores_match_brute_force_and_skip_disjoint_sequences(assert_close
     assert disjoint_seen > 0, "the test needs sequences that share no prototype with a query"
 
 
+def test_cache_at_huge_damping_ranks_by_plain_gradient_dot_products(assert_close):
+    """The attribution's no-curvature diagnostic: at damping 1e9, λ·scores are the plain dot products
+    Σ_i g_{m,i}·g_{q,i} of the cached gradients (g_{q,i} = a_{q,i} δ_q)."""
+    model = tiny(n_protos=64, topk=2, ctx=4)
+    M = 40
+    w = windows_of(M, 4, seed=1)
+    cache = prism.build_attr_cache(model, w, "block", damping=1e9)
+    G = dense_rows(cache.index, M, 64)                                     # [M, K, d]
+    xq = windows_of(3, 4, seed=2)
+    idx, a, delta = prism.query_state(model, xq[:, :-1], xq[:, -1])
+    for q in range(3):
+        g_q = torch.zeros(64, G.shape[-1], dtype=torch.float64)
+        g_q[idx[q]] = a[q, :, None].double() * delta[q].double()
+        plain = (G.double() * g_q).sum((1, 2))
+        assert_close(f"plain dots q{q}", plain, cache.lam * prism.cached_scores(cache, idx[q], a[q], delta[q])[0],
+                     ratio=1e-4)
+
+
 def test_kfac_scores_match_explicit_kronecker_inverse(assert_close):
     model = tiny()
     K, d = model.P.shape
