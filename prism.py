@@ -54,7 +54,9 @@ Choices where the paper is silent (spec §9), each a switch where results depend
   * Attribution (§5.3, reconstructed): the cache holds g_{m,i} = Σ_t a_{t,i} δ_t with a held fixed (the
     linear-layer view), δ_t = Wᵀ(softmax(W z_t) - e_y); the exact baseline keeps a's dependence on P and
     inverts the damped empirical Fisher of sequence gradients (Woodbury); each damping is relative to the mean
-    eigenvalue of its own curvature. A query is one val prediction; every method's time includes its forward.
+    eigenvalue of its own curvature. Dense TracIn runs twice: recomputing the training gradients per query batch,
+    and from a cache of CountSketched training gradients with the prototype cache's bytes (spec §5.3: time at
+    matched cache memory). A query is one val prediction; every method's time includes its forward.
     With --resid-grad full CE gives P no gradient, so attribution is skipped (an error if asked for). EK-FAC's
     time is one batched scoring pass over the Q queries divided by Q (labelled so, like the dense TracIn batch
     row); the cached and exact times are one query at a time. Overlaps are reported beside their chance level
@@ -83,8 +85,8 @@ Commands
 Expected (CPU preset, 2 cores, 2026-12-02): `python prism.py` takes about 4 minutes (3 min 48 s) for the twin,
 PRISM and every analysis, with the same figures in every run; PRISM's val loss ends 1.4% above the twin's
 (6.79 vs 6.70 nats, cl100k compacted to 19,447 ids, 410k training tokens each; +0.55% with --revive-dead), and a
-cached attribution query is ~2,200x faster than dense TracIn for one query alone (~140x per query in a batch of
-16).
+cached attribution query is ~2,100x faster than dense TracIn for one query alone (~140x per query in a batch of
+16, 8x against dense TracIn from a gradient sketch of the cache's size).
 """
 from __future__ import annotations
 
@@ -1517,7 +1519,8 @@ def suppression(model: PRISM, data, cfg: Config, ids: list[int], keywords: list[
 # Scores are ranked in descending order (proponents first: a positive score means a gradient step on m
 # lowers the query's loss). Baselines: the exact prototype-space estimator (exact per-sequence gradients,
 # the activations' dependence on P included, with the damped empirical Fisher inverted by Woodbury), dense
-# TracIn over every parameter, and EK-FAC through kronfluence (optional).
+# TracIn over every parameter (recomputed per query batch, and from a CountSketch cache of the same bytes as
+# the prototype cache), and EK-FAC through kronfluence (optional).
 
 FULL_ROUTING = ("attribution needs --resid-grad detach-zhat or detach-r: with full routing CE gives the "
                 "prototypes no gradient")
@@ -1865,6 +1868,41 @@ def dense_scores(model: PRISM, windows, xq, yq) -> tuple:
     return scores, seconds, held, "Q query gradients + one training gradient"
 
 
+def sketched_dense_scores(model: PRISM, windows, xq, yq, nbytes: int, seed: int = 0) -> dict:
+    """Step 4b, dense TracIn at matched cache memory (spec §5.3: "wall-clock per query at matched cache memory").
+    Every training window's all-parameter gradient is CountSketched once into D = nbytes / (4 M) buckets
+    (parameter j goes to bucket h(j) with sign s(j), both drawn from `seed`; E[<Sg, Sh>] = <g, h>) and cached,
+    so a query pays one backward, its sketch and M dot products, as the cached prototype method pays one
+    forward and its postings. -> dict(scores [Q, M], seconds per query (one at a time), bytes (the M×D
+    sketches), setup seconds, D)."""
+    model.eval()
+    device = model.P.device
+    params = [p for p in model.parameters() if p.requires_grad]
+    n, M = sum(p.numel() for p in params), windows.shape[0]
+    D = max(1, nbytes // (4 * M))
+    g = torch.Generator().manual_seed(seed)
+    bucket = torch.randint(0, D, (n,), generator=g).to(device)
+    sign = (2.0 * torch.randint(0, 2, (n,), generator=g) - 1).to(device)
+
+    def sketch(loss):
+        gs = torch.autograd.grad(loss, params, allow_unused=True)
+        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float() for g, p in zip(gs, params)])
+        return torch.zeros(D, device=device).index_add_(0, bucket, sign * flat)
+    t0 = attr_clock(device)
+    with torch.enable_grad():
+        cache = torch.stack([sketch(F.cross_entropy(model(w[None, :-1])[0].float(), w[1:], reduction="sum"))
+                             for w in windows.to(device)])  # [M, D]
+        setup = attr_clock(device) - t0
+        sketch(F.cross_entropy(model(xq[:1])[0, -1].float(), yq[0]))  # warm-up, untimed
+        scores, times = [], []
+        for j in range(len(xq)):
+            t0 = attr_clock(device)
+            scores.append(cache @ sketch(F.cross_entropy(model(xq[j:j + 1])[0, -1].float(), yq[j])))
+            times.append(attr_clock(device) - t0)
+    return {"scores": torch.stack(scores), "seconds": sum(times) / len(xq), "bytes": tensor_bytes(cache),
+            "setup": setup, "D": D}
+
+
 def ekfac_scores(model: PRISM, windows, xq, yq, log, damping: Optional[float] = None) -> Optional[dict]:
     """Step 5 (optional): EK-FAC influence (Grosse et al. 2023) through kronfluence, over the backbone's Linear
     modules (kronfluence tracks nn.Linear/Conv2d: the tied embedding/head and P are outside its view; the MLP
@@ -2021,6 +2059,9 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     s, seconds, mem, dense_mem_note = dense_scores(model, windows, xq, yq)
     add_row("dense TracIn (all parameters)", s, 1e3 * seconds["single"], mem, M, 0.0)
     add_row(f"dense TracIn, batch of {Q} queries", s, 1e3 * seconds["batch"], mem, M, 0.0, batched=True)
+    sk = sketched_dense_scores(model, windows, xq, yq, cache.nbytes(), seed=cfg.seed)
+    sketch_name = "dense TracIn, CountSketch cache at matched memory"
+    add_row(sketch_name, sk["scores"], 1e3 * sk["seconds"], sk["bytes"], M, sk["setup"])
     # 5. EK-FAC
     if cfg.ekfac:
         ek = ekfac_scores(model, windows, xq, yq, log)
@@ -2078,6 +2119,8 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
             "memory_notes": {cached_name: "the cache (index, A_ii, S's eigenbasis; A's for kfac)",
                              "prototype-space exact": "row-sparse exact gradients + M×M Cholesky factor",
                              "dense TracIn (all parameters)": dense_mem_note,
+                             sketch_name: f"the M x D training-gradient sketches, D = {sk['D']:,} (the hash, "
+                                          "regenerable from its seed, not counted)",
                              f"EK-FAC (kronfluence), batch of {Q} queries":
                                  "eigenbases and corrected eigenvalues of the Linear modules"},
             "examples": examples}

@@ -218,6 +218,25 @@ def test_dense_baseline_is_the_dot_product_of_flattened_gradients(assert_close):
     assert seconds["single"] > seconds["batch"] > 0 and held == (3 + 1) * sum(p.numel() for p in params) * 4
 
 
+def test_sketched_dense_baseline_is_an_unbiased_sketch_of_the_dense_dot_products():
+    """CountSketch keeps dot products in expectation: averaged over sketch seeds, the matched-memory scores
+    approach dense TracIn's; with D >= the parameter count and distinct buckets it would be exact. Its cache
+    holds M x D float32 = the bytes asked for."""
+    model = tiny()
+    M = 6
+    w = windows_of(M, 8, seed=3)
+    xq = windows_of(2, 8, seed=4)
+    dense, *_ = prism.dense_scores(model, w, xq[:, :-1], xq[:, -1])
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    runs = [prism.sketched_dense_scores(model, w, xq[:, :-1], xq[:, -1], nbytes=4 * M * (n // 8), seed=s)
+            for s in range(24)]
+    assert all(r["D"] == n // 8 and r["bytes"] == 4 * M * (n // 8) for r in runs)
+    mean = torch.stack([r["scores"] for r in runs]).mean(0)
+    err_mean = ((mean - dense).norm() / dense.norm()).item()
+    err_one = ((runs[0]["scores"] - dense).norm() / dense.norm()).item()
+    assert err_mean < 0.1 and 0 < err_one and err_mean < err_one / 2  # unbiased: the seeds' noise averages out
+
+
 def test_full_routing_is_refused():
     model = tiny("full")
     w = windows_of(4, 8)
@@ -258,7 +277,9 @@ def test_experiment_table(curvature):
     assert res["queries"] == 4 and res["seqs"] == 30
     names = [r["method"] for r in res["table"]]
     assert names == [f"PRISM cached ({curvature})", "prototype-space exact", "dense TracIn (all parameters)",
-                     "dense TracIn, batch of 4 queries"]
+                     "dense TracIn, batch of 4 queries", "dense TracIn, CountSketch cache at matched memory"]
+    sk = res["table"][4]
+    assert sk["memory MB"] <= res["table"][0]["memory MB"] and "faster than dense TracIn, CountSketch" in res["summary"]
     one, batch = res["table"][2], res["table"][3]
     assert one["ms/query"] > batch["ms/query"]  # one query alone pays all M training gradients
     for r in res["table"]:
@@ -267,7 +288,7 @@ def test_experiment_table(curvature):
         assert r["ms/query"] > 0 and r["memory MB"] > 0 and 0 < r["sequences scored"] <= 30
     exact = res["table"][1]
     assert exact["top-10 overlap"] == 1 and exact["top-100 overlap"] == 1  # n capped at M = 30: all of them
-    assert len(lines) == 6 and lines[-2] == res["summary"] and "faster than dense TracIn" in res["summary"]
+    assert len(lines) == 7 and lines[-2] == res["summary"] and "faster than dense TracIn" in res["summary"]
     # the diagnostic: gradients alone (no curvature), its overlap beside the cached row's
     g = res["gradients_only"]
     assert set(g) == {"top-10 overlap", "top-100 overlap"} and all(0 <= v <= 1 for v in g.values())
@@ -275,7 +296,7 @@ def test_experiment_table(curvature):
     # the chance level n/M beside every overlap: in the table, the log lines, the summary and results
     assert res["chance"] == {"top-10 overlap": 10 / 30, "top-100 overlap": 1.0}
     assert all(r["top-10 chance"] == 10 / 30 and r["top-100 chance"] == 1.0 for r in res["table"])
-    assert all("(chance 0.33/1.00)" in ln for ln in lines[:4])
+    assert all("(chance 0.33/1.00)" in ln for ln in lines[:5])
     assert "(chance 33% and 100%;" in res["summary"]
     ex = res["examples"]
     assert len(ex["top"]) == 3 and all(e["text"].startswith("w") and len(e["text"].split()) == 9 for e in ex["top"])
