@@ -75,6 +75,10 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     kept in the checkpoint and are what the analyses use, as the official loop keeps its best checkpoint).
   * k-means codebook init on the training x_l before step 0 (on at most --init-rows rows), rank 0 computes and
     broadcasts; the quantiser's `initialised` buffer makes --resume and --no-train skip it.
+  * Fidelity projection: --fidelity-projection paper (default, §6.1: r' = r - (r·ê)ê) | centred
+    (r' = r - ((r - μ)·ê)ê, μ = the mean r of the scored sentences). MiniLM's [CLS] has a large shared mean, so
+    the paper's projection of a random direction already moves every r far off the data and takes the probe to
+    chance; the centred one removes only the variation along ê, so the random control says something.
 
     python clvq_vae.py                       # train CLVQ-VAE, baselines, fidelity, cards -> out/clvq_vae/report.html
     python clvq_vae.py --no-train            # the analyses on the saved checkpoints
@@ -244,6 +248,9 @@ class Config:
     probe_folds: int = field(default=20, metadata={"help": "stratified folds of the fidelity probe (paper: 20)"})
     probe_patience: int = field(default=5, metadata={"help": "probe early-stopping patience in epochs"})
     probe_epochs: int = field(default=100, metadata={"help": "probe epochs at most"})
+    fidelity_projection: Literal["paper", "centred"] = field(default="paper", metadata={
+        "help": "paper: r' = r - (r·ê)ê (§6.1); centred: r' = r - ((r - μ)·ê)ê with μ the mean r of the scored "
+                "sentences, which removes only the variation along ê, not the shared mean's component"})
     probe_standardise: Literal["scalar", "dims", "none"] = field(default="scalar", metadata={
         "help": "probe input scaling fitted on each training part: centre + one RMS | per-dimension z-score | "
                 "none (raw r, as the official code)"})
@@ -283,8 +290,8 @@ ARCH_KEYS = ("d_model", "codebook_size", "top_k", "alpha_init", "fixed_alpha", "
              "finetune_lr", "finetune_batch")
 ANALYSIS_KEYS = ("baselines", "kmeans_iters", "kmeans_restarts", "sae_latents", "sae_k", "sae_l1", "sae_steps",
                  "sae_batch", "sae_lr", "sae_ablation", "sae_ablate_k", "fidelity", "fidelity_sentences", "probe_folds",
-                 "probe_patience", "probe_epochs", "probe_standardise", "ig_steps", "ig_baseline", "ig_batch", "cards", "cards_per_method", "coherence_embed",
-                 "coherence_draws", "analysis_seed")
+                 "probe_patience", "probe_epochs", "probe_standardise", "fidelity_projection", "ig_steps", "ig_baseline",
+                 "ig_batch", "cards", "cards_per_method", "coherence_embed", "coherence_draws", "analysis_seed")
 RUNTIME_KEYS = ("preset", "device", "dtype", "compile", "kernels", "out_dir", "cache_dir", "resume", "train", "bench",
                 "report") + ANALYSIS_KEYS
 MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS + ARCH_KEYS)
@@ -2436,14 +2443,16 @@ def orthonormal_rows(B: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return Q.transpose(1, 2) * keep[..., None]
 
 
-def project_out(r: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+def project_out(r: torch.Tensor, B: torch.Tensor, mu: Optional[torch.Tensor] = None) -> torch.Tensor:
     """§6.1 step 4: r' = r - Σ_j (r·q_j) q_j over an orthonormal basis q of span(B[s]) per sentence; for one
-    vector, r' = r - (r·ê)ê. r [S, d], B [S, m, d] (or [S, d] for one vector per sentence)."""
+    vector, r' = r - (r·ê)ê. r [S, d], B [S, m, d] (or [S, d] for one vector per sentence). With mu [d] (the
+    centred variant) the coefficients are of r - mu: r' = r - Σ_j ((r - mu)·q_j) q_j, so the shared mean stays."""
     if B.dim() == 2:
         B = B[:, None]
     Q = orthonormal_rows(B)
     rd = r.double()
-    return (rd - torch.einsum("sm,smd->sd", torch.einsum("sd,smd->sm", rd, Q), Q)).to(r.dtype)
+    coef = torch.einsum("sd,smd->sm", rd - (0 if mu is None else mu.double()), Q)
+    return (rd - torch.einsum("sm,smd->sd", coef, Q)).to(r.dtype)
 
 
 def stratified_folds(y: torch.Tensor, k: int, seed: int) -> torch.Tensor:
@@ -2522,7 +2531,7 @@ def train_probe(r: torch.Tensor, y: torch.Tensor, n_classes: int, seed: int, epo
 
 
 def probe_fidelity(r: torch.Tensor, labels, ablations: dict, folds: int = 20, seed: int = 42, log=print,
-                   **probe_kw) -> list[dict]:
+                   centred: bool = False, **probe_kw) -> list[dict]:
     """§6.1 steps 4-6. r [S, d] sentence representations, labels [S] (gold), ablations {method: [S, m, d]} the
     span each sentence loses. One probe per fold, trained on the original r of the other folds, scores the
     held-out fold three ways: original, concept-ablated, random-ablated (Gaussian directions of the same rank m,
@@ -2544,8 +2553,9 @@ def probe_fidelity(r: torch.Tensor, labels, ablations: dict, folds: int = 20, se
     ranks = sorted({int(B.shape[1]) for B in ablations.values()})
     g = torch.Generator().manual_seed(seed)
     rand = {m: torch.randn(len(r), m, r.shape[1], generator=g) for m in ranks}
-    abl = {name: project_out(r, B.float()) for name, B in ablations.items()}
-    rnd = {m: project_out(r, R) for m, R in rand.items()}
+    mu = r.mean(0) if centred else None  # label-free, the same for every method and the random control
+    abl = {name: project_out(r, B.float(), mu) for name, B in ablations.items()}
+    rnd = {m: project_out(r, R, mu) for m, R in rand.items()}
     acc = {"orig": [], **{(n, "c"): [] for n in ablations}, **{("rand", m): [] for m in ranks}}
     for f in range(k):
         te, tr = (fold == f).nonzero()[:, 0], (fold != f).nonzero()[:, 0]
@@ -2623,8 +2633,8 @@ def run_fidelity(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
         codes[m.name] = ids
     try:
         table = probe_fidelity(r, [dev_acts.labels[int(s)] for s in keep], ablations, cfg.probe_folds, seed,
-                               log, epochs=cfg.probe_epochs, patience=cfg.probe_patience,
-                               standardise=cfg.probe_standardise)
+                               log, centred=cfg.fidelity_projection == "centred", epochs=cfg.probe_epochs,
+                               patience=cfg.probe_patience, standardise=cfg.probe_standardise)
     except ValueError as e:
         if not str(e).startswith("the probe needs"):
             raise
@@ -2641,8 +2651,8 @@ def run_fidelity(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
         try:
             words_only = probe_fidelity(r[word], [dev_acts.labels[int(s)] for s in keep[word]],
                                         {n: B[word] for n, B in ablations.items()}, cfg.probe_folds, seed, log,
-                                        epochs=cfg.probe_epochs, patience=cfg.probe_patience,
-                                        standardise=cfg.probe_standardise)
+                                        centred=cfg.fidelity_projection == "centred", epochs=cfg.probe_epochs,
+                                        patience=cfg.probe_patience, standardise=cfg.probe_standardise)
             log(f"fidelity, the {int(word.sum())} sentences whose salient unit is a word (not [CLS]):\n"
                 + fidelity_table(words_only))
         except ValueError as e:
@@ -2653,7 +2663,7 @@ def run_fidelity(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
     freq: dict[str, int] = {}
     for w in salient:
         freq[w] = freq.get(w, 0) + 1
-    info = dict(head_dev_accuracy=head_acc, sentences=len(keep), ig_seconds=sal["seconds"],
+    info = dict(projection=cfg.fidelity_projection, head_dev_accuracy=head_acc, sentences=len(keep), ig_seconds=sal["seconds"],
                 salient_special=int((~word).sum()), fidelity_words_only=words_only,
                 salient_rows=rows.tolist(),
                 top_salient_words=sorted(freq.items(), key=lambda kv: -kv[1])[:20],
@@ -3195,8 +3205,8 @@ def run(cfg: Config, explicit) -> int:
     for name, m in analyses.get("models", {}).items():  # the l = h VQ-VAE's curves beside CLVQ-VAE's
         histories[name] = m.history
     if results.get("fidelity"):
-        log("concept-ablation fidelity (probe accuracy on the layer-l sentence representation, mean ± std over folds; "
-            "paper: 0.895 original -> 0.058 concept-ablated, 0.831 random):")
+        log("concept-ablation fidelity (probe accuracy on the layer-l sentence representation, mean ± std over folds, "
+            f"{cfg.fidelity_projection} projection; paper: 0.895 original -> 0.058 concept-ablated, 0.831 random):")
         table = results.get("fidelity_table") or "\n".join(table_text(results["fidelity"]))
         for line in table.splitlines():
             log("  " + line)

@@ -188,6 +188,29 @@ def test_fidelity_drops_only_for_the_carrying_direction():
     assert all(w["folds"] == 4 and w["n_sentences"] == S and w["rank"] == 1 for w in rows)
 
 
+def test_centred_projection_keeps_the_shared_mean_so_the_random_control_is_informative():
+    """--fidelity-projection centred: r' = r - ((r - μ)·ê)ê. Representations with a large shared mean (like
+    MiniLM's [CLS]): the paper's projection of a random direction moves every r by -(μ·ê)ê and costs the probe
+    accuracy that says nothing about the direction; the centred one leaves the random control near the
+    original while the carrying direction still takes the probe to chance."""
+    g = torch.Generator().manual_seed(0)
+    S, d = 240, 16
+    u = torch.zeros(d)
+    u[0] = 1.0
+    y = torch.arange(S) % 2
+    r = torch.full((d,), 10.0) + torch.randn(S, d, generator=g) * torch.cat([torch.tensor([0.3]), torch.ones(d - 1)]) \
+        + (2.0 * y[:, None] - 1) * 1.5 * u
+    rows = {c: cv.probe_fidelity(r, y.tolist(), {"carrier": u.expand(S, 1, d).clone()}, folds=4, seed=42, centred=c,
+                                 log=lambda s: None)[0] for c in (False, True)}
+    assert rows[False]["acc_random"] < 0.9 < rows[True]["acc_random"]
+    assert rows[True]["acc_concept"] < 0.6 and rows[True]["acc_orig"] > 0.95
+    B = torch.randn(S, 2, d, generator=g)
+    mu = r.mean(0)
+    out = cv.project_out(r, B, mu)
+    Q = cv.orthonormal_rows(B)
+    assert torch.einsum("sd,smd->sm", (out - mu).double(), Q).abs().max() < 1e-4  # nothing of r - μ left in span(B)
+
+
 def test_probe_needs_two_sentences_of_each_class_and_says_when_it_uses_fewer_folds():
     """Too few sentences is an error, not a probe trained on nothing (which once printed 0.000 for every method);
     fewer sentences of a class than --probe-folds runs with fewer folds and says so."""
