@@ -2987,8 +2987,10 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         parts.append("<h2>Validation (every dev row, nearest codes)</h2>" + table_html(rows, list(rows[0])))
     if results.get("fidelity"):
         rows = results["fidelity"]
-        parts.append("<h2>Concept-ablation fidelity (spec §6.1)</h2><p>paper (RoBERTa, ERASER-Movie): probe accuracy "
-                     "0.895 original, 0.058 concept-ablated, 0.831 random-ablated (relative drop 93%)</p>"
+        projection = (results.get("fidelity_info") or {}).get("projection", "paper")
+        parts.append(f"<h2>Concept-ablation fidelity (spec §6.1), {html.escape(projection)} projection</h2><p>paper "
+                     "(RoBERTa, ERASER-Movie): probe accuracy 0.895 original, 0.058 concept-ablated, 0.831 "
+                     "random-ablated (relative drop 93%)</p>"
                      + table_html(rows, list(dict.fromkeys(k for r in rows for k in r))))
     if results.get("baselines"):
         b = results["baselines"]

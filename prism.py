@@ -82,11 +82,11 @@ Commands
     python prism.py --dataset fineweb-edu --max-tokens 2000000000  # the paper's data (online)
     torchrun --standalone --nproc_per_node=8 prism.py              # DDP
 
-Expected (CPU preset, 2 cores, 2026-12-02): `python prism.py` takes about 4 minutes (3 min 48 s) for the twin,
+Expected (CPU preset, 2 cores, 2026-12-02): `python prism.py` takes about 4 minutes (4 min 14 s) for the twin,
 PRISM and every analysis, with the same figures in every run; PRISM's val loss ends 1.4% above the twin's
 (6.79 vs 6.70 nats, cl100k compacted to 19,447 ids, 410k training tokens each; +0.55% with --revive-dead), and a
-cached attribution query is ~2,100x faster than dense TracIn for one query alone (~140x per query in a batch of
-16, 8x against dense TracIn from a gradient sketch of the cache's size).
+cached attribution query is ~2,300x faster than dense TracIn for one query alone (~150x per query in a batch of
+16, ~16x against dense TracIn from a gradient sketch of the cache's size).
 """
 from __future__ import annotations
 
@@ -1843,7 +1843,7 @@ def dense_scores(model: PRISM, windows, xq, yq) -> tuple:
         gs = torch.autograd.grad(loss, params, allow_unused=True)
         return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float() for g, p in zip(gs, params)])
     with torch.enable_grad():  # warm-up (first-call allocations), untimed, as for the cached and exact methods
-        flat_grad(F.cross_entropy(model(xq[:1])[0, -1].float(), yq[0]))
+        flat_grad(query_ce(model, xq[:1], yq[0]))
         w = windows[0].to(device)
         flat_grad(F.cross_entropy(model(w[None, :-1])[0].float(), w[1:], reduction="sum"))
     if device.type == "cuda":
@@ -1851,8 +1851,7 @@ def dense_scores(model: PRISM, windows, xq, yq) -> tuple:
         base = torch.cuda.memory_allocated(device)
     t0 = attr_clock(device)
     with torch.enable_grad():
-        gq = torch.stack([flat_grad(F.cross_entropy(model(xq[j:j + 1])[0, -1].float(), yq[j]))
-                          for j in range(len(xq))])
+        gq = torch.stack([flat_grad(query_ce(model, xq[j:j + 1], yq[j])) for j in range(len(xq))])
         t1 = attr_clock(device)
         scores = torch.empty(len(xq), windows.shape[0], device=device)
         for m in range(windows.shape[0]):
@@ -1868,36 +1867,47 @@ def dense_scores(model: PRISM, windows, xq, yq) -> tuple:
     return scores, seconds, held, "Q query gradients + one training gradient"
 
 
+def query_ce(model: PRISM, x, y):
+    """The query's loss: CE of the last position's prediction (x [1, T], target y), through the head on that
+    position alone (the other positions' logits would cost time and change nothing)."""
+    z = model.hidden(x)[:, -1:]
+    logits = model.head(z)["logits"] if model.ready else F.linear(z, model.wte.weight)
+    return F.cross_entropy(logits[0, -1:].float(), y.reshape(1))
+
+
 def sketched_dense_scores(model: PRISM, windows, xq, yq, nbytes: int, seed: int = 0) -> dict:
     """Step 4b, dense TracIn at matched cache memory (spec §5.3: "wall-clock per query at matched cache memory").
-    Every training window's all-parameter gradient is CountSketched once into D = nbytes / (4 M) buckets
-    (parameter j goes to bucket h(j) with sign s(j), both drawn from `seed`; E[<Sg, Sh>] = <g, h>) and cached,
-    so a query pays one backward, its sketch and M dot products, as the cached prototype method pays one
-    forward and its postings. -> dict(scores [Q, M], seconds per query (one at a time), bytes (the M×D
-    sketches), setup seconds, D)."""
+    Every training window's all-parameter gradient is CountSketched once into D = nbytes / (4 M) float32
+    buckets and cached, so a query pays one backward, its sketch and M dot products, as the cached prototype
+    method pays one forward and its postings. Parameter j goes to bucket h(j) with sign s(j), from 2-universal
+    hashes ((α j + β) mod p, p = 2³¹ - 1, seeded) computed on the fly from j, so the sketch holds no state beside
+    the cache: E[<Sg, Sh>] = <g, h>. -> dict(scores [Q, M], seconds per query (one at a time, hashing included),
+    bytes (the M×D sketches), setup seconds, D)."""
     model.eval()
     device = model.P.device
     params = [p for p in model.parameters() if p.requires_grad]
     n, M = sum(p.numel() for p in params), windows.shape[0]
     D = max(1, nbytes // (4 * M))
-    g = torch.Generator().manual_seed(seed)
-    bucket = torch.randint(0, D, (n,), generator=g).to(device)
-    sign = (2.0 * torch.randint(0, 2, (n,), generator=g) - 1).to(device)
+    p31 = 2**31 - 1
+    a_h, b_h, a_s, b_s = torch.randint(1, p31, (4,), generator=torch.Generator().manual_seed(seed)).tolist()
 
     def sketch(loss):
-        gs = torch.autograd.grad(loss, params, allow_unused=True)
-        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float() for g, p in zip(gs, params)])
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float() for g, p in zip(grads, params)])
+        j = torch.arange(n, device=device)
+        bucket = (a_h * j + b_h) % p31 % D
+        sign = 1.0 - 2.0 * ((a_s * j + b_s) % p31 % 2)
         return torch.zeros(D, device=device).index_add_(0, bucket, sign * flat)
     t0 = attr_clock(device)
     with torch.enable_grad():
         cache = torch.stack([sketch(F.cross_entropy(model(w[None, :-1])[0].float(), w[1:], reduction="sum"))
                              for w in windows.to(device)])  # [M, D]
         setup = attr_clock(device) - t0
-        sketch(F.cross_entropy(model(xq[:1])[0, -1].float(), yq[0]))  # warm-up, untimed
+        sketch(query_ce(model, xq[:1], yq[0]))  # warm-up, untimed
         scores, times = [], []
         for j in range(len(xq)):
             t0 = attr_clock(device)
-            scores.append(cache @ sketch(F.cross_entropy(model(xq[j:j + 1])[0, -1].float(), yq[j])))
+            scores.append(cache @ sketch(query_ce(model, xq[j:j + 1], yq[j])))
             times.append(attr_clock(device) - t0)
     return {"scores": torch.stack(scores), "seconds": sum(times) / len(xq), "bytes": tensor_bytes(cache),
             "setup": setup, "D": D}
@@ -2119,8 +2129,8 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
             "memory_notes": {cached_name: "the cache (index, A_ii, S's eigenbasis; A's for kfac)",
                              "prototype-space exact": "row-sparse exact gradients + M×M Cholesky factor",
                              "dense TracIn (all parameters)": dense_mem_note,
-                             sketch_name: f"the M x D training-gradient sketches, D = {sk['D']:,} (the hash, "
-                                          "regenerable from its seed, not counted)",
+                             sketch_name: f"the M x D training-gradient sketches, D = {sk['D']:,} (the hash is "
+                                          "computed from the parameter index each query: no other state)",
                              f"EK-FAC (kronfluence), batch of {Q} queries":
                                  "eigenbases and corrected eigenvalues of the Linear modules"},
             "examples": examples}

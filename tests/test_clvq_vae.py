@@ -361,7 +361,7 @@ def test_tiny_run_end_to_end(tmp_path, tiny_bert, cache_dir):
     # and its own head is the classifier that IG explains
     assert "fine-tuning" in r.stdout and "fidelity: classifier = the fine-tuned model and its head" in r.stdout
     report = (tmp_path / "report.html").read_text()
-    assert "Concept-ablation fidelity" in report and "Concept cards" in report and "VQ-VAE l1-&gt;h1" in report
+    assert "Concept-ablation fidelity (spec §6.1), paper projection" in report and "Concept cards" in report and "VQ-VAE l1-&gt;h1" in report
 
 
 @pytest.mark.slow

@@ -198,10 +198,10 @@ def test_dense_baseline_is_the_dot_product_of_flattened_gradients(assert_close):
     model = tiny()
     w = windows_of(5, 8, seed=9)
     xq = windows_of(3, 8, seed=10)
-    calls = []
-    hook = model.register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape[0]))
+    calls, hidden = [], model.hidden
+    model.hidden = lambda idx: calls.append(idx.shape[0]) or hidden(idx)  # every pass, query or training window
     scores, seconds, held, note = prism.dense_scores(model, w, xq[:, :-1], xq[:, -1])
-    hook.remove()
+    del model.hidden
     # an untimed warm-up (one query, one training window), as the cached and exact methods have, then Q + M passes
     assert len(calls) == 2 + 3 + 5
     params = [p for p in model.parameters() if p.requires_grad]
@@ -219,9 +219,9 @@ def test_dense_baseline_is_the_dot_product_of_flattened_gradients(assert_close):
 
 
 def test_sketched_dense_baseline_is_an_unbiased_sketch_of_the_dense_dot_products():
-    """CountSketch keeps dot products in expectation: averaged over sketch seeds, the matched-memory scores
-    approach dense TracIn's; with D >= the parameter count and distinct buckets it would be exact. Its cache
-    holds M x D float32 = the bytes asked for."""
+    """CountSketch keeps dot products in expectation: over sketch seeds, every score's mean lies within 5
+    standard errors of dense TracIn's (the same check rejects a 30 % bias), one sketch is not exact, and the
+    cache holds M x D float32 = the bytes asked for."""
     model = tiny()
     M = 6
     w = windows_of(M, 8, seed=3)
@@ -229,12 +229,15 @@ def test_sketched_dense_baseline_is_an_unbiased_sketch_of_the_dense_dot_products
     dense, *_ = prism.dense_scores(model, w, xq[:, :-1], xq[:, -1])
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     runs = [prism.sketched_dense_scores(model, w, xq[:, :-1], xq[:, -1], nbytes=4 * M * (n // 8), seed=s)
-            for s in range(24)]
+            for s in range(32)]
     assert all(r["D"] == n // 8 and r["bytes"] == 4 * M * (n // 8) for r in runs)
-    mean = torch.stack([r["scores"] for r in runs]).mean(0)
-    err_mean = ((mean - dense).norm() / dense.norm()).item()
-    err_one = ((runs[0]["scores"] - dense).norm() / dense.norm()).item()
-    assert err_mean < 0.1 and 0 < err_one and err_mean < err_one / 2  # unbiased: the seeds' noise averages out
+    S = torch.stack([r["scores"] for r in runs]).double()  # [seeds, Q, M]
+    mean, se = S.mean(0), S.std(0) / len(runs) ** 0.5
+
+    def z(target):
+        return ((mean - target.double()) / se.clamp_min(1e-12)).abs().max().item()
+    assert z(dense) < 5 < z(1.3 * dense)
+    assert (S[0] - dense.double()).abs().max() > 0  # one sketch is an estimate, not the dense scores
 
 
 def test_full_routing_is_refused():
