@@ -1350,6 +1350,14 @@ def align_words(words: list[str], offsets: list[tuple[int, int]], special: list[
 
 
 @torch.no_grad()
+def check_layer_range(src: SourceModel, lo: int, hi: int) -> None:
+    """0 <= l <= h <= n_layers (0 = the embeddings), as a one-line DataError."""
+    from common import DataError
+
+    if not 0 <= lo <= hi <= src.n_layers:
+        raise DataError(f"layers {lo} -> {hi}: need 0 <= l <= h <= {src.n_layers} (0 = embeddings) for {src.name}")
+
+
 def extract_activations(src: SourceModel, texts: list[str], labels: list[int] | None = None, layers=(4, 6),
                         min_count: int = 5, max_per_type: int | None = 20, batch_tokens: int = 8192,
                         log=None) -> Activations:
@@ -1360,11 +1368,8 @@ def extract_activations(src: SourceModel, texts: list[str], labels: list[int] | 
     kept as a word type like any other, so the filter caps it. Decoders drop every special token (BOS).
     Sentences are run in length-sorted batches of at most batch_tokens padded tokens, right-padded (positions
     of real tokens are unchanged for absolute-position and causal models alike)."""
-    from common import DataError
-
     lo, hi = (int(x) for x in layers)  # the spec's l -> h
-    if not 0 <= lo <= hi <= src.n_layers:
-        raise DataError(f"layers {lo} -> {hi}: need 0 <= l <= h <= {src.n_layers} (0 = embeddings) for {src.name}")
+    check_layer_range(src, lo, hi)
     labels = list(labels) if labels is not None else [0] * len(texts)
     t0 = time.time()
     tok = src.tokenizer
@@ -2530,6 +2535,10 @@ def train_probe(r: torch.Tensor, y: torch.Tensor, n_classes: int, seed: int, epo
     return probe.eval()
 
 
+class TooFewSentences(ValueError):
+    """The fidelity probe cannot be cross-validated on these sentences."""
+
+
 def probe_fidelity(r: torch.Tensor, labels, ablations: dict, folds: int = 20, seed: int = 42, log=print,
                    centred: bool = False, **probe_kw) -> list[dict]:
     """§6.1 steps 4-6. r [S, d] sentence representations, labels [S] (gold), ablations {method: [S, m, d]} the
@@ -2543,8 +2552,8 @@ def probe_fidelity(r: torch.Tensor, labels, ablations: dict, folds: int = 20, se
     present = torch.bincount(y)[torch.unique(y)] if len(y) else torch.zeros(0, dtype=torch.long)
     smallest = int(present.min()) if len(present) else 0
     if len(present) < 2 or smallest < 2:  # a fold must leave every class in the other folds' training set
-        raise ValueError(f"the probe needs >= 2 classes with >= 2 sentences each; the sentences per class are "
-                         f"{torch.bincount(y, minlength=2).tolist()}")
+        raise TooFewSentences(f"the probe needs >= 2 classes with >= 2 sentences each; the sentences per class are "
+                              f"{torch.bincount(y, minlength=2).tolist()}")
     C = int(y.max()) + 1
     k = min(folds, smallest)  # every fold then holds each class at least once (stratified_folds deals round-robin)
     if k < folds:
@@ -2631,13 +2640,13 @@ def run_fidelity(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
         ids = m.assign(x)
         ablations[m.name] = m.ablation(x, ids)
         codes[m.name] = ids
+    def probe(r_, sents, abl):
+        return probe_fidelity(r_, [dev_acts.labels[int(s)] for s in sents], abl, cfg.probe_folds, seed, log,
+                              centred=cfg.fidelity_projection == "centred", epochs=cfg.probe_epochs,
+                              patience=cfg.probe_patience, standardise=cfg.probe_standardise)
     try:
-        table = probe_fidelity(r, [dev_acts.labels[int(s)] for s in keep], ablations, cfg.probe_folds, seed,
-                               log, centred=cfg.fidelity_projection == "centred", epochs=cfg.probe_epochs,
-                               patience=cfg.probe_patience, standardise=cfg.probe_standardise)
-    except ValueError as e:
-        if not str(e).startswith("the probe needs"):
-            raise
+        table = probe(r, keep, ablations)
+    except TooFewSentences as e:
         raise RunError(f"fidelity on {len(keep)} dev sentences: {e} (raise --dev-per-class or "
                        "--fidelity-sentences)") from None
     for w in table:
@@ -2649,15 +2658,10 @@ def run_fidelity(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
     words_only = []
     if 0 < int(word.sum()) < len(rows):
         try:
-            words_only = probe_fidelity(r[word], [dev_acts.labels[int(s)] for s in keep[word]],
-                                        {n: B[word] for n, B in ablations.items()}, cfg.probe_folds, seed, log,
-                                        centred=cfg.fidelity_projection == "centred", epochs=cfg.probe_epochs,
-                                        patience=cfg.probe_patience, standardise=cfg.probe_standardise)
+            words_only = probe(r[word], keep[word], {n: B[word] for n, B in ablations.items()})
             log(f"fidelity, the {int(word.sum())} sentences whose salient unit is a word (not [CLS]):\n"
                 + fidelity_table(words_only))
-        except ValueError as e:
-            if not str(e).startswith("the probe needs"):
-                raise
+        except TooFewSentences as e:
             log(f"fidelity, the {int(word.sum())} sentences whose salient unit is a word: skipped, {e}")
     salient = [dev_acts.words[int(i)] for i in rows]
     freq: dict[str, int] = {}
@@ -3108,9 +3112,8 @@ def check_layers(cfg: Config, src: SourceModel) -> None:
     """The layer pair against the loaded source model, before anything is fine-tuned, extracted or trained:
     0 <= l <= h <= n_layers (0 = the embeddings); the fidelity test's Integrated Gradients also needs a block
     above l (1 <= l < n_layers, §6.1 step 1)."""
-    n, lo, hi = src.n_layers, cfg.layer_l, cfg.layer_h
-    if not 0 <= lo <= hi <= n:
-        raise RunError(f"--layer-l {lo} --layer-h {hi}: need 0 <= l <= h <= {n} for {src.name} (0 = embeddings)")
+    n, lo = src.n_layers, cfg.layer_l
+    check_layer_range(src, lo, cfg.layer_h)
     if cfg.fidelity and not 1 <= lo < n:
         raise RunError(f"--layer-l {lo}: the fidelity test's Integrated Gradients needs 1 <= l < {n} for "
                        f"{src.name} (a block below and above l); pick another l or pass --no-fidelity")

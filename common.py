@@ -558,9 +558,18 @@ class TokenData:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
+    def check_ctx(self, ctx: int, splits=("train", "val")) -> None:
+        """A one-line DataError when a split is shorter than one window of ctx + 1 tokens (the scripts call it
+        before their first step)."""
+        for split in splits:
+            n = len(self.tokens(split))
+            if n < ctx + 1:
+                raise DataError(f"--ctx {ctx}: the {split} split has {n:,} tokens, fewer than ctx + 1; use a smaller "
+                                f"--ctx or more data")
+
     def get_batch(self, split: str, batch_size: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y): [batch_size, ctx] int64 windows and the same windows shifted by one token."""
-        data = self.tokens(split)
+        data = self.tokens(split)  # checked here too, without opening the split twice per batch
         if len(data) < ctx + 1:
             raise DataError(f"the {split} split has {len(data)} tokens, fewer than ctx + 1 = {ctx + 1}")
         ix = torch.randint(len(data) - ctx, (batch_size * self.world_size,), generator=self.generators[split])

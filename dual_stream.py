@@ -1819,10 +1819,7 @@ def run(cfg: Config, explicit) -> int:
         raise error
     if rank != 0:
         data = get_data()
-    for split in ("train", "val"):  # before any step: a window longer than a split cannot be drawn from it
-        if len(data.tokens(split)) < cfg.ctx + 1:
-            raise RunError(f"--ctx {cfg.ctx}: the {split} split has {len(data.tokens(split)):,} tokens, fewer than "
-                           f"ctx + 1; use a smaller --ctx or more data")
+    data.check_ctx(cfg.ctx)  # before any step: a window longer than a split cannot be drawn from it
     results = {"preset": preset, "device": str(device)}
     histories, models = {}, {}
     start_rng = data.rng_state()

@@ -100,6 +100,7 @@ import os
 import re
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal, Optional
@@ -1440,8 +1441,8 @@ def auto_keyword(cards: list[dict], generated: Optional[list[str]] = None, min_l
             for w in card_words(c):
                 if w.isalpha() and len(w) >= min_letters:
                     score[w] = score.get(w, 0) + c["uses"]
-    rate = {w: keyword_rate(generated, [w]) if generated else 0.0 for w in score}
-    return [min(score, key=lambda w: (-rate[w], -score[w], w))] if score else []
+    counts = Counter(w.lower() for t in generated or [] for w in re.findall(r"[A-Za-z']+", t))  # keyword_rate's words
+    return [min(score, key=lambda w: (-counts[w], -score[w], w))] if score else []
 
 
 def parse_ids(spec: str, K: int) -> list[int]:
@@ -1840,8 +1841,7 @@ def dense_scores(model: PRISM, windows, xq, yq) -> tuple:
     params = [p for p in model.parameters() if p.requires_grad]
 
     def flat_grad(loss):
-        gs = torch.autograd.grad(loss, params, allow_unused=True)
-        return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float() for g, p in zip(gs, params)])
+        return flat_param_grad(loss, params)
     with torch.enable_grad():  # warm-up (first-call allocations), untimed, as for the cached and exact methods
         flat_grad(query_ce(model, xq[:1], yq[0]))
         w = windows[0].to(device)
@@ -1865,6 +1865,12 @@ def dense_scores(model: PRISM, windows, xq, yq) -> tuple:
     if device.type == "cuda":
         return scores, seconds, torch.cuda.max_memory_allocated(device) - base, "peak extra CUDA memory"
     return scores, seconds, held, "Q query gradients + one training gradient"
+
+
+def flat_param_grad(loss, params) -> torch.Tensor:
+    """∇ loss over every parameter in `params`, flattened into one fp32 vector (zeros where unused)."""
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float() for g, p in zip(grads, params)])
 
 
 def query_ce(model: PRISM, x, y):
@@ -1891,17 +1897,19 @@ def sketched_dense_scores(model: PRISM, windows, xq, yq, nbytes: int, seed: int 
     p31 = 2**31 - 1
     a_h, b_h, a_s, b_s = torch.randint(1, p31, (4,), generator=torch.Generator().manual_seed(seed)).tolist()
 
-    def sketch(loss):
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float() for g, p in zip(grads, params)])
+    def hashes():
         j = torch.arange(n, device=device)
-        bucket = (a_h * j + b_h) % p31 % D
-        sign = 1.0 - 2.0 * ((a_s * j + b_s) % p31 % 2)
-        return torch.zeros(D, device=device).index_add_(0, bucket, sign * flat)
+        return (a_h * j + b_h) % p31 % D, 1.0 - 2.0 * ((a_s * j + b_s) % p31 % 2)  # bucket h(j), sign s(j)
+
+    def sketch(loss, hashed=None):
+        bucket, sign = hashed if hashed is not None else hashes()
+        return torch.zeros(D, device=device).index_add_(0, bucket, sign * flat_param_grad(loss, params))
     t0 = attr_clock(device)
     with torch.enable_grad():
-        cache = torch.stack([sketch(F.cross_entropy(model(w[None, :-1])[0].float(), w[1:], reduction="sum"))
+        hashed = hashes()  # held while the cache is built, then dropped: a query recomputes it
+        cache = torch.stack([sketch(F.cross_entropy(model(w[None, :-1])[0].float(), w[1:], reduction="sum"), hashed)
                              for w in windows.to(device)])  # [M, D]
+        del hashed
         setup = attr_clock(device) - t0
         sketch(query_ce(model, xq[:1], yq[0]))  # warm-up, untimed
         scores, times = [], []
@@ -2059,9 +2067,9 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     add_row("prototype-space exact", torch.stack(scores), 1e3 * sum(times) / Q, ex.nbytes(), M, setup)
     # Diagnostic: the cached and exact rankings differ in two ways, the gradients (a held fixed in the cache) and
     # the curvature (block A_ii·S of token statistics vs the damped Fisher of window gradients). Without any
-    # curvature (the cache at damping 1e9: (C + λI)⁻¹ -> I/λ, plain dot products), the overlap measures the
+    # curvature (the same cache at damping 1e9: (C + λI)⁻¹ -> I/λ, plain dot products), the overlap measures the
     # gradients alone; the rest of the gap is the curvature.
-    plain = build_attr_cache(model, windows, "block", 1e9)
+    plain = replace(cache, curvature="block", lam=1e9 * cache.A_diag.mean().item() * cache.lam_S.mean().item())
     plain_scores = torch.stack([cached_scores(plain, *(t[0] for t in query_state(model, xq[j:j + 1], yq[j:j + 1])))[0]
                                 for j in range(Q)])
     gradients_only = {f"top-{n} overlap": topn_overlap(plain_scores, torch.stack(exact_dots), n) for n in (10, 100)}
@@ -2821,10 +2829,7 @@ def run(cfg: Config, explicit) -> int:
         raise error
     if rank != 0:
         data = get_data()
-    for split in ("train", "val"):  # before any step: a window longer than a split cannot be drawn from it
-        if len(data.tokens(split)) < cfg.ctx + 1:
-            raise RunError(f"--ctx {cfg.ctx}: the {split} split has {len(data.tokens(split)):,} tokens, fewer than "
-                           f"ctx + 1; use a smaller --ctx or more data")
+    data.check_ctx(cfg.ctx)  # before any step: a window longer than a split cannot be drawn from it
     results = {"preset": preset, "device": str(device)}
     histories, models = {}, {}
     start_rng = data.rng_state()
