@@ -82,11 +82,11 @@ Commands
     python prism.py --dataset fineweb-edu --max-tokens 2000000000  # the paper's data (online)
     torchrun --standalone --nproc_per_node=8 prism.py              # DDP
 
-Expected (CPU preset, 2 cores, 2026-12-02): `python prism.py` takes about 4 minutes (4 min 14 s) for the twin,
+Expected (CPU preset, 2 cores, 2026-12-02): `python prism.py` takes about 4 minutes (3 min 58 s) for the twin,
 PRISM and every analysis, with the same figures in every run; PRISM's val loss ends 1.4% above the twin's
 (6.79 vs 6.70 nats, cl100k compacted to 19,447 ids, 410k training tokens each; +0.55% with --revive-dead), and a
-cached attribution query is ~2,300x faster than dense TracIn for one query alone (~150x per query in a batch of
-16, ~16x against dense TracIn from a gradient sketch of the cache's size).
+cached attribution query is ~2,000x faster than dense TracIn for one query alone (~130x per query in a batch of
+16, 16-26x against dense TracIn from a gradient sketch of the cache's size).
 """
 from __future__ import annotations
 
