@@ -35,10 +35,13 @@ Choices where the spec is open (each a switch where the result may depend on it)
   * CLN affine: a gain per element, [H, d_h] = d values (--cln-gain element), no bias (the table's count);
     --cln-gain head gives the 2025 code's one scalar per head (CLN only: with --norm layernorm it is an error),
     --cln-bias adds biases, --norm layernorm swaps CLN for a standard LayerNorm everywhere.
-  * Mixing points: the spec (§3, §11.2) lists four, V, O, FFN up and FFN down; here they are tied in pairs,
-    --mixing sets V and O together and --ffn-mixing FFN up and down together. Every configuration the spec's
-    sweep names (its table, the authors' signatures such as ind-ind/ind-ind) ties them so; a mixed pair such as
-    Kronecker V with dense O cannot be asked for.
+  * Mixing points: the spec (§3, §11.2) lists four, V, O, FFN up and FFN down (the authors' keys attn_v_mixing,
+    attn_out_mixing, ffn_up_mixing, ffn_down_mixing). --mixing sets V and O together and --ffn-mixing FFN up and
+    down together, as every configuration of the spec's sweep does (its table, the authors' signatures such as
+    ind-ind/ind-ind); --attn-v-mixing, --attn-out-mixing, --ffn-up-mixing and --ffn-down-mixing set one point
+    alone (e.g. Kronecker V with dense O). With one FFN projection per head and the other dense, the 4d hidden
+    units are read as H consecutive groups of 4d_h. A split is stored in one spelling (--mixing holds V's,
+    --attn-out-mixing O's where it differs; the FFN likewise), so either way of typing it finds its checkpoint.
   * FFN mixing: dense by default (the headline sweep varies V and O jointly); --ffn-mixing independent.
   * Ablation point: a stream is removed at the readout (the authors' tooling: lm_head(ln_f(x_t)) or x_e alone).
     --ablate-at all adds rows that drop a stream's writes in every block (x_t stays the embedding, x_e stays
@@ -60,8 +63,9 @@ Choices where the spec is open (each a switch where the result may depend on it)
     is a built-in set of two-name sentences where a pronoun refers to one of them, scored per head by the
     attention mass from the pronoun to the right name minus the mass to the other one. --head-sweep trains
     H = 2, 3, 6, 12 at fixed d on the same batches and compares both per H (spec §7, §10.5).
-  * Checkpoint and log names (variant): mode and mixing, then every other model setting that differs from its
-    default, spelled as its flag (e.g. ckpt-token-factor-kronecker-heads-3.pt); the sizes of either preset keep
+  * Checkpoint and log names (variant): mode and mixing (a split point spelled as its flag, e.g.
+    -attn-out-mixing-dense), then every other model setting that differs from its default, spelled as its flag
+    (e.g. ckpt-token-factor-kronecker-heads-3.pt); the sizes of either preset keep
     the plain name, so `python dual_stream.py` writes ckpt-token-factor-kronecker.pt on a CPU and on a GPU.
 
 Commands
@@ -72,6 +76,7 @@ Commands
     python dual_stream.py --head-sweep             # H = 2, 3, 6, 12 at fixed d: specialisation per H
     python dual_stream.py --mixing independent --ffn-mixing independent    # fully independent
     python dual_stream.py --mode fts --mixing independent                 # frozen token stream
+    python dual_stream.py --mixing kronecker --attn-out-mixing dense      # one mixing point alone
     python dual_stream.py --no-train --amplify 1,4,16 --ablate-at all     # analyses of a trained checkpoint
     python dual_stream.py --bench                  # training tok/s per mixing vs dense; kernel vs SDPA
     python dual_stream.py --dataset tinystories --max-tokens 100000000     # online
@@ -144,6 +149,15 @@ class Config:
     mixing: Literal["identity", "independent", "kronecker", "dense"] = field(
         default="kronecker", metadata={"help": "channelized mixing of the attention V and O projections"})
     ffn_mixing: Literal["dense", "independent"] = field(default="dense", metadata={"help": "dense FFN, or one MLP per head"})
+    # the four mixing points one by one (spec §3, §11.2); "same" follows the pair's flag above
+    attn_v_mixing: Literal["same", "identity", "independent", "kronecker", "dense"] = field(
+        default="same", metadata={"help": "mixing of V alone (same: --mixing)"})
+    attn_out_mixing: Literal["same", "identity", "independent", "kronecker", "dense"] = field(
+        default="same", metadata={"help": "mixing of O alone (same: --mixing)"})
+    ffn_up_mixing: Literal["same", "dense", "independent"] = field(
+        default="same", metadata={"help": "mixing of the FFN up-projection alone (same: --ffn-mixing)"})
+    ffn_down_mixing: Literal["same", "dense", "independent"] = field(
+        default="same", metadata={"help": "mixing of the FFN down-projection alone (same: --ffn-mixing)"})
     v_source: Literal["xt-cln", "xt-raw", "combined"] = field(
         default="xt-cln", metadata={"help": "V reads CLN_v(x_t), x_t, or CLN_1(x_t + x_e) (single mode: always CLN_1(x))"})
     norm: Literal["cln", "layernorm"] = field(default="cln", metadata={"help": "channel-aware LayerNorm, or a standard one"})
@@ -204,11 +218,12 @@ CPU_PRESET = dict(layers=4, d_model=192, ctx=128, batch_size=16, max_iters=300, 
                   eval_interval=100, eval_iters=5, log_interval=20, analysis_windows=48)
 # A checkpoint fixes ARCH_KEYS (asking for other values is an error); --resume and --no-train take every other
 # setting from it too unless typed (MERGED_KEYS: all but how and where this invocation runs).
-ARCH_KEYS = ("mode", "mixing", "ffn_mixing", "v_source", "norm", "cln_gain", "cln_bias", "fts_cln_at_init", "layers",
+POINT_KEYS = ("attn_v_mixing", "attn_out_mixing", "ffn_up_mixing", "ffn_down_mixing")
+ARCH_KEYS = ("mode", "mixing", "ffn_mixing", *POINT_KEYS, "v_source", "norm", "cln_gain", "cln_bias", "fts_cln_at_init", "layers",
              "heads", "d_model", "dataset", "tokenizer", "compact", "max_tokens")
-RUNTIME_KEYS = ("mode", "mixing", "ffn_mixing", "preset", "device", "dtype", "compile", "kernels", "out_dir",
-                "cache_dir", "resume", "train", "sweep", "head_sweep", "bench", "report", "sample", "amplify",
-                "ablation", "ablate_at", "specialization", "analysis_windows", "sample_tokens")
+RUNTIME_KEYS = ("mode", "mixing", "ffn_mixing", *POINT_KEYS, "preset", "device", "dtype", "compile", "kernels",
+                "out_dir", "cache_dir", "resume", "train", "sweep", "head_sweep", "bench", "report", "sample",
+                "amplify", "ablation", "ablate_at", "specialization", "analysis_windows", "sample_tokens")
 MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS)
 
 
@@ -596,6 +611,29 @@ class ChannelLayerNorm(nn.Module):
         return layer_norm(x, self._full(self.weight, D), self._full(self.bias, D), self.groups, 1e-5, self.backend)
 
 
+def mixing_points(cfg: Config) -> tuple[str, str, str, str]:
+    """(V, O, FFN up, FFN down): each mixing point's own flag, or its pair's (--mixing, --ffn-mixing) if "same"."""
+    return tuple(pair if own == "same" else own for own, pair in
+                 ((cfg.attn_v_mixing, cfg.mixing), (cfg.attn_out_mixing, cfg.mixing),
+                  (cfg.ffn_up_mixing, cfg.ffn_mixing), (cfg.ffn_down_mixing, cfg.ffn_mixing)))
+
+
+def canonical_mixing(cfg: Config) -> Config:
+    """One spelling per architecture, so that a checkpoint's stored flags compare equal however they were typed:
+    --mixing holds V's mixing and --attn-out-mixing O's only where it differs (FFN: --ffn-mixing holds up's)."""
+    v, o, up, down = mixing_points(cfg)
+    return replace(cfg, mixing=v, attn_v_mixing="same", attn_out_mixing="same" if o == v else o,
+                   ffn_mixing=up, ffn_up_mixing="same", ffn_down_mixing="same" if down == up else down)
+
+
+def grouped_linear(x, w):
+    """x [..., G·n_in] through G separate maps w [G, n_out, n_in] (block-diagonal, never built): G batched GEMMs;
+    G = 1 is a plain dense linear."""
+    if w.shape[0] == 1:
+        return F.linear(x, w[0])
+    return torch.einsum("...gi,goi->...go", x.unflatten(-1, (w.shape[0], -1)), w).flatten(-2)
+
+
 class HeadMix(nn.Module):
     """One channelized d×d map (spec §3) on x [..., H·d_h]; `matrix()` builds the equivalent d×d matrix (tests,
     heatmaps) that forward never forms."""
@@ -612,9 +650,9 @@ class HeadMix(nn.Module):
             return x
         if self.kind == "dense":
             return F.linear(x, self.weight)
-        xs = x.unflatten(-1, (self.H, self.dh))                   # [..., H, d_h]
         if self.kind == "independent":                           # y_g = W_g x_g: H batched d_h×d_h GEMMs
-            return torch.einsum("...hd,hed->...he", xs, self.weight).flatten(-2)
+            return grouped_linear(x, self.weight)
+        xs = x.unflatten(-1, (self.H, self.dh))                   # [..., H, d_h]
         return torch.einsum("...hd,gh->...gd", xs, self.weight).flatten(-2)   # kronecker: y_g = Σ_h A[g,h] x_h
 
     def matrix(self) -> torch.Tensor:
@@ -652,9 +690,10 @@ class ChannelAttention(nn.Module):
         self.q = nn.Linear(d, d, bias=False)
         self.k = nn.Linear(d, d, bias=False)
         out_std = 0.02 / math.sqrt(2 * cfg.layers)
-        self.mix_v = HeadMix(cfg.mixing, H, d, 0.02)
+        v_mix, o_mix = mixing_points(cfg)[:2]
+        self.mix_v = HeadMix(v_mix, H, d, 0.02)
         kron_std = out_std if cfg.kron_out_init == "scaled" else 0.02
-        self.mix_o = HeadMix(cfg.mixing, H, d, kron_std if cfg.mixing == "kronecker" else out_std)
+        self.mix_o = HeadMix(o_mix, H, d, kron_std if o_mix == "kronecker" else out_std)
         self.alpha, self.record, self.keep_maps, self.last = 1.0, False, False, {}
 
     def heads_of(self, x):
@@ -675,23 +714,20 @@ class ChannelAttention(nn.Module):
 
 
 class FFN(nn.Module):
-    """GELU MLP, d → 4d → d (dense), or one d_h → 4d_h → d_h MLP per head (independent: no flow between heads)."""
+    """GELU MLP, d → 4d → d, each projection dense ([1, out, in]) or independent ([H, out/H, in/H]: one map per
+    head). Both independent is one d_h → 4d_h → d_h MLP per head (no flow between heads); with one of each, the
+    hidden units are read as H consecutive groups of 4d_h."""
 
     def __init__(self, cfg: Config):
         super().__init__()
         d, H = cfg.d_model, cfg.heads
-        self.H = H if cfg.ffn_mixing == "independent" else 1
-        n = d // self.H
+        up, down = ((H if m == "independent" else 1) for m in mixing_points(cfg)[2:])
         out_std = 0.02 / math.sqrt(2 * cfg.layers)
-        self.up = nn.Parameter(torch.randn(self.H, 4 * n, n) * 0.02)
-        self.down = nn.Parameter(torch.randn(self.H, n, 4 * n) * out_std)
+        self.up = nn.Parameter(torch.randn(up, 4 * d // up, d // up) * 0.02)
+        self.down = nn.Parameter(torch.randn(down, d // down, 4 * d // down) * out_std)
 
     def forward(self, x):
-        if self.H == 1:
-            return F.linear(F.gelu(F.linear(x, self.up[0])), self.down[0])
-        xs = x.unflatten(-1, (self.H, -1))
-        hid = F.gelu(torch.einsum("...hd,hfd->...hf", xs, self.up))
-        return torch.einsum("...hf,hdf->...hd", hid, self.down).flatten(-2)
+        return grouped_linear(F.gelu(grouped_linear(x, self.up)), self.down)
 
 
 class Block(nn.Module):
@@ -963,7 +999,7 @@ def any_rank(flag: torch.Tensor) -> bool:
 # that runs of two architectures in one --out-dir never overwrite each other; each only where it changes the model
 # (v_source is unused by the single stream, --kron-out-init by the other mixings, --fts-cln-at-init outside fts).
 NAME_KEYS = {"heads": lambda c: True, "v_source": lambda c: c.mode != "single", "norm": lambda c: True,
-             "cln_gain": lambda c: True, "cln_bias": lambda c: True, "kron_out_init": lambda c: c.mixing == "kronecker",
+             "cln_gain": lambda c: True, "cln_bias": lambda c: True, "kron_out_init": lambda c: mixing_points(c)[1] == "kronecker",
              "fts_cln_at_init": lambda c: c.mode == "fts"}
 # The sizes of either preset (the default command on a GPU and on a CPU) keep the plain name: existing
 # checkpoints stay valid; any other depth or width is named.
@@ -972,8 +1008,13 @@ PRESET_SIZES = ((Config.layers, Config.d_model), (CPU_PRESET["layers"], CPU_PRES
 
 def variant(cfg: Config) -> str:
     """The name of a configuration: update mode, V/O mixing, the FFN when it is per head, then every NAME_KEYS
-    setting that differs from its default (spelled as its flag) and the size unless it is a preset's."""
-    name = f"{cfg.mode}-{cfg.mixing}" + ("-ffn-independent" if cfg.ffn_mixing == "independent" else "")
+    setting that differs from its default (spelled as its flag) and the size unless it is a preset's. Mixing is
+    named in its canonical spelling, so one architecture has one name however its flags were typed."""
+    c = canonical_mixing(cfg)
+    name = f"{c.mode}-{c.mixing}" + ("-ffn-independent" if c.ffn_mixing == "independent" else "")
+    for k in ("attn_out_mixing", "ffn_down_mixing"):
+        if getattr(c, k) != "same":
+            name += f"-{k.replace('_', '-')}-{getattr(c, k)}"
     for k, applies in NAME_KEYS.items():
         v, flag = getattr(cfg, k), k.replace("_", "-")
         if applies(cfg) and v != getattr(Config, k):
@@ -1023,7 +1064,7 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None
     if not ok:
         raise RunError(f"{path} is not a dual_stream.py checkpoint")
-    bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k)]
+    bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k, getattr(Config, k))]
     if bad:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
         raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
@@ -1165,7 +1206,8 @@ def configurations(cfg: Config) -> dict[str, Config]:
         return {name: replace(cfg, **kw) for name, kw in SWEEP.items()}
     if cfg.head_sweep:
         return {f"H={h}": replace(cfg, heads=h) for h in HEAD_SWEEP}
-    name = next((n for n, kw in SWEEP.items() if all(getattr(cfg, k) == v for k, v in kw.items())), variant(cfg))
+    tied = dict.fromkeys(POINT_KEYS, "same")  # the sweep's rows tie V with O and FFN up with down
+    name = next((n for n, kw in SWEEP.items() if variant(replace(cfg, **kw, **tied)) == variant(cfg)), variant(cfg))
     return {name: cfg}
 
 
@@ -1322,45 +1364,51 @@ def chance_hub_ratio(H: int, draws: int = 2000) -> float:
     return sum(hub_ratio(torch.randn(H, H, generator=g))[1] for _ in range(draws)) / draws
 
 
+def kronecker_maps(model: DualStream) -> list[tuple[int, str, torch.Tensor]]:
+    """(layer, "V" | "O", A) for every Kronecker mixing matrix of the model, in layer order, V before O."""
+    return [(i, name, mix.weight.detach().float().cpu()) for i, a in enumerate(model.attentions())
+            for name, mix in (("V", a.mix_v), ("O", a.mix_o)) if mix.kind == "kronecker"]
+
+
 def hubs(model: DualStream) -> Optional[list[dict]]:
-    """Hub structure of the Kronecker mixing matrices (spec §7, §10.4), per layer and for A_V and A_O: the hub
-    (hub_ratio), its ratio against the chance level of random matrices, the row mass Σ_h |A[g, h]| and the
-    diagonal dominance |A[g, g]| / row mass."""
-    if model.cfg.mixing != "kronecker":
+    """Hub structure of the Kronecker mixing matrices (spec §7, §10.4), per layer and for A_V and A_O (those that
+    are Kronecker): the hub (hub_ratio), its ratio against the chance level of random matrices, the row mass
+    Σ_h |A[g, h]| and the diagonal dominance |A[g, g]| / row mass."""
+    maps = kronecker_maps(model)
+    if not maps:
         return None
     rows, chance = [], chance_hub_ratio(model.cfg.heads)
-    for i, a in enumerate(model.attentions()):
-        for name, mix in (("V", a.mix_v), ("O", a.mix_o)):
-            A = mix.weight.detach().float().cpu()
-            hub, ratio, col = hub_ratio(A)
-            row = A.abs().sum(1)
-            rows.append({"layer": i, "matrix": name, "hub": hub, "hub ratio": ratio, "chance ratio": chance,
-                         "diag dominance": (A.diagonal().abs() / row.clamp_min(1e-12)).mean().item(),
-                         "column mass": [round(v, 4) for v in col.tolist()], "row mass": [round(v, 4) for v in row.tolist()]})
+    for i, name, A in maps:
+        hub, ratio, col = hub_ratio(A)
+        row = A.abs().sum(1)
+        rows.append({"layer": i, "matrix": name, "hub": hub, "hub ratio": ratio, "chance ratio": chance,
+                     "diag dominance": (A.diagonal().abs() / row.clamp_min(1e-12)).mean().item(),
+                     "column mass": [round(v, 4) for v in col.tolist()], "row mass": [round(v, 4) for v in row.tolist()]})
     return rows
 
 
 def kronecker_figure(model: DualStream) -> Optional[str]:
-    """Heatmaps of every layer's A_V and A_O (signed, one colour scale per matrix) as a base64 PNG."""
-    if model.cfg.mixing != "kronecker":
+    """Heatmaps of every layer's A_V and A_O (those that are Kronecker; signed, one colour scale per matrix) as a
+    base64 PNG: one row per matrix kind, one column per layer."""
+    maps = kronecker_maps(model)
+    if not maps:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    kinds = sorted({name for _, name, _ in maps}, key="VO".index)
     L = len(model.blocks)
-    fig, axes = plt.subplots(2, L, figsize=(2.2 * L, 4.6), squeeze=False)
-    for i, a in enumerate(model.attentions()):
-        for r, (name, mix) in enumerate((("A_V", a.mix_v), ("A_O", a.mix_o))):
-            A = mix.weight.detach().float().cpu()
-            lim = A.abs().max().item() or 1.0
-            ax = axes[r][i]
-            ax.imshow(A, cmap="RdBu_r", vmin=-lim, vmax=lim)
-            ax.set_title(f"layer {i} {name}", fontsize=8)
-            ax.set_xlabel("from head h", fontsize=7)
-            ax.set_ylabel("to head g", fontsize=7)
-            ax.tick_params(labelsize=6)
+    fig, axes = plt.subplots(len(kinds), L, figsize=(2.2 * L, 2.3 * len(kinds)), squeeze=False)
+    for i, name, A in maps:
+        lim = A.abs().max().item() or 1.0
+        ax = axes[kinds.index(name)][i]
+        ax.imshow(A.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim)
+        ax.set_title(f"layer {i} A_{name}", fontsize=8)
+        ax.set_xlabel("from head h", fontsize=7)
+        ax.set_ylabel("to head g", fontsize=7)
+        ax.tick_params(labelsize=6)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
@@ -1719,7 +1767,7 @@ def validate(cfg: Config, explicit=()) -> None:
     if bad:
         raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number")
     parse_alphas(cfg.amplify)
-    typed = [k for k in SWEEP["dense"] if k in explicit]
+    typed = [k for k in (*SWEEP["dense"], *POINT_KEYS) if k in explicit]
     if cfg.sweep and typed:
         raise RunError(f"--sweep trains its own seven configurations; drop --{typed[0].replace('_', '-')}")
     if cfg.head_sweep:
@@ -1758,6 +1806,7 @@ def run(cfg: Config, explicit) -> int:
 
     preset = apply_preset(cfg, explicit)
     validate(cfg, explicit)
+    cfg = canonical_mixing(cfg)
     alphas = parse_alphas(cfg.amplify)
     device, autocast, dist_info = setup_device(cfg)
     if cfg.kernels == "triton" and not HAS_TRITON:

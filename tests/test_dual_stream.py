@@ -67,6 +67,56 @@ def test_parameter_counts_match_the_spec_table(mixing, ffn):
     assert counts["xt-raw"] == emb + 6 * (2 * d * d + 2 * mix + ffn_params + 2 * d) + d
 
 
+@pytest.mark.parametrize("v,o,up,down", [("kronecker", "dense", "dense", "dense"), ("identity", "independent",
+                                                                                      "independent", "dense"),
+                                          ("dense", "kronecker", "dense", "independent")])
+def test_each_mixing_point_has_its_own_parameters(v, o, up, down):
+    """The four mixing points (spec §3, §11.2) set one by one: each map has its own kind and its own count,
+    term by term as in the table above."""
+    cfg = Config(v_source="xt-raw", attn_v_mixing=v, attn_out_mixing=o, ffn_up_mixing=up, ffn_down_mixing=down)
+    with torch.device("meta"):
+        m = DualStream(cfg, 50257)
+    d, H = 384, 6
+    mix = {"dense": d * d, "independent": d * d // H, "kronecker": H * H, "identity": 0}
+    ffn = {"dense": 4 * d * d, "independent": 4 * d * d // H}
+    assert (m.blocks[0].attn.mix_v.kind, m.blocks[0].attn.mix_o.kind) == (v, o)
+    assert m.n_params() == m.wte.weight.numel() + 6 * (2 * d * d + mix[v] + mix[o] + ffn[up] + ffn[down] + 2 * d) + d
+
+
+@pytest.mark.parametrize("up,down", [("dense", "dense"), ("independent", "independent"), ("independent", "dense"),
+                                     ("dense", "independent")])
+def test_ffn_equals_its_matrices(up, down):
+    """Each FFN projection, dense or per head, is the d×4d (4d×d) matrix it stands for: blockdiag of the per-head
+    maps, the hidden units taken as H consecutive groups of 4d_h."""
+    f = tiny_model(ffn_up_mixing=up, ffn_down_mixing=down).blocks[0].ffn
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    W_up, W_down = torch.block_diag(*f.up), torch.block_diag(*f.down)
+    assert W_up.shape == (96, 24) and W_down.shape == (24, 96)
+    torch.testing.assert_close(f(x), F.gelu(x @ W_up.T) @ W_down.T)
+    assert f.up.shape[0] == (3 if up == "independent" else 1) and f.down.shape[0] == (3 if down == "independent" else 1)
+
+
+def test_one_architecture_has_one_spelling():
+    """Kronecker V with dense O, typed from either pair flag, is one configuration: one name, one stored spelling;
+    a split pair is never named after a sweep row."""
+    a = Config(mixing="kronecker", attn_out_mixing="dense")
+    b = Config(mixing="dense", attn_v_mixing="kronecker")
+    assert ds.mixing_points(a) == ds.mixing_points(b) == ("kronecker", "dense", "dense", "dense")
+    assert ds.canonical_mixing(a) == ds.canonical_mixing(b) == a
+    assert ds.variant(a) == ds.variant(b) == "token-factor-kronecker-attn-out-mixing-dense"
+    assert list(ds.configurations(b)) == ["token-factor-kronecker-attn-out-mixing-dense"]
+    tied = Config(mixing="dense", attn_v_mixing="kronecker", attn_out_mixing="kronecker")
+    assert ds.canonical_mixing(tied) == Config() and list(ds.configurations(tied)) == ["kronecker"]
+    up = Config(ffn_up_mixing="independent")
+    assert ds.variant(up) == "token-factor-kronecker-ffn-independent-ffn-down-mixing-dense"
+    assert ds.variant(Config(ffn_mixing="independent", ffn_down_mixing="independent")) == \
+        "token-factor-kronecker-ffn-independent"
+    # --kron-out-init names the run only where O is Kronecker
+    assert ds.variant(replace(b, kron_out_init="scaled")) == ds.variant(b)
+    assert ds.variant(Config(mixing="dense", attn_out_mixing="kronecker", kron_out_init="scaled")).endswith(
+        "-attn-out-mixing-kronecker-kron-out-init-scaled")
+
+
 @pytest.mark.parametrize("kind", ["identity", "independent", "kronecker", "dense"])
 def test_head_mix_equals_its_matrix(kind):
     """Forward never builds the d×d matrix; the result is the matrix's (blockdiag(W_h) or A ⊗ I for the
@@ -109,6 +159,14 @@ def test_independent_mixing_keeps_heads_isolated():
         assert delta[:, :, 1].max() > 1e-6
         others = max(delta[:, :, 0].max(), delta[:, :, 2].max()).item()
         assert (others == 0.0) == isolated, (mixing, others)
+    for v, o in (("independent", "kronecker"), ("kronecker", "independent")):  # isolation needs both points
+        m = tiny_model(attn_v_mixing=v, attn_out_mixing=o)
+        block = m.blocks[0]
+        x_t, h = torch.randn(2, 9, 24, dtype=torch.float64), torch.randn(2, 9, 24, dtype=torch.float64)
+        bumped = x_t.clone()
+        bumped[..., 8:16] += torch.randn(2, 9, 8, dtype=torch.float64)  # not a constant: CLN would remove it
+        delta = (block.attn(h, block.ln_v(bumped)) - block.attn(h, block.ln_v(x_t))).abs().view(2, 9, 3, 8)
+        assert delta[:, :, 0].max() > 1e-6, (v, o)
 
 
 def test_independent_ffn_keeps_heads_isolated():
@@ -340,6 +398,9 @@ def test_hubs_find_the_heaviest_column():
     # off the diagonal, column 2 holds two 1s and columns 0, 1 two 0.1s each; the diagonal never counts
     assert rows[0]["hub ratio"] == pytest.approx(2.0 / 0.2)
     assert ds.hubs(tiny_model(mixing="dense")) is None
+    only_o = tiny_model(mixing="dense", attn_out_mixing="kronecker").float()
+    assert [(r["layer"], r["matrix"]) for r in ds.hubs(only_o)] == [(0, "O"), (1, "O")]
+    assert ds.kronecker_figure(only_o) is not None and ds.kronecker_figure(tiny_model(mixing="dense")) is None
 
 
 def test_coref_prompts_point_at_the_right_name():
@@ -541,20 +602,23 @@ def test_head_sweep_from_the_command_line(tmp_path, cache_dir):
 
 def test_resume_from_the_command_line(tmp_path, cache_dir):
     """--resume takes the run's settings from the checkpoint (not the preset's) and extends a finished run when
-    --max-iters is raised."""
+    --max-iters is raised; a split mixing pair typed the other way round finds the same checkpoint."""
     args = ["--layers", "1", "--d-model", "24", "--heads", "3", "--ctx", "64", "--batch-size", "2", "--eval-interval",
             "5", "--eval-iters", "1", "--log-interval", "5", "--amplify", "", "--no-ablation", "--no-specialization",
             "--no-report", "--sample-tokens", "2", "--max-tokens", str(MAX_TOKENS), "--cache-dir", str(cache_dir)]
-    r = run_script("dual_stream.py", *args, "--max-iters", "10", "--out-dir", str(tmp_path))
+    r = run_script("dual_stream.py", *args, "--max-iters", "10", "--out-dir", str(tmp_path),
+                   "--mixing", "kronecker", "--attn-out-mixing", "dense")
     assert r.returncode == 0, r.stderr[-2000:]
     r = run_script("dual_stream.py", "--resume", "--max-iters", "15", "--out-dir", str(tmp_path), "--cache-dir",
                    str(cache_dir), "--amplify", "", "--no-ablation", "--no-specialization", "--no-report",
-                   "--layers", "1", "--d-model", "24", "--heads", "3")  # the architecture names the checkpoint
+                   "--layers", "1", "--d-model", "24", "--heads", "3",  # the architecture names the checkpoint
+                   "--mixing", "dense", "--attn-v-mixing", "kronecker")
     assert r.returncode == 0, r.stderr[-2000:]
-    name = "ckpt-token-factor-kronecker-heads-3-layers-1-d-model-24.pt"
+    name = "ckpt-token-factor-kronecker-attn-out-mixing-dense-heads-3-layers-1-d-model-24.pt"
     assert "resumed from" in r.stdout and f"{name} at step 10" in r.stdout
     ck = torch.load(tmp_path / name, weights_only=True)
     assert ck["step"] == 15 and ck["config"]["batch_size"] == 2 and ck["config"]["d_model"] == 24
+    assert [ck["config"][k] for k in ("mixing", "attn_v_mixing", "attn_out_mixing")] == ["kronecker", "same", "dense"]
 
 
 @pytest.mark.parametrize("args,code,needle", [
@@ -565,6 +629,8 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     (["--heads", "0"], 1, "error: --heads must be >= 1"),
     (["--d-model", "-12"], 1, "error: --d-model must be >= 1"),
     (["--sweep", "--mixing", "dense"], 1, "--sweep trains its own seven configurations; drop --mixing"),
+    (["--sweep", "--attn-out-mixing", "dense"], 1, "--sweep trains its own seven configurations; drop --attn-out-mixing"),
+    (["--ffn-up-mixing", "kronecker"], 2, "invalid choice: 'kronecker'"),
     (["--d-model", "30", "--heads", "4"], 1, "must split into --heads 4 heads"),
     (["--d-model", "30", "--heads", "6"], 1, "the head size d_model/heads must be even"),
     (["--amplify", "1,x"], 1, "--amplify '1,x': expected comma-separated numbers"),
