@@ -194,6 +194,37 @@ def test_exact_baseline_gradients_and_woodbury(assert_close):
         assert_close(f"plain dots q{q}", G @ g_q.double().reshape(-1), prism.exact_scores(ex, g_q, curvature=False))
 
 
+@pytest.mark.parametrize("curvature", ["block", "kfac"])
+def test_exact_gradients_with_the_cache_curvature(curvature, assert_close):
+    """The diagnostic that separates the cache's approximations: the exact per-sequence gradients and the exact
+    query gradient, preconditioned with the cache's (A_ii S + λI)⁻¹ blocks or (A ⊗ S + λI)⁻¹, against explicit
+    inverses; with the linear-view gradients in their place it is the cached method itself."""
+    model = tiny()
+    K, d = model.P.shape
+    M = 8
+    w = windows_of(M, 8, seed=7)
+    cache = prism.build_attr_cache(model, w, curvature, damping=1e-2)
+    ex = prism.build_exact(model, w, damping=1e-2)
+    G = dense_rows(ex.index, M, K)                                          # [M, K, d] exact
+    S = (cache.Q_S @ torch.diag(cache.lam_S) @ cache.Q_S.T).double()
+    if curvature == "kfac":
+        A = (cache.Q_A @ torch.diag(cache.lam_A) @ cache.Q_A.T).double()
+    else:
+        A = torch.diag(cache.A_diag.double())
+    H = torch.kron(A, S) + cache.lam * torch.eye(K * d, dtype=torch.float64)
+    xq = windows_of(2, 8, seed=8)
+    for q in range(2):
+        g_q = prism.exact_query_grad(model, xq[q, :-1], xq[q, -1])
+        ref = G.reshape(M, -1) @ torch.linalg.solve(H, g_q.double().reshape(-1))
+        assert_close(f"{curvature} q{q}", ref, prism.exact_scores_with_cache_curvature(ex, cache, g_q), ratio=1e-4)
+    # the same function over the cache's own (linear-view) index and query rows gives the cached scores
+    idx, a, delta = prism.query_state(model, xq[:1, :-1], xq[:1, -1])
+    g_lin = torch.zeros(K, d).index_put_((idx[0],), a[0, :, None] * delta[0], accumulate=True)
+    own = prism.ExactAttr(cache.index, torch.eye(M, dtype=torch.float64), 1.0, M)
+    assert_close("cached", prism.cached_scores(cache, idx[0], a[0], delta[0])[0],
+                 prism.exact_scores_with_cache_curvature(own, cache, g_lin), ratio=1e-5)
+
+
 def test_dense_baseline_is_the_dot_product_of_flattened_gradients(assert_close):
     model = tiny()
     w = windows_of(5, 8, seed=9)
@@ -291,11 +322,13 @@ def test_experiment_table(curvature):
         assert r["ms/query"] > 0 and r["memory MB"] > 0 and 0 < r["sequences scored"] <= 30
     exact = res["table"][1]
     assert exact["top-10 overlap"] == 1 and exact["top-100 overlap"] == 1  # n capped at M = 30: all of them
-    assert len(lines) == 7 and lines[-2] == res["summary"] and "faster than dense TracIn" in res["summary"]
-    # the diagnostic: gradients alone (no curvature), its overlap beside the cached row's
-    g = res["gradients_only"]
-    assert set(g) == {"top-10 overlap", "top-100 overlap"} and all(0 <= v <= 1 for v in g.values())
-    assert lines[-1].startswith("attribution, gradients alone (no curvature in either ranking): cached vs exact")
+    assert len(lines) == 8 and lines[-3] == res["summary"] and "faster than dense TracIn" in res["summary"]
+    # the diagnostics: gradients alone (no curvature; the cache's curvature in both) and curvature alone
+    for key in ("gradients_only", "same_curvature", "curvature_only"):
+        g = res[key]
+        assert set(g) == {"top-10 overlap", "top-100 overlap"} and all(0 <= v <= 1 for v in g.values())
+    assert lines[-2].startswith("attribution, gradients alone (no curvature in either ranking): cached vs exact")
+    assert lines[-1].startswith(f"attribution, one approximation at a time: with the cache's {curvature} curvature")
     # the chance level n/M beside every overlap: in the table, the log lines, the summary and results
     assert res["chance"] == {"top-10 overlap": 10 / 30, "top-100 overlap": 1.0}
     assert all(r["top-10 chance"] == 10 / 30 and r["top-100 chance"] == 1.0 for r in res["table"])
