@@ -1011,10 +1011,12 @@ def variant(cfg: Config) -> str:
     setting that differs from its default (spelled as its flag) and the size unless it is a preset's. Mixing is
     named in its canonical spelling, so one architecture has one name however its flags were typed."""
     c = canonical_mixing(cfg)
-    name = f"{c.mode}-{c.mixing}" + ("-ffn-independent" if c.ffn_mixing == "independent" else "")
-    for k in ("attn_out_mixing", "ffn_down_mixing"):
-        if getattr(c, k) != "same":
-            name += f"-{k.replace('_', '-')}-{getattr(c, k)}"
+    v, o, up, down = mixing_points(c)
+    name = f"{c.mode}-{v}" + (f"-attn-out-mixing-{o}" if o != v else "")
+    if up == down == "independent":
+        name += "-ffn-independent"
+    elif up != down:  # one projection per head, the other dense: the per-head one is named
+        name += "-ffn-up-mixing-independent" if up == "independent" else "-ffn-down-mixing-independent"
     for k, applies in NAME_KEYS.items():
         v, flag = getattr(cfg, k), k.replace("_", "-")
         if applies(cfg) and v != getattr(Config, k):
@@ -1202,11 +1204,11 @@ HEAD_SWEEP = (2, 3, 6, 12)
 
 def configurations(cfg: Config) -> dict[str, Config]:
     """name -> config of every model this run trains or loads: the sweep, or the one configuration asked for."""
+    tied = dict.fromkeys(POINT_KEYS, "same")  # the sweep's rows tie V with O and FFN up with down
     if cfg.sweep:
-        return {name: replace(cfg, **kw) for name, kw in SWEEP.items()}
+        return {name: replace(cfg, **kw, **tied) for name, kw in SWEEP.items()}
     if cfg.head_sweep:
         return {f"H={h}": replace(cfg, heads=h) for h in HEAD_SWEEP}
-    tied = dict.fromkeys(POINT_KEYS, "same")  # the sweep's rows tie V with O and FFN up with down
     name = next((n for n, kw in SWEEP.items() if variant(replace(cfg, **kw, **tied)) == variant(cfg)), variant(cfg))
     return {name: cfg}
 
@@ -1527,10 +1529,11 @@ def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
         f"kernels {cfg.kernels}")
     runs = {}
     for name in ("dense", "kronecker", "independent", "identity", "fully independent"):
-        c = replace(cfg, **SWEEP[name], dropout=0.0)
+        c = replace(cfg, **SWEEP[name], **dict.fromkeys(POINT_KEYS, "same"), dropout=0.0)
         torch.manual_seed(cfg.seed)
         m = DualStream(c, vocab_size).to(device)
         runs[name] = (m, make_optimizer(m, c, device.type))
+        res.setdefault("mixing_points", {})[name] = mixing_points(c)  # (V, O, FFN up, FFN down)
     x = torch.randint(0, vocab_size, (B, T), device=device)
     y = torch.randint(0, vocab_size, (B, T), device=device)
 
@@ -1934,8 +1937,9 @@ def run(cfg: Config, explicit) -> int:
                 png = out_dir / f"kronecker-{variant(m.cfg)}.png"
                 png.write_bytes(base64.b64decode(fig))
                 s["figure"] = fig
-                deep = [h for h in s["hubs"] if h["matrix"] == "O"]
-                line += ("; A_O hubs " + " ".join(f"L{h['layer']}:h{h['hub']}({h['hub ratio']:.1f}x)" for h in deep)
+                kind = "O" if any(h["matrix"] == "O" for h in s["hubs"]) else "V"  # A_O's hubs, else A_V's
+                deep = [h for h in s["hubs"] if h["matrix"] == kind]
+                line += (f"; A_{kind} hubs " + " ".join(f"L{h['layer']}:h{h['hub']}({h['hub ratio']:.1f}x)" for h in deep)
                          + f" (random matrices: {deep[0]['chance ratio']:.1f}x); {png}")
             c = s["coreference"]
             if c.get("prompts"):

@@ -63,8 +63,9 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     n/M (a random ranking of the M windows). Two diagnostics split the gap to exact into its two causes, each with
     the other held equal: the cached vs exact gradients with no curvature in either ranking (plain dot products)
     and with the cache's curvature in both; and the exact gradients ranked with the cache's curvature vs the
-    exact ranking (the curvature alone). On the CPU preset the curvature is the whole gap (0.42/0.65 top-10/100
-    for the curvature alone, the cached method's 0.43/0.65; its gradients alone keep 0.79/0.89).
+    exact ranking (the curvature alone). On the CPU preset the curvature alone loses as much as the whole cached
+    method (0.42/0.65 top-10/100 against its 0.43/0.65), the fixed-a gradients alone less (0.79/0.89 kept with
+    the cache's curvature in both, 0.84/0.95 with none): the two losses do not compound.
   * Suppression keywords default to `auto`: of the words (4+ letters) that live cards are about, the one the
     model generates most, so that the default run suppresses prototypes that fire, measured on a word whose
     rate can move (a fixed word such as "lord" matched only a dead card of the CPU preset: a no-op). A live
@@ -85,11 +86,12 @@ Commands
     python prism.py --dataset fineweb-edu --max-tokens 2000000000  # the paper's data (online)
     torchrun --standalone --nproc_per_node=8 prism.py              # DDP
 
-Expected (CPU preset, 2 cores, 2026-12-02): `python prism.py` takes about 4 minutes (3 min 58 s) for the twin,
-PRISM and every analysis, with the same figures in every run; PRISM's val loss ends 1.4% above the twin's
-(6.79 vs 6.70 nats, cl100k compacted to 19,447 ids, 410k training tokens each; +0.55% with --revive-dead), and a
-cached attribution query is ~2,000x faster than dense TracIn for one query alone (~130x per query in a batch of
-16, 16-26x against dense TracIn from a gradient sketch of the cache's size).
+Expected (CPU preset, 2 cores, 2026-12-02): `python prism.py` takes about 4 minutes (3 min 48 s - 4 min 14 s in
+six runs) for the twin, PRISM and every analysis, with the same figures in every run; PRISM's val loss ends 1.4%
+above the twin's (6.79 vs 6.70 nats, cl100k compacted to 19,447 ids, 410k training tokens each; +0.55% with
+--revive-dead), and a cached attribution query is ~2,000x faster than dense TracIn for one query alone (1.99-2.32
+x 10^3; 128-149x per query in a batch of 16, 16-26x against dense TracIn from a gradient sketch of the cache's
+size).
 """
 from __future__ import annotations
 
@@ -1695,28 +1697,39 @@ def query_state(model: PRISM, xq, yq):
 @torch.no_grad()
 def precondition(cache: AttrCache, i, g):
     """(H + λI)⁻¹ applied to a query gradient whose non-zero rows are g [n, d] at prototypes i [n] -> (the
-    prototypes the result reaches [n'], its rows there [n', d]), with the cache's curvature.
+    prototypes the result reaches [n'] (None: all K, in order), its rows there [n', d]), with the cache's
+    curvature.
     block: v_i = (A_ii S + λI)⁻¹ g_i = Q_S diag(1/(A_ii λ_S + λ)) Q_Sᵀ g_i: the same rows i.
     kfac:  V = (A ⊗ S + λI)⁻¹ G = Q_A [(Q_Aᵀ G Q_S) / (λ_A λ_Sᵀ + λ)] Q_Sᵀ: A's eigenvectors couple the
            prototypes, so V is dense over the bank (cost K²d)."""
     u = g @ cache.Q_S  # rows in S's eigenbasis
     if cache.curvature == "kfac":
         core = (cache.Q_A[i].T @ u) / (cache.lam_A[:, None] * cache.lam_S[None] + cache.lam)
-        return torch.arange(len(cache.A_diag), device=g.device), cache.Q_A @ core @ cache.Q_S.T
+        return None, cache.Q_A @ core @ cache.Q_S.T
     return i, (u / (cache.A_diag[i, None] * cache.lam_S + cache.lam)) @ cache.Q_S.T
 
 
 @torch.no_grad()
 def score_postings(index: ProtoIndex, i, v, M: int, dtype=torch.float32, chunk=ATTR_CHUNK):
     """scores[m] = Σ_i g_{m,i}·v_i over the postings of the prototypes i [n] (v [n, d]) -> (scores [M] in dtype,
-    scored [M] bool: the sequences touched). Only those postings are read, a chunk of rows at a time."""
+    scored [M] bool: the sequences touched). Only those postings are read, a chunk of rows at a time. i = None:
+    every prototype (v [K, d]), read in place in the index's order, each row's prototype found by bisecting
+    indptr (no gather of G, no per-posting index arrays)."""
+    scores = torch.zeros(M, dtype=dtype, device=v.device)
+    scored = torch.zeros(M, dtype=torch.bool, device=v.device)
+    step = max(1, chunk // index.G.shape[1])
+    if i is None:
+        for s in range(0, len(index.seq), step):
+            e = min(s + step, len(index.seq))
+            proto = torch.searchsorted(index.indptr, torch.arange(s, e, device=v.device), right=True) - 1
+            seq = index.seq[s:e].long()
+            scores.index_add_(0, seq, (index.G[s:e] * v[proto]).sum(-1).to(dtype))
+            scored[seq] = True
+        return scores, scored
     rows, slot = index.postings(i)
     seq = index.seq[rows].long()
-    scores = torch.zeros(M, dtype=dtype, device=v.device)
-    step = max(1, chunk // index.G.shape[1])
     for s in range(0, len(rows), step):
         scores.index_add_(0, seq[s:s + step], (index.G[rows[s:s + step]] * v[slot[s:s + step]]).sum(-1).to(dtype))
-    scored = torch.zeros(M, dtype=torch.bool, device=v.device)
     scored[seq] = True
     return scores, scored
 

@@ -108,7 +108,9 @@ def test_one_architecture_has_one_spelling():
     tied = Config(mixing="dense", attn_v_mixing="kronecker", attn_out_mixing="kronecker")
     assert ds.canonical_mixing(tied) == Config() and list(ds.configurations(tied)) == ["kronecker"]
     up = Config(ffn_up_mixing="independent")
-    assert ds.variant(up) == "token-factor-kronecker-ffn-independent-ffn-down-mixing-dense"
+    assert ds.variant(up) == ds.variant(Config(ffn_mixing="independent", ffn_down_mixing="dense")) == \
+        "token-factor-kronecker-ffn-up-mixing-independent"
+    assert ds.variant(Config(ffn_down_mixing="independent")) == "token-factor-kronecker-ffn-down-mixing-independent"
     assert ds.variant(Config(ffn_mixing="independent", ffn_down_mixing="independent")) == \
         "token-factor-kronecker-ffn-independent"
     # --kron-out-init names the run only where O is Kronecker
@@ -159,14 +161,17 @@ def test_independent_mixing_keeps_heads_isolated():
         assert delta[:, :, 1].max() > 1e-6
         others = max(delta[:, :, 0].max(), delta[:, :, 2].max()).item()
         assert (others == 0.0) == isolated, (mixing, others)
-    for v, o in (("independent", "kronecker"), ("kronecker", "independent")):  # isolation needs both points
-        m = tiny_model(attn_v_mixing=v, attn_out_mixing=o)
+    # isolation needs both points: independent from --mixing, one point overridden (ignoring it would isolate)
+    for point, kinds in (("attn_out_mixing", ("independent", "kronecker")),
+                         ("attn_v_mixing", ("kronecker", "independent"))):
+        m = tiny_model(mixing="independent", **{point: "kronecker"})
         block = m.blocks[0]
+        assert (block.attn.mix_v.kind, block.attn.mix_o.kind) == kinds
         x_t, h = torch.randn(2, 9, 24, dtype=torch.float64), torch.randn(2, 9, 24, dtype=torch.float64)
         bumped = x_t.clone()
         bumped[..., 8:16] += torch.randn(2, 9, 8, dtype=torch.float64)  # not a constant: CLN would remove it
         delta = (block.attn(h, block.ln_v(bumped)) - block.attn(h, block.ln_v(x_t))).abs().view(2, 9, 3, 8)
-        assert delta[:, :, 0].max() > 1e-6, (v, o)
+        assert delta[:, :, 0].max() > 1e-6, kinds
 
 
 def test_independent_ffn_keeps_heads_isolated():
@@ -401,6 +406,8 @@ def test_hubs_find_the_heaviest_column():
     only_o = tiny_model(mixing="dense", attn_out_mixing="kronecker").float()
     assert [(r["layer"], r["matrix"]) for r in ds.hubs(only_o)] == [(0, "O"), (1, "O")]
     assert ds.kronecker_figure(only_o) is not None and ds.kronecker_figure(tiny_model(mixing="dense")) is None
+    only_v = tiny_model(mixing="dense", attn_v_mixing="kronecker").float()
+    assert [(r["layer"], r["matrix"]) for r in ds.hubs(only_v)] == [(0, "V"), (1, "V")]
 
 
 def test_coref_prompts_point_at_the_right_name():
@@ -606,9 +613,10 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     args = ["--layers", "1", "--d-model", "24", "--heads", "3", "--ctx", "64", "--batch-size", "2", "--eval-interval",
             "5", "--eval-iters", "1", "--log-interval", "5", "--amplify", "", "--no-ablation", "--no-specialization",
             "--no-report", "--sample-tokens", "2", "--max-tokens", str(MAX_TOKENS), "--cache-dir", str(cache_dir)]
-    r = run_script("dual_stream.py", *args, "--max-iters", "10", "--out-dir", str(tmp_path),
-                   "--mixing", "kronecker", "--attn-out-mixing", "dense")
+    r = run_script("dual_stream.py", *[a for a in args if a != "--no-specialization"], "--max-iters", "10",
+                   "--out-dir", str(tmp_path), "--mixing", "kronecker", "--attn-out-mixing", "dense")
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "A_V hubs L0:h" in r.stdout  # V is the only Kronecker map: its hubs are the ones logged
     r = run_script("dual_stream.py", "--resume", "--max-iters", "15", "--out-dir", str(tmp_path), "--cache-dir",
                    str(cache_dir), "--amplify", "", "--no-ablation", "--no-specialization", "--no-report",
                    "--layers", "1", "--d-model", "24", "--heads", "3",  # the architecture names the checkpoint
@@ -665,12 +673,15 @@ def test_bench_on_cpu(tmp_path):
     """--bench without a GPU: the mixing throughput table (ratios to dense), and the torch form of the op against
     SDPA and the reference."""
     r = run_script("dual_stream.py", "--bench", "--layers", "1", "--d-model", "24", "--heads", "3", "--ctx", "16",
-                   "--batch-size", "2", "--out-dir", str(tmp_path))
+                   "--batch-size", "2", "--out-dir", str(tmp_path), "--attn-out-mixing", "dense")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "training tokens/s: dense" in r.stdout and "kernel (torch, float32) T=1024" in r.stdout
     res = json.loads(r.stdout[r.stdout.index("\n{") + 1:])
     assert set(res["ratio_to_dense"]) == {"dense", "kronecker", "independent", "identity", "fully independent"}
     assert res["ratio_to_dense"]["dense"] == 1.0
+    # each model is its sweep row, whatever mixing flags were typed (--attn-out-mixing dense above)
+    assert res["mixing_points"]["kronecker"] == ["kronecker", "kronecker", "dense", "dense"]
+    assert res["mixing_points"]["fully independent"] == ["independent"] * 4
     assert res["kernel"]["form"] == "torch" and set(res["kernel"]["T256"]) >= {"torch", "sdpa", "reference"}
 
 

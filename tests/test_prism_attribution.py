@@ -225,6 +225,25 @@ def test_exact_gradients_with_the_cache_curvature(curvature, assert_close):
                  prism.exact_scores_with_cache_curvature(own, cache, g_lin), ratio=1e-5)
 
 
+def test_score_postings_by_chunks_and_over_the_whole_bank(assert_close):
+    """Postings scored a few rows at a time give the one-chunk scores, both for a set of prototypes and for the
+    whole bank read in place (i = None, each row's prototype bisected from indptr, empty prototypes included)."""
+    torch.manual_seed(0)
+    K, d, M = 9, 5, 7
+    keys = torch.unique(torch.randint(0, M, (40,)) * K + torch.randint(0, K - 2, (40,)))  # the last two are empty
+    index = prism.ProtoIndex.from_keys(keys, torch.randn(len(keys), d), K)
+    G = dense_rows(index, M, K)
+    V = torch.randn(K, d)
+    for i in (torch.tensor([3, 0, 5]), None):
+        v = V if i is None else V[i]
+        ref = (G * (V if i is None else torch.zeros(K, d).index_copy(0, i, v)).double()).sum((1, 2))
+        for chunk in (d, 3 * d, 2 ** 20):  # one row, three rows, everything at once
+            scores, scored = prism.score_postings(index, i, v, M, chunk=chunk)
+            assert_close(f"i={i} chunk={chunk}", ref, scores)
+            used = G.ne(0).any(-1)
+            assert torch.equal(scored, (used if i is None else used[:, i]).any(-1))
+
+
 def test_dense_baseline_is_the_dot_product_of_flattened_gradients(assert_close):
     model = tiny()
     w = windows_of(5, 8, seed=9)
