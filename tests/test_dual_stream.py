@@ -94,6 +94,10 @@ def test_ffn_equals_its_matrices(up, down):
     assert W_up.shape == (96, 24) and W_down.shape == (24, 96)
     torch.testing.assert_close(f(x), F.gelu(x @ W_up.T) @ W_down.T)
     assert f.up.shape[0] == (3 if up == "independent" else 1) and f.down.shape[0] == (3 if down == "independent" else 1)
+    if up == down == "independent":  # bit for bit (fp32) the two-einsum MLP per head that the README's sweep ran
+        f, xs = f.float(), x.float().unflatten(-1, (3, -1))
+        ref = torch.einsum("...hf,hdf->...hd", F.gelu(torch.einsum("...hd,hfd->...hf", xs, f.up)), f.down)
+        assert torch.equal(f(xs.flatten(-2)), ref.flatten(-2))
 
 
 def test_one_architecture_has_one_spelling():
