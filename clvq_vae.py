@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
 import hashlib
 import html
 import io
@@ -331,6 +332,8 @@ MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS
 # else the chunked torch form; "triton" = the kernel (on CPU only under TRITON_INTERPRET=1); "torch" = chunked.
 
 VQ_SEARCH_BACKENDS = ("auto", "triton", "torch")
+VQ_MAX_K = 32  # the longest running list the kernel keeps in registers (compiled for sm_90 in the tests); "auto"
+               # takes the torch form above it, "triton" refuses
 _VQ_CHUNK_ELEMS = 1 << 22  # distance entries per row chunk of the torch form (16 MiB of fp32)
 
 
@@ -631,7 +634,9 @@ def _vq_select(x, codebook, k, temperature, generator, uniforms, backend):
     if backend not in VQ_SEARCH_BACKENDS:
         raise ValueError(f"backend must be one of {VQ_SEARCH_BACKENDS}, got {backend!r}")
     _check_args(x, codebook, k, temperature, uniforms)
-    use_triton = backend == "triton" or (backend == "auto" and HAS_TRITON and x.is_cuda)
+    if backend == "triton" and k > VQ_MAX_K:
+        raise ValueError(f"backend='triton' takes k <= {VQ_MAX_K}, got k = {k} (backend='auto' uses torch)")
+    use_triton = backend == "triton" or (backend == "auto" and HAS_TRITON and x.is_cuda and k <= VQ_MAX_K)
     if use_triton and not HAS_TRITON:
         raise RuntimeError(f"backend='triton' needs the triton package, which failed to import: {TRITON_ERROR}")
     if use_triton and not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
@@ -772,7 +777,7 @@ class VectorQuantizer(nn.Module):
     def _ema_update(self, z, idx):
         """(4) with the chosen (sampled) indices; all-reduced across ranks under torch.distributed."""
         cfg, K = self.cfg, self.cfg.codebook_size
-        n = torch.bincount(idx, minlength=K).float()
+        n = torch.zeros(K, device=idx.device).index_add_(0, idx, torch.ones(len(idx), device=idx.device))  # no sync
         s = torch.zeros_like(self.ema_sum).index_add_(0, idx, z.float())
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(n)
@@ -821,7 +826,8 @@ class VectorQuantizer(nn.Module):
             e = self.embed[idx]  # a gather of the (just updated) buffer: no gradient into the codebook
             commit = F.mse_loss(zf, e) if len(zf) else zf.sum()  # e is a buffer, so this is |z - sg(e)|²
             q = zf + (e - zf).detach()  # (5): forward value e, gradient the identity into z
-            p = torch.bincount(idx, minlength=cfg.codebook_size).float() / max(len(idx), 1)
+            p = torch.zeros(cfg.codebook_size, device=idx.device).index_add_(
+                0, idx, torch.ones(len(idx), device=idx.device)) / max(len(idx), 1)  # bincount would sync on CUDA
             perplexity = torch.exp(-(p * torch.log(p.clamp_min(1e-10))).sum())
         return q.to(z.dtype), idx, commit, perplexity
 
@@ -910,16 +916,20 @@ class CLVQVAE(nn.Module):
     def forward(self, x_l, x_h=None, mask=None):
         mask = self.default_mask(x_l) if mask is None else mask.bool()
         z = self.encoder(x_l, mask)  # [B, T, d], exact zeros at padding
-        q_rows, idx_rows, commit, perplexity = self.vq(z[mask])
-        q = torch.zeros_like(z).index_put((mask,), q_rows.to(z.dtype))  # straight-through rows back in place
-        idx = torch.full(mask.shape, -1, dtype=torch.long, device=z.device).index_put((mask,), idx_rows)
+        # the valid rows' flat positions, found once (each boolean-mask gather or scatter would sync on CUDA)
+        rows = mask.flatten().nonzero().squeeze(1)
+        q_rows, idx_rows, commit, perplexity = self.vq(z.flatten(0, 1).index_select(0, rows))
+        q = torch.zeros_like(z).flatten(0, 1).index_copy(0, rows, q_rows.to(z.dtype)).view_as(z)  # rows in place
+        idx = torch.full((mask.numel(),), -1, dtype=torch.long, device=z.device).index_copy(0, rows, idx_rows)
+        idx = idx.view(mask.shape)
         mem = z if self.cfg.dec_memory == "unquantised" else q
         with torch.autocast(z.device.type, dtype=self.decoder_dtype or torch.bfloat16,
                             enabled=self.decoder_dtype is not None):
             recon = self.decoder(q, mem, mask)
         mse = loss = None
         if x_h is not None:
-            mse = F.mse_loss(recon[mask].float(), x_h[mask].float())  # mean over every element of valid rows
+            mse = F.mse_loss(recon.flatten(0, 1).index_select(0, rows).float(),  # mean over every element of
+                             x_h.flatten(0, 1).index_select(0, rows).float())  # the valid rows
             loss = mse + self.cfg.beta * commit
         return dict(recon=recon, loss=loss, mse=mse, commit=commit, idx=idx, perplexity=perplexity)
 
@@ -1550,6 +1560,9 @@ class RunError(Exception):
     """A user-fixable problem (bad checkpoint, bad flag combination, NaN loss): one line, non-zero exit."""
 
 
+DDP_TIMEOUT_HOURS = 2  # the process group's collective timeout; prepare big corpora first (python common.py)
+
+
 def setup_device(cfg: Config):
     """-> (device, decoder dtype, DDP info). torchrun sets RANK/LOCAL_RANK/WORLD_SIZE (nanoGPT's detection).
     The decoder dtype is bf16 on CUDA (--dtype auto|bfloat16), else None (fp32): only the decoder runs under
@@ -1563,7 +1576,10 @@ def setup_device(cfg: Config):
     if ddp:
         import torch.distributed as dist
 
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+        # rank 0 alone prepares the data (a token cache to build can take hours) while the others wait at a
+        # barrier: NCCL's default 10-minute timeout would abort them
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo",
+                                timeout=datetime.timedelta(hours=DDP_TIMEOUT_HOURS))
         rank, local_rank, world = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_world_size()
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
@@ -1590,7 +1606,8 @@ def setup_device(cfg: Config):
 
 def decoder_dtype(cfg: Config, device: torch.device):
     """bf16 for the decoder on CUDA (the official autocast, spec §4), None (fp32) elsewhere or with --dtype float32."""
-    if device.type == "cuda" and cfg.dtype != "float32" and torch.cuda.is_bf16_supported():
+    # bf16 where the tensor cores have it (sm_80+); emulated bf16 on older GPUs would be slow
+    if device.type == "cuda" and cfg.dtype != "float32" and torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.bfloat16
     return None
 
@@ -1661,16 +1678,22 @@ def flops_per_row(model: CLVQVAE, cfg: Config, T: float) -> float:
     return 6 * n_params(model) + 24 * cfg.dec_layers * cfg.d_model * T + 2 * cfg.codebook_size * cfg.d_model
 
 
-# dense bf16 peaks; first match wins, so the PCIe H100 (756 TFLOP/s) is listed before the SXM one
-PEAK_BF16 = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
+# Dense peak FLOP/s of each GPU's bf16 tensor cores (spec sheets, without sparsity). The first name the device's
+# name contains wins, so NVL, PCIe and L40S come before the names they contain. An fp32 run's matmuls use TF32
+# (setup_device), half the bf16 rate on all of these.
+PEAK_BF16 = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
+             "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
              "4090": 165e12}
 
 
-def peak_flops(device: torch.device) -> Optional[float]:
+def peak_flops(device: torch.device, bf16: bool = True) -> Optional[float]:
+    """The peak the MFU is measured against: bf16, or TF32 (half) for an fp32 run; None off CUDA or for a GPU
+    not listed."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    return peak if peak is None or bf16 else peak / 2
 
 
 def log_line(step, max_iters, loss, lr, ms, tok_s, mfu) -> str:
@@ -1816,7 +1839,7 @@ def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, sched:
         "config": asdict(cfg), "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
         "schedule": sched, "history": history, "data": data, "best": best,
         "rng": {"torch": torch.get_rng_state(), "data": sampler_state,
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -1929,8 +1952,10 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
         step, history, sched, best = ck["step"], ck["history"], dict(ck["schedule"]), ck.get("best")
         torch.set_rng_state(ck["rng"]["torch"])
         sampler.set_state(ck["rng"]["data"])
-        if ck["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(ck["rng"]["cuda"])
+        cuda_rng = ck["rng"]["cuda"]  # this device's generator (a list of every device's before 2026-12-02)
+        cuda_rng = (cuda_rng[0] if cuda_rng else None) if isinstance(cuda_rng, list) else cuda_rng
+        if cuda_rng is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(cuda_rng)
         if rank:
             torch.manual_seed(cfg.seed + rank + world * step)  # distinct per (rank, step)
         log(f"resumed from {path} at step {step}")
@@ -1945,7 +1970,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
         model = DDP(model, device_ids=[dist_info["local_rank"]] if device.type == "cuda" else None,
                     broadcast_buffers=False)
     mean_T = float(lengths.float().mean())
-    fpr, peak = flops_per_row(raw, cfg, mean_T), peak_flops(device)
+    fpr, peak = flops_per_row(raw, cfg, mean_T), peak_flops(device, decoder_dtype(cfg, device) is not None)
     log(f"{variant or variant_name(cfg)}: {n_params(raw) / 1e6:.2f}M parameters, K = {cfg.codebook_size} codes of "
         f"d = {cfg.d_model}, {len(sentences):,} training sentences ({int(b[-1]):,} rows, {mean_T:.1f} per sentence), "
         f"{cfg.batch_size} sentences per step, {cfg.max_iters} steps, {cfg.schedule} schedule")
@@ -3167,6 +3192,9 @@ def run(cfg: Config, explicit) -> int:
         raise RunError(f"--kernels triton needs the triton package, which failed to import ({TRITON_ERROR})")
     if cfg.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RunError("--kernels triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
+    if cfg.kernels == "triton" and cfg.top_k > VQ_MAX_K:
+        raise RunError(f"--kernels triton: the search kernel takes --top-k up to {VQ_MAX_K}, not {cfg.top_k}; use "
+                       "--kernels auto (the torch form for a larger k)")
     rank = dist_info["rank"]
     if (not cfg.train or cfg.resume) and not cfg.bench:  # the architecture and data settings come from the checkpoint
         cfg = load_checkpoint(ckpt_path(cfg), cfg, explicit)[1]

@@ -553,10 +553,14 @@ class TokenData:
             raise ValueError(f"split must be 'train' or 'val', not {split!r}")
         return np.memmap(self.path / f"{split}.bin", dtype=self.dtype, mode="r")
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+    def _to_device(self, xy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) on the device from the [B, ctx + 1] windows: one copy of xy (pinned, asynchronous on CUDA; a
+        sliced view would not be contiguous, which sends the copy through a pageable temporary), sliced there."""
         if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+            xy = xy.pin_memory().to(self.device, non_blocking=True)
+        else:
+            xy = xy.to(self.device)
+        return xy[:, :-1], xy[:, 1:]
 
     def check_ctx(self, ctx: int, splits=("train", "val")) -> None:
         """A one-line DataError when a split is shorter than one window of ctx + 1 tokens (the scripts call it
@@ -575,7 +579,7 @@ class TokenData:
         ix = torch.randint(len(data) - ctx, (batch_size * self.world_size,), generator=self.generators[split])
         ix = ix[self.rank * batch_size:(self.rank + 1) * batch_size].tolist()
         xy = torch.from_numpy(np.stack([data[i:i + ctx + 1].astype(np.int64) for i in ix]))
-        return self._to_device(xy[:, :-1]), self._to_device(xy[:, 1:])
+        return self._to_device(xy)
 
     def iter_eval(self, split: str = "val", batch_size: int = 8, ctx: int = 256):
         """Sequential (x, y) windows over the whole split: each token after the first is a target exactly once
@@ -586,10 +590,10 @@ class TokenData:
         full = [s for s in starts if s + ctx <= n]
         for i in range(0, len(full), batch_size):
             xy = torch.from_numpy(np.stack([data[s:s + ctx + 1].astype(np.int64) for s in full[i:i + batch_size]]))
-            yield self._to_device(xy[:, :-1]), self._to_device(xy[:, 1:])
+            yield self._to_device(xy)
         for s in starts[len(full):]:
             xy = torch.from_numpy(data[s:n + 1].astype(np.int64))[None]
-            yield self._to_device(xy[:, :-1]), self._to_device(xy[:, 1:])
+            yield self._to_device(xy)
 
     def rng_state(self) -> dict:
         return {s: g.get_state() for s, g in self.generators.items()}

@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
 import html
 import io
 import json
@@ -282,6 +283,8 @@ TWIN_KEYS = ("layers", "d_model", "heads", "dropout", "dataset", "tokenizer", "c
 # else the chunked torch form; "triton" = the kernel (on CPU only under TRITON_INTERPRET=1); "torch" = chunked.
 
 PROTO_TOPK_BACKENDS = ("auto", "triton", "torch")
+PROTO_TOPK_MAX_K = 32  # the longest running list the kernel keeps in registers (compiled for sm_90 in the tests);
+                       # "auto" takes the torch form above it, "triton" refuses
 _TOPK_CHUNK_ELEMS = 1 << 22  # score entries per row chunk of the torch form (16 MiB of fp32 scores)
 
 
@@ -539,7 +542,9 @@ def proto_topk(z, P, k, backend="auto"):
         raise ValueError(f"proto_topk: expected z [N, d], P [K, d]; got z {tuple(z.shape)}, P {tuple(P.shape)}")
     if not 1 <= k <= P.shape[0]:
         raise ValueError(f"proto_topk: need 1 <= k <= K = {P.shape[0]}, got k = {k}")
-    use_triton = backend == "triton" or (backend == "auto" and HAS_TRITON and z.is_cuda)
+    if backend == "triton" and k > PROTO_TOPK_MAX_K:
+        raise ValueError(f"backend='triton' takes k <= {PROTO_TOPK_MAX_K}, got k = {k} (backend='auto' uses torch)")
+    use_triton = backend == "triton" or (backend == "auto" and HAS_TRITON and z.is_cuda and k <= PROTO_TOPK_MAX_K)
     if use_triton and not HAS_TRITON:
         raise RuntimeError(f"backend='triton' needs the triton package, which failed to import: {TRITON_ERROR}")
     if use_triton and not (z.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
@@ -767,7 +772,7 @@ class PRISM(nn.Module):
             rec = r.pow(2).mean(-1).mean()
         proto_of_token, token_of_proto = nearest_pairs(zf, self.P, cfg.dist)
         # index_select, not zf[...]: advanced indexing's backward is index_put_(accumulate=True), whose CPU kernel
-        # adds duplicate rows in thread order (runs differed in the last bits); index_add_ is deterministic
+        # adds duplicate rows in thread order (runs differed in the last bits); index_add_ is deterministic on CPU (on CUDA both use atomics)
         near_tokens = zf.index_select(0, token_of_proto)
         P = self.P.to(zf.dtype)
         d1 = pair_distance(P, near_tokens.detach() if cfg.r1_detach_z else near_tokens, cfg.dist)  # [K]
@@ -839,6 +844,9 @@ class RunError(Exception):
     """A user-fixable problem (bad checkpoint, bad flag combination, NaN loss): one line, non-zero exit."""
 
 
+DDP_TIMEOUT_HOURS = 2  # the process group's collective timeout; prepare big corpora first (python common.py)
+
+
 def setup_device(cfg: Config):
     """-> (device, autocast context, DDP info). torchrun sets RANK/LOCAL_RANK/WORLD_SIZE (nanoGPT's detection)."""
     ddp = int(os.environ.get("RANK", -1)) != -1
@@ -850,7 +858,10 @@ def setup_device(cfg: Config):
     if ddp:
         import torch.distributed as dist
 
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+        # rank 0 alone prepares the data (a token cache to build can take hours) while the others wait at a
+        # barrier: NCCL's default 10-minute timeout would abort them
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo",
+                                timeout=datetime.timedelta(hours=DDP_TIMEOUT_HOURS))
         rank, local_rank, world = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_world_size()
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
@@ -859,6 +870,11 @@ def setup_device(cfg: Config):
         raise RunError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RunError(f"--device {device}: CUDA is not available")
+    if device.startswith("cuda:"):  # Triton launches on the current device: make it the one asked for
+        index = torch.device(device).index
+        if index >= torch.cuda.device_count():
+            raise RunError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA devices")
+        torch.cuda.set_device(index)
     if device == "mps" and not torch.backends.mps.is_available():
         raise RunError("--device mps: MPS is not available on this machine")
     if cfg.dtype == "bfloat16" and not device.startswith("cuda"):
@@ -866,7 +882,9 @@ def setup_device(cfg: Config):
     device_type = "cuda" if device.startswith("cuda") else ("mps" if device == "mps" else "cpu")
     dtype = cfg.dtype
     if dtype == "auto":
-        dtype = "bfloat16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+        # bf16 where the tensor cores have it (sm_80+); emulated bf16 on older GPUs would be slow
+        bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+        dtype = "bfloat16" if bf16 else "float32"
     if dtype == "bfloat16" and device_type == "cuda":
         autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     else:  # no autocast off CUDA (nanoGPT PR #698: MPS is treated as CPU here)
@@ -904,16 +922,22 @@ def flops_per_token(model: PRISM, cfg: Config, ctx: int) -> float:
     return 6 * model.n_params() + 12 * cfg.layers * cfg.d_model * ctx
 
 
-# dense bf16 peaks; first match wins, so the PCIe H100 (756 TFLOP/s) is listed before the SXM one
-PEAK_BF16 = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
+# Dense peak FLOP/s of each GPU's bf16 tensor cores (spec sheets, without sparsity). The first name the device's
+# name contains wins, so NVL, PCIe and L40S come before the names they contain. An fp32 run's matmuls use TF32
+# (setup_device), half the bf16 rate on all of these.
+PEAK_BF16 = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
+             "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
              "4090": 165e12}
 
 
-def peak_flops(device: torch.device) -> Optional[float]:
+def peak_flops(device: torch.device, bf16: bool = True) -> Optional[float]:
+    """The peak the MFU is measured against: bf16, or TF32 (half) for an fp32 run; None off CUDA or for a GPU
+    not listed."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    return peak if peak is None or bf16 else peak / 2
 
 
 def log_line(step, max_iters, loss, lr, ms, tok_s, mfu) -> str:
@@ -1046,7 +1070,7 @@ def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: 
         "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "best_val_loss": best,
         "tokenizer": data.tokenizer.state_dict(), "history": history,
         "rng": {"torch": torch.get_rng_state(), "data": data_rng,
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -1211,8 +1235,10 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
         torch.set_rng_state(ck["rng"]["torch"])
         data.set_rng_state(ck["rng"]["data"])
-        if ck["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(ck["rng"]["cuda"])
+        cuda_rng = ck["rng"]["cuda"]  # this device's generator (a list of every device's before 2026-12-02)
+        cuda_rng = (cuda_rng[0] if cuda_rng else None) if isinstance(cuda_rng, list) else cuda_rng
+        if cuda_rng is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(cuda_rng)
         if rank:  # the checkpoint holds rank 0's generator: the other ranks keep dropout masks of their own
             torch.manual_seed(cfg.seed + rank + world * step)  # distinct per (rank, step)
         log(f"resumed from {path} at step {step}")
@@ -1223,7 +1249,8 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[dist_info["local_rank"]] if device.type == "cuda" else None)
-    fpt, peak = flops_per_token(raw, cfg, cfg.ctx), peak_flops(device)
+    bf16 = getattr(autocast, "fast_dtype", None) == torch.bfloat16  # a torch.autocast, or a nullcontext (fp32)
+    fpt, peak = flops_per_token(raw, cfg, cfg.ctx), peak_flops(device, bf16)
     tokens_per_step = cfg.batch_size * cfg.ctx
     prism = cfg.head == "prism"
     log(f"{cfg.head}: {raw.n_params() / 1e6:.2f}M parameters"
@@ -2827,6 +2854,9 @@ def run(cfg: Config, explicit) -> int:
         raise RunError(f"--kernels triton needs the triton package, which failed to import ({TRITON_ERROR})")
     if cfg.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RunError("--kernels triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
+    if cfg.kernels == "triton" and cfg.topk > PROTO_TOPK_MAX_K:
+        raise RunError(f"--kernels triton: the top-k kernel takes --topk up to {PROTO_TOPK_MAX_K}, not {cfg.topk}; "
+                       "use --kernels auto (the torch form for a larger k)")
     rank = dist_info["rank"]
     heads = ("dense", "prism") if cfg.head == "prism" and cfg.twin else (cfg.head,)
     loaded = {}  # --no-train / --resume: the architecture and the data come from the checkpoints

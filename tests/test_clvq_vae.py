@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import clvq_vae as cv
-from conftest import call_main, run_script, run_one_and_ddp
+from conftest import call_main, check_cuda_run, run_script, run_one_and_ddp
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST = dict(ddp=False, rank=0, local_rank=0, world=1)
@@ -428,3 +428,16 @@ def test_plateau_halves_lr_stops_early_and_keeps_the_best_weights(tmp_path, acts
     assert not all(torch.equal(v, best[k]) for k, v in ck["model"].items())  # the last state, for --resume
     loaded = cv.load_model(ck, cfg, CPU, cv.ckpt_path(cfg))
     assert all(torch.equal(v, best[k]) for k, v in loaded.state_dict().items())
+
+
+@pytest.mark.gpu
+@pytest.mark.slow  # .ci/gpu runs these last, with the time the benchmarks leave
+def test_cuda_tiny_run_and_resume(tmp_path, tiny_bert, cache_dir):
+    """The tiny run on a GPU (fine-tuning, extraction, the search kernel in training, bf16 decoder, every
+    baseline and the fidelity table), then --resume."""
+    small = flags(sae_latents=16, sae_k=4, sae_steps=20, sae_ablate_k=2, probe_folds=3, ig_steps=4, kmeans_restarts=1,
+                  kmeans_iters=5, cards_per_method=3)
+    out = check_cuda_run("clvq_vae.py", [*TINY, *small, "--log-interval", "4", "--eval-interval", "6", "--lr", "1e-2",
+                                         "--model", tiny_bert, "--cache-dir", str(cache_dir)],
+                         tmp_path, ["ckpt-clvq-l1-h2.pt"], 12, cv.peak_flops(torch.device("cuda")))
+    assert "concept-ablation fidelity" in out

@@ -293,6 +293,13 @@ def test_dispatch(monkeypatch):
     cv.vq_search(x, e, 2, 1.0)
     auto = "_vq_select_triton" if DEVICE == "cuda" else "_vq_select_torch"
     assert calls == ["_vq_select_triton", "_vq_select_torch", auto]
+    # a k above the kernel's running list: auto takes the torch form (on CUDA too), triton refuses
+    xk, ek = make_inputs(5, 40, 16)
+    calls.clear()
+    cv.vq_search(xk, ek, cv.VQ_MAX_K + 1, 1.0)
+    assert calls == ["_vq_select_torch"]
+    with pytest.raises(ValueError, match=f"k <= {cv.VQ_MAX_K}"):
+        cv.vq_search(xk, ek, cv.VQ_MAX_K + 1, 1.0, backend="triton")
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import common
 import dual_stream as ds
-from conftest import SMALL_CORPUS, call_main, check_ddp_weights, run_script, run_one_and_ddp
+from conftest import SMALL_CORPUS, call_main, check_cuda_run, check_ddp_weights, run_script, run_one_and_ddp
 from dual_stream import Config, DualStream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -718,3 +718,14 @@ def test_script_copied_alone_runs_its_model(tmp_path):
     r = run_script("-c", code, cwd=tmp_path, env={"PYTHONPATH": ""})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["dual_stream", "True"]  # the fallback layer_norm, defined in dual_stream.py itself
+
+
+@pytest.mark.gpu
+@pytest.mark.slow  # .ci/gpu runs these last, with the time the benchmarks leave
+def test_cuda_tiny_run_and_resume(tmp_path, cache_dir):
+    """The tiny run on a GPU (the attention kernel with its statistics, the CLN kernel, bf16 autocast), then
+    --resume."""
+    out = check_cuda_run("dual_stream.py", [*TINY, "--cache-dir", str(cache_dir)], tmp_path,
+                         ["ckpt-token-factor-kronecker-heads-3-layers-2-d-model-24.pt"], 30,
+                         ds.peak_flops(torch.device("cuda")))
+    assert "amplification," in out and "ablation," in out and "specialisation," in out

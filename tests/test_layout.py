@@ -1,10 +1,13 @@
 """The repository's layout: the shared modules are the repo's own files (PyPI has unrelated packages named
-`common` and `kernels`), the files the README promises exist, and CI runs the README's commands."""
+`common` and `kernels`), the files the README promises exist, CI and the GPU check run the README's commands;
+and rules the scripts share (the MFU's peak per GPU, the Triton kernels' k limit as a one-line error)."""
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import common
 import kernels
@@ -94,8 +97,11 @@ def test_gpu_check_brings_back_at_most_8_files(tmp_path):
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8 and "steps.txt" in files and "kernels-bench.json" in files, files
     steps = (out / "steps.txt").read_text()
-    for name in ("pytest-gpu", "kernels-bench", "protot-bench", "prism-bench", "dual_stream-bench", "clvq_vae-bench"):
+    for name in ("pytest-gpu", "kernels-bench", "protot-bench", "prism-bench", "dual_stream-bench", "clvq_vae-bench",
+                 "pytest-gpu-runs"):
         assert f"{name}: exit 0" in steps, steps
+    log = (out / "pytest-gpu.txt").read_text()  # the tiny runs last, their log appended to the fast tests'
+    assert log.index("-m gpu and not slow") < log.index("-m gpu and slow")
     r = subprocess.run(["bash", str(ROOT / ".ci/gpu"), "everything"], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "usage: .ci/gpu [all|tests|bench]" in r.stderr
     # a CUDA image with python3 and no `python`: the same stand-in, named python3, on a PATH of just the tools used
@@ -107,3 +113,50 @@ def test_gpu_check_brings_back_at_most_8_files(tmp_path):
     r = subprocess.run(["bash", str(ROOT / ".ci/gpu"), "tests"], capture_output=True, text=True,
                        env=dict(env, PATH=str(only), OUT=str(tmp_path / "out3")), timeout=120)
     assert r.returncode == 0 and "stand-in python -m pytest -m gpu" in r.stdout, r.stdout + r.stderr
+    # a CUDA torch without numpy (the wheel does not pull it in; the machine reaches no index): one line, nothing run
+    (only / "python3").write_text('#!/bin/sh\ncase "$*" in *numpy*) exit 1;; esac\necho "stand-in python $*"\n')
+    r = subprocess.run(["bash", str(ROOT / ".ci/gpu")], capture_output=True, text=True,
+                       env=dict(env, PATH=str(only), OUT=str(tmp_path / "out4")), timeout=120)
+    assert r.returncode == 1 and "numpy and triton must be installed" in r.stderr and "stand-in python -m" not in r.stdout
+    # without pytest the benchmarks still run; the skipped tests make the run fail
+    (only / "python3").write_text('#!/bin/sh\ncase "$*" in *"import pytest"*) exit 1;; esac\necho "stand-in python $*"\n')
+    r = subprocess.run(["bash", str(ROOT / ".ci/gpu")], capture_output=True, text=True,
+                       env=dict(env, PATH=str(only), OUT=str(tmp_path / "out5")), timeout=120)
+    steps = (tmp_path / "out5" / "steps.txt").read_text()
+    assert r.returncode == 1 and "pytest-gpu: skipped, pytest is not installed" in steps and "protot-bench: exit 0" in steps
+
+
+@pytest.mark.parametrize("script", ["protot", "prism", "dual_stream", "clvq_vae"])
+def test_mfu_peak_matches_the_most_specific_gpu_name(script, monkeypatch):
+    """Names that contain another's (H100 NVL, L40 against L4) get their own peak; an fp32 run is measured against
+    TF32, half the bf16 rate; an unknown GPU and the CPU get none (the log shows mfu -)."""
+    import importlib
+
+    import torch
+
+    mod = importlib.import_module(script)
+    cuda = torch.device("cuda")
+    expected = {"NVIDIA H100 NVL": 835e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12,
+                "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA L40": 181e12, "NVIDIA L40S": 362e12,
+                "NVIDIA L4": 121e12, "NVIDIA A800-SXM4-80GB": 312e12, "Tesla V100-SXM2-16GB": None}
+    for name, peak in expected.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert mod.peak_flops(cuda) == peak, name
+        assert mod.peak_flops(cuda, bf16=False) == (None if peak is None else peak / 2), name
+    assert mod.peak_flops(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("script,flag,limit,kernel", [("prism", "--topk", "PROTO_TOPK_MAX_K", "top-k kernel"),
+                                                      ("clvq_vae", "--top-k", "VQ_MAX_K", "search kernel")])
+def test_triton_k_above_the_kernel_list_is_one_line(script, flag, limit, kernel, tmp_path, capsys, monkeypatch):
+    """--kernels triton with a k the kernel's running list cannot hold stops before any work (auto would take the
+    torch form); under the interpreter, so that the CUDA check passes."""
+    import importlib
+
+    mod = importlib.import_module(script)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    k = getattr(mod, limit) + 1
+    rc = mod.main(["--kernels", "triton", flag, str(k), "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"--kernels triton: the {kernel} takes {flag} up to {k - 1}, not {k}" in err
+    assert err.count("\n") == 1

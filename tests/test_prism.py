@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import common
-from conftest import SMALL_CORPUS, call_main, check_ddp_weights, run_script, run_one_and_ddp
+from conftest import SMALL_CORPUS, call_main, check_cuda_run, check_ddp_weights, run_script, run_one_and_ddp
 import prism
 from prism import Config, PRISM
 
@@ -567,3 +567,13 @@ def test_script_copied_alone_runs_its_model(tmp_path):
     r = run_script("-c", code, cwd=tmp_path, env={"PYTHONPATH": ""})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["prism", "True"]  # the fallback LayerNorm, defined in prism.py itself
+
+
+@pytest.mark.gpu
+@pytest.mark.slow  # .ci/gpu runs these last, with the time the benchmarks leave
+def test_cuda_tiny_run_and_resume(tmp_path, cache_dir):
+    """The tiny run on a GPU (twin, PRISM with the top-k kernel, attribution, suppression, controllers), then
+    --resume of both models."""
+    out = check_cuda_run("prism.py", [*TINY, "--suppress", "0,1", "--cache-dir", str(cache_dir)], tmp_path,
+                         ["ckpt-dense.pt", "ckpt-prism.pt"], 30, prism.peak_flops(torch.device("cuda")))
+    assert "attribution PRISM cached (block)" in out and "suppression of 2 prototypes" in out

@@ -266,6 +266,13 @@ def test_dispatch(monkeypatch):
     op.proto_topk(z, P, 2)
     auto = "_proto_topk_select_triton" if DEVICE == "cuda" else "_proto_topk_select_torch"
     assert calls == ["_proto_topk_select_triton", "_proto_topk_select_torch", auto]
+    # a k above the kernel's running list: auto takes the torch form (on CUDA too), triton refuses
+    zk, Pk = make_inputs(5, 40, 16)
+    calls.clear()
+    op.proto_topk(zk, Pk, op.PROTO_TOPK_MAX_K + 1)
+    assert calls == ["_proto_topk_select_torch"]
+    with pytest.raises(ValueError, match=f"k <= {op.PROTO_TOPK_MAX_K}"):
+        op.proto_topk(zk, Pk, op.PROTO_TOPK_MAX_K + 1, backend="triton")
     _, a = op.proto_topk(z.requires_grad_(), P, 2)
     assert type(a.grad_fn).__name__ == "WinnerCosineBackward"
     if DEVICE == "cpu":

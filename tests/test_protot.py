@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import common
-from conftest import SMALL_CORPUS, call_main, check_ddp_weights, run_script, run_one_and_ddp
+from conftest import SMALL_CORPUS, call_main, check_cuda_run, check_ddp_weights, run_script, run_one_and_ddp
 import protot
 from protot import Config, ProtoT
 
@@ -345,3 +345,11 @@ def test_non_finite_weights_are_never_saved(tmp_path, cache_dir, monkeypatch):
                      torch.autocast("cpu", enabled=False), dict(ddp=False, rank=0, local_rank=0, world=1),
                      log=lambda m: None)
     assert torch.load(protot.ckpt_path(cfg), weights_only=True)["step"] == 10
+
+
+@pytest.mark.gpu
+@pytest.mark.slow  # .ci/gpu runs these last, with the time the benchmarks leave
+def test_cuda_tiny_run_and_resume(tmp_path, cache_dir):
+    """The tiny run on a GPU (the scan and RMSNorm kernels compiled, bf16 autocast), then --resume."""
+    check_cuda_run("protot.py", [*TINY, "--cache-dir", str(cache_dir)], tmp_path, ["ckpt-proto.pt"], 30,
+                   protot.peak_flops(torch.device("cuda")))

@@ -167,7 +167,7 @@ def _op_shapes():
     # and k only), so K = 512 gives the same launch and the interpreter runs it in seconds less
     z, P = torch.randn(70, 768, dtype=bf16, requires_grad=True), torch.randn(512, 768, requires_grad=True)
     prism.proto_topk(z, P, 16, backend="triton")[1].sum().backward()
-    for d, k in ((256, 1), (1600, 32)):                       # prism's extremes: k = 1 and 32, GPT-2 XL's width
+    for d, k in ((256, 1), (1600, prism.PROTO_TOPK_MAX_K)):   # prism's extremes: k = 1 and 32, GPT-2 XL's width
         z, P = torch.randn(70, d, dtype=bf16, requires_grad=True), torch.randn(300, d, requires_grad=True)
         prism.proto_topk(z, P, k, backend="triton")[1].sum().backward()
     for T in (64, 256):                                       # dual_stream --bench: d_h = 64, bf16
@@ -184,6 +184,9 @@ def _op_shapes():
             clvq_vae.vq_search(x, e, k, temperature, generator=torch.Generator().manual_seed(0), backend="triton")
         clvq_vae.vq_search(x.to(bf16), e, cfg.top_k, cfg.temperature, generator=torch.Generator().manual_seed(0),
                            backend="triton")
+    x, e = torch.randn(70, 768), torch.randn(cfg.codebook_size, 768)  # the widest list the kernel takes
+    clvq_vae.vq_search(x, e, clvq_vae.VQ_MAX_K, cfg.temperature, generator=torch.Generator().manual_seed(0),
+                       backend="triton")
 
 
 def _protot_tiles():
