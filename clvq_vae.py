@@ -1606,8 +1606,9 @@ def setup_device(cfg: Config):
 
 def decoder_dtype(cfg: Config, device: torch.device):
     """bf16 for the decoder on CUDA (the official autocast, spec §4), None (fp32) elsewhere or with --dtype float32."""
-    # bf16 where the tensor cores have it (sm_80+); emulated bf16 on older GPUs would be slow
-    if device.type == "cuda" and cfg.dtype != "float32" and torch.cuda.is_bf16_supported(including_emulation=False):
+    # auto: bf16 where the tensor cores have it (sm_80+; emulated bf16 on older GPUs would be slow); asked for: bf16
+    if device.type == "cuda" and (cfg.dtype == "bfloat16" or cfg.dtype == "auto" and
+                                  torch.cuda.is_bf16_supported(including_emulation=False)):
         return torch.bfloat16
     return None
 
@@ -1682,8 +1683,8 @@ def flops_per_row(model: CLVQVAE, cfg: Config, T: float) -> float:
 # name contains wins, so NVL, PCIe and L40S come before the names they contain. An fp32 run's matmuls use TF32
 # (setup_device), half the bf16 rate on all of these.
 PEAK_BF16 = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
-             "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
-             "4090": 165e12}
+             "H800 PCIe": 756e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12,
+             "L4": 121e12, "4090": 165e12}
 
 
 def peak_flops(device: torch.device, bf16: bool = True) -> Optional[float]:
@@ -1952,10 +1953,13 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
         step, history, sched, best = ck["step"], ck["history"], dict(ck["schedule"]), ck.get("best")
         torch.set_rng_state(ck["rng"]["torch"])
         sampler.set_state(ck["rng"]["data"])
-        cuda_rng = ck["rng"]["cuda"]  # this device's generator (a list of every device's before 2026-12-02)
-        cuda_rng = (cuda_rng[0] if cuda_rng else None) if isinstance(cuda_rng, list) else cuda_rng
-        if cuda_rng is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(cuda_rng)
+        cuda_rng = ck["rng"]["cuda"]  # this device's generator (before 2026-12-02: a list of every device's)
+        if torch.cuda.is_available() and cuda_rng is not None and len(cuda_rng):
+            here = torch.cuda.current_device()
+            if isinstance(cuda_rng, list):
+                cuda_rng = cuda_rng[here] if here < len(cuda_rng) else None
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng)
         if rank:
             torch.manual_seed(cfg.seed + rank + world * step)  # distinct per (rank, step)
         log(f"resumed from {path} at step {step}")
@@ -3192,12 +3196,12 @@ def run(cfg: Config, explicit) -> int:
         raise RunError(f"--kernels triton needs the triton package, which failed to import ({TRITON_ERROR})")
     if cfg.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RunError("--kernels triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
-    if cfg.kernels == "triton" and cfg.top_k > VQ_MAX_K:
-        raise RunError(f"--kernels triton: the search kernel takes --top-k up to {VQ_MAX_K}, not {cfg.top_k}; use "
-                       "--kernels auto (the torch form for a larger k)")
     rank = dist_info["rank"]
     if (not cfg.train or cfg.resume) and not cfg.bench:  # the architecture and data settings come from the checkpoint
         cfg = load_checkpoint(ckpt_path(cfg), cfg, explicit)[1]
+    if cfg.kernels == "triton" and cfg.top_k > VQ_MAX_K:  # k as trained: after the checkpoint's settings
+        raise RunError(f"--kernels triton: the search kernel takes --top-k up to {VQ_MAX_K}, not {cfg.top_k}; use "
+                       "--kernels auto (the torch form for a larger k)")
     out_dir = Path(cfg.out_dir)
     log = Logger(None if cfg.bench else out_dir / f"log-{variant_name(cfg)}.txt", rank)
     if preset == "cpu" and not cfg.bench and cfg.train and not cfg.resume:  # a resumed run keeps its own settings

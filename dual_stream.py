@@ -943,8 +943,8 @@ def flops_per_token(model: DualStream, cfg: Config, ctx: int) -> float:
 # name contains wins, so NVL, PCIe and L40S come before the names they contain. An fp32 run's matmuls use TF32
 # (setup_device), half the bf16 rate on all of these.
 PEAK_BF16 = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
-             "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
-             "4090": 165e12}
+             "H800 PCIe": 756e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12,
+             "L4": 121e12, "4090": 165e12}
 
 
 def peak_flops(device: torch.device, bf16: bool = True) -> Optional[float]:
@@ -1126,10 +1126,13 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
         torch.set_rng_state(ck["rng"]["torch"])
         data.set_rng_state(ck["rng"]["data"])
-        cuda_rng = ck["rng"]["cuda"]  # this device's generator (a list of every device's before 2026-12-02)
-        cuda_rng = (cuda_rng[0] if cuda_rng else None) if isinstance(cuda_rng, list) else cuda_rng
-        if cuda_rng is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(cuda_rng)
+        cuda_rng = ck["rng"]["cuda"]  # this device's generator (before 2026-12-02: a list of every device's)
+        if torch.cuda.is_available() and cuda_rng is not None and len(cuda_rng):
+            here = torch.cuda.current_device()
+            if isinstance(cuda_rng, list):
+                cuda_rng = cuda_rng[here] if here < len(cuda_rng) else None
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng)
         if rank:  # the checkpoint holds rank 0's generator: the other ranks keep dropout masks of their own
             torch.manual_seed(cfg.seed + rank + world * step)  # distinct per (rank, step)
         log(f"resumed from {path} at step {step}")

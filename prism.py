@@ -926,8 +926,8 @@ def flops_per_token(model: PRISM, cfg: Config, ctx: int) -> float:
 # name contains wins, so NVL, PCIe and L40S come before the names they contain. An fp32 run's matmuls use TF32
 # (setup_device), half the bf16 rate on all of these.
 PEAK_BF16 = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
-             "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
-             "4090": 165e12}
+             "H800 PCIe": 756e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12,
+             "L4": 121e12, "4090": 165e12}
 
 
 def peak_flops(device: torch.device, bf16: bool = True) -> Optional[float]:
@@ -1235,10 +1235,13 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
         torch.set_rng_state(ck["rng"]["torch"])
         data.set_rng_state(ck["rng"]["data"])
-        cuda_rng = ck["rng"]["cuda"]  # this device's generator (a list of every device's before 2026-12-02)
-        cuda_rng = (cuda_rng[0] if cuda_rng else None) if isinstance(cuda_rng, list) else cuda_rng
-        if cuda_rng is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(cuda_rng)
+        cuda_rng = ck["rng"]["cuda"]  # this device's generator (before 2026-12-02: a list of every device's)
+        if torch.cuda.is_available() and cuda_rng is not None and len(cuda_rng):
+            here = torch.cuda.current_device()
+            if isinstance(cuda_rng, list):
+                cuda_rng = cuda_rng[here] if here < len(cuda_rng) else None
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng)
         if rank:  # the checkpoint holds rank 0's generator: the other ranks keep dropout masks of their own
             torch.manual_seed(cfg.seed + rank + world * step)  # distinct per (rank, step)
         log(f"resumed from {path} at step {step}")
@@ -2854,9 +2857,6 @@ def run(cfg: Config, explicit) -> int:
         raise RunError(f"--kernels triton needs the triton package, which failed to import ({TRITON_ERROR})")
     if cfg.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RunError("--kernels triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
-    if cfg.kernels == "triton" and cfg.topk > PROTO_TOPK_MAX_K:
-        raise RunError(f"--kernels triton: the top-k kernel takes --topk up to {PROTO_TOPK_MAX_K}, not {cfg.topk}; "
-                       "use --kernels auto (the torch form for a larger k)")
     rank = dist_info["rank"]
     heads = ("dense", "prism") if cfg.head == "prism" and cfg.twin else (cfg.head,)
     loaded = {}  # --no-train / --resume: the architecture and the data come from the checkpoints
@@ -2872,6 +2872,9 @@ def run(cfg: Config, explicit) -> int:
         saved = loaded.get(cfg.head, next(iter(loaded.values())))[2]
         cfg = replace(cfg, **{k: getattr(saved, k) for k in ARCH_KEYS + MERGED_KEYS if k != "head"})
         heads = tuple(h for h in heads if h in loaded) if not cfg.train else heads
+    if cfg.kernels == "triton" and cfg.topk > PROTO_TOPK_MAX_K:  # k as trained: after the checkpoint's settings
+        raise RunError(f"--kernels triton: the top-k kernel takes --topk up to {PROTO_TOPK_MAX_K}, not {cfg.topk}; "
+                       "use --kernels auto (the torch form for a larger k)")
     if cfg.suppress:
         parse_ids(cfg.suppress, cfg.n_protos)
     out_dir = Path(cfg.out_dir)

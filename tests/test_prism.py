@@ -577,3 +577,18 @@ def test_cuda_tiny_run_and_resume(tmp_path, cache_dir):
     out = check_cuda_run("prism.py", [*TINY, "--suppress", "0,1", "--cache-dir", str(cache_dir)], tmp_path,
                          ["ckpt-dense.pt", "ckpt-prism.pt"], 30, prism.peak_flops(torch.device("cuda")))
     assert "attribution PRISM cached (block)" in out and "suppression of 2 prototypes" in out
+
+
+def test_triton_k_limit_applies_to_the_checkpoints_k(tmp_path, cache_dir):
+    """--no-train takes k from the checkpoint, so the Triton kernel's k limit is checked against it (one line, not
+    the op's traceback); under the interpreter, so that the CUDA check passes."""
+    r = run_script("prism.py", "--layers", "1", "--d-model", "16", "--heads", "2", "--n-protos", "48", "--topk", "40",
+                   "--ctx", "16", "--batch-size", "4", "--max-iters", "4", "--init-steps", "2", "--eval-interval", "2",
+                   "--eval-iters", "1", "--log-interval", "2", "--no-twin", "--no-cards", "--no-attribution",
+                   "--no-controller", "--suppress-keywords", "", "--sample-tokens", "2", "--no-report",
+                   "--kernels", "torch", *SMALL_CORPUS, "--cache-dir", str(cache_dir), "--out-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_script("prism.py", "--no-train", "--kernels", "triton", *SMALL_CORPUS, "--cache-dir", str(cache_dir),
+                   "--out-dir", str(tmp_path), env={"TRITON_INTERPRET": "1"})
+    assert r.returncode == 1 and r.stderr == ("error: --kernels triton: the top-k kernel takes --topk up to 32, not "
+                                              "40; use --kernels auto (the torch form for a larger k)\n"), r.stderr
