@@ -696,6 +696,12 @@ class AdaptiveEncoder(nn.Module):
         return z * mask[..., None].to(z.dtype)
 
 
+def code_counts(idx, K: int) -> torch.Tensor:
+    """How often each of the K codes occurs in idx, as floats: index_add_, where bincount would sync the host on
+    CUDA (it reads idx's range first)."""
+    return torch.zeros(K, device=idx.device).index_add_(0, idx, torch.ones(len(idx), device=idx.device))
+
+
 class VectorQuantizer(nn.Module):
     """The EMA codebook (2)-(5), on the non-padding rows z [N, d] of a batch.
 
@@ -777,7 +783,7 @@ class VectorQuantizer(nn.Module):
     def _ema_update(self, z, idx):
         """(4) with the chosen (sampled) indices; all-reduced across ranks under torch.distributed."""
         cfg, K = self.cfg, self.cfg.codebook_size
-        n = torch.zeros(K, device=idx.device).index_add_(0, idx, torch.ones(len(idx), device=idx.device))  # no sync
+        n = code_counts(idx, K)
         s = torch.zeros_like(self.ema_sum).index_add_(0, idx, z.float())
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(n)
@@ -826,8 +832,7 @@ class VectorQuantizer(nn.Module):
             e = self.embed[idx]  # a gather of the (just updated) buffer: no gradient into the codebook
             commit = F.mse_loss(zf, e) if len(zf) else zf.sum()  # e is a buffer, so this is |z - sg(e)|²
             q = zf + (e - zf).detach()  # (5): forward value e, gradient the identity into z
-            p = torch.zeros(cfg.codebook_size, device=idx.device).index_add_(
-                0, idx, torch.ones(len(idx), device=idx.device)) / max(len(idx), 1)  # bincount would sync on CUDA
+            p = code_counts(idx, cfg.codebook_size) / max(len(idx), 1)
             perplexity = torch.exp(-(p * torch.log(p.clamp_min(1e-10))).sum())
         return q.to(z.dtype), idx, commit, perplexity
 

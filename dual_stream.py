@@ -1027,10 +1027,9 @@ PRESET_SIZES = ((Config.layers, Config.d_model), (CPU_PRESET["layers"], CPU_PRES
 def variant(cfg: Config) -> str:
     """The name of a configuration: update mode, V/O mixing, the FFN when it is per head, then every NAME_KEYS
     setting that differs from its default (spelled as its flag) and the size unless it is a preset's. Mixing is
-    named in its canonical spelling, so one architecture has one name however its flags were typed."""
-    c = canonical_mixing(cfg)
-    v, o, up, down = mixing_points(c)
-    name = f"{c.mode}-{v}" + (f"-attn-out-mixing-{o}" if o != v else "")
+    named by its resolved points, so one architecture has one name however its flags were typed."""
+    v, o, up, down = mixing_points(cfg)
+    name = f"{cfg.mode}-{v}" + (f"-attn-out-mixing-{o}" if o != v else "")
     if up == down == "independent":
         name += "-ffn-independent"
     elif up != down:  # one projection per head, the other dense: the per-head one is named

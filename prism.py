@@ -2090,6 +2090,9 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     Q = len(xq)
     rows, ranked = [], {}
 
+    def overlaps(s, ref):
+        return {f"top-{n} overlap": topn_overlap(s, ref, n) for n in (10, 100)}
+
     def add_row(name, scores, ms, mem, scored, setup, batched=False):
         ranked[name] = scores
         rows.append({"method": name, "ms/query": ms, "memory MB": mem / 2**20, "scored": scored, "setup s": setup,
@@ -2100,7 +2103,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     cache = build_attr_cache(model, windows, cfg.attr_curvature, cfg.attr_damping)
     setup = attr_clock(device) - t0
     query_state(model, xq[:1], yq[:1])  # warm-up (first-call allocations), untimed
-    scores, times, touched = [], [], []
+    scores, times, touched, states = [], [], [], []
     for j in range(Q):
         t0 = attr_clock(device)
         idx, a, delta = query_state(model, xq[j:j + 1], yq[j:j + 1])
@@ -2108,6 +2111,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
         times.append(attr_clock(device) - t0)
         scores.append(s)
         touched.append(int(scored.sum()))
+        states.append((idx[0], a[0], delta[0]))  # for the no-curvature diagnostic below
     cached_name = f"PRISM cached ({cfg.attr_curvature})"
     add_row(cached_name, torch.stack(scores), 1e3 * sum(times) / Q, cache.nbytes(), sum(touched) / Q, setup)
     # 3. exact prototype-space gradients
@@ -2130,11 +2134,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     # (C + λI)⁻¹ -> I/λ, plain dot products), or the cache's curvature in both; and the curvature alone, the exact
     # gradients ranked with the cache's curvature against the exact ranking.
     plain = replace(cache, curvature="block", lam=1e9 * cache.A_diag.mean().item() * cache.lam_S.mean().item())
-    plain_scores = torch.stack([cached_scores(plain, *(t[0] for t in query_state(model, xq[j:j + 1], yq[j:j + 1])))[0]
-                                for j in range(Q)])
-
-    def overlaps(s, ref):
-        return {f"top-{n} overlap": topn_overlap(s, ref, n) for n in (10, 100)}
+    plain_scores = torch.stack([cached_scores(plain, *state)[0] for state in states])
     gradients_only = overlaps(plain_scores, torch.stack(exact_dots))
     same_curvature = overlaps(ranked[cached_name], torch.stack(exact_cache_curv))
     curvature_only = overlaps(torch.stack(exact_cache_curv), ranked["prototype-space exact"])
@@ -2160,7 +2160,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     for r in rows:
         s = ranked[r["method"]]
         table.append({"method": r["method"], "ms/query": r["ms/query"], "memory MB": r["memory MB"],
-                      "top-10 overlap": topn_overlap(s, ref, 10), "top-100 overlap": topn_overlap(s, ref, 100),
+                      **overlaps(s, ref),
                       "top-10 chance": chance[10], "top-100 chance": chance[100],
                       "sequences scored": r["scored"], "setup s": r["setup s"]})
         log(f"attribution {r['method']}: {r['ms/query']:.2f} ms/query, {r['memory MB']:.3g} MB, top-10/top-100 "
