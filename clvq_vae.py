@@ -823,7 +823,7 @@ class VectorQuantizer(nn.Module):
         with torch.autocast(z.device.type, enabled=False):
             zf = z.float()
             if self.training and cfg.sampling and cfg.temperature > 0:
-                idx = vq_search(zf, self.embed, min(cfg.top_k, cfg.codebook_size), cfg.temperature,
+                idx = vq_search(zf, self.embed, cfg.top_k, cfg.temperature,
                                 backend=self.backend)[0]
             else:
                 idx = vq_search(zf, self.embed, 1, 0.0, backend=self.backend)[0]
@@ -1498,9 +1498,14 @@ def cached_activations(src: SourceModel, dataset: str, texts: list[str], labels:
                        **kw) -> Activations:
     """extract_activations, computed once per key and then read from disk. Written to a temporary name and
     renamed into place (os.replace is atomic), so a crash never leaves half a file under the final name."""
+    from common import DataError
+
     path, spec = activation_cache_path(src, dataset, texts, labels, layers, min_count, max_per_type, cache_dir)
     if path.exists():
         acts = load_activation_cache(path, spec)
+        if acts.x_l.shape[1] != src.d_model:
+            raise DataError(f"activation cache {path} holds {acts.x_l.shape[1]}-wide rows for a {src.d_model}-wide "
+                            "source model; delete it")
         if log:
             log(f"activations: reusing {path} ({acts.x_l.shape[0]:,} rows)")
         return acts
@@ -1705,7 +1710,8 @@ def peak_flops(device: torch.device, bf16: bool = True) -> Optional[float]:
 def log_line(step, max_iters, loss, lr, ms, tok_s, mfu) -> str:
     """The one log format of every glassbox script (here a "token" is one word row)."""
     mfu_s = f"{100 * mfu:.1f}%" if mfu is not None else "-"
-    return f"step {step}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | {ms:.1f} ms | {tok_s / 1e3:.1f}k tok/s | mfu {mfu_s}"
+    rate = f"{tok_s / 1e3:.1f}k" if tok_s >= 1e3 else f"{tok_s:.0f}"  # 0.0k would hide a slow run
+    return f"step {step}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | {ms:.1f} ms | {rate} tok/s | mfu {mfu_s}"
 
 
 class SentenceSampler:
@@ -1830,9 +1836,17 @@ def nan_message(step: int, path: Path) -> str:
 
 
 def acts_signature(acts: Activations) -> dict:
-    """What a checkpoint must agree with in the activations it is used on."""
+    """What a checkpoint must agree with in the activations it is used on: their shape and a hash of their
+    values, so a changed source model (its weights, not only its size) is caught even when the rows line up."""
+    h = hashlib.sha256()
+    for t in (acts.x_l, acts.x_h, acts.sent):
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     return dict(rows=int(acts.x_l.shape[0]), d=int(acts.x_l.shape[1]), sentences=len(acts.texts),
-                layers=[int(x) for x in acts.layers])
+                layers=[int(x) for x in acts.layers], sha256=h.hexdigest()[:16])
+
+
+CKPT_KEYS = ("config", "model", "optimizer", "step", "schedule", "history", "data", "rng")  # what save_checkpoint
+RNG_KEYS = ("torch", "data", "cuda")                                                      # writes, and resume reads
 
 
 def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, sched: dict, sampler_state: dict,
@@ -1860,17 +1874,26 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         raise RunError(f"no checkpoint at {path} (train first, or point --out-dir at one)")
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
-        saved = ck["config"]
+        saved = dict(ck["config"])
         ok = ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "clvq_vae"
+        missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
     except Exception as e:  # truncated file, not a checkpoint, unpickling refused
         raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None
     if not ok:
         raise RunError(f"{path} is not a clvq_vae.py checkpoint")
+    if missing:
+        raise RunError(f"{path} is an incomplete checkpoint (no {', '.join(missing)}); delete it or retrain")
     bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k)]
     if bad:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
         raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
-    merged = replace(cfg, **{k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and k not in explicit})
+    taken = {k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and k not in explicit}
+    merged = replace(cfg, **taken)
+    from common import stored_config_error
+
+    why = stored_config_error(replace(Config(train=False), **taken), validate)  # the stored values, as a loaded model
+    if why:
+        raise RunError(f"{path} stores {why}; delete it or retrain")
     return ck, merged
 
 
@@ -1888,13 +1911,20 @@ def build_model(cfg: Config, device) -> CLVQVAE:
     return model
 
 
+def load_weights(model: nn.Module, state: dict, path: Path) -> None:
+    """load_state_dict, with one line for a checkpoint of another shape or one that holds NaN/inf weights."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise RunError(f"{path} does not fit this model ({str(e).splitlines()[-1].strip()})") from None
+    if not all(t.isfinite().all() for t in model.state_dict().values() if t.is_floating_point()):
+        raise RunError(f"{path} holds non-finite weights (a diverged or damaged run); delete it or retrain")
+
+
 def load_model(ck: dict, cfg: Config, device, path: Path) -> CLVQVAE:
     """The checkpoint's model for the analyses: the best evaluation's weights when it kept them (plateau)."""
     model = build_model(cfg, device)
-    try:
-        model.load_state_dict((ck.get("best") or ck)["model"])
-    except RuntimeError as e:
-        raise RunError(f"{path} does not fit this model ({str(e).splitlines()[-1].strip()})") from None
+    load_weights(model, (ck.get("best") or ck)["model"], path)
     return model
 
 
@@ -1950,14 +1980,14 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
         if ck is None:
             ck, _ = load_checkpoint(path, cfg, explicit)
         check_data(ck, train_acts, path)
+        load_weights(model, ck["model"], path)
         try:
-            model.load_state_dict(ck["model"])
             optimizer.load_state_dict(ck["optimizer"])
-        except (RuntimeError, ValueError) as e:
-            raise RunError(f"{path} does not fit this model: {str(e).splitlines()[0]}") from None
-        step, history, sched, best = ck["step"], ck["history"], dict(ck["schedule"]), ck.get("best")
-        torch.set_rng_state(ck["rng"]["torch"])
-        sampler.set_state(ck["rng"]["data"])
+            step, history, sched, best = ck["step"], ck["history"], dict(ck["schedule"]), ck.get("best")
+            torch.set_rng_state(ck["rng"]["torch"])
+            sampler.set_state(ck["rng"]["data"])
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:
+            raise RunError(f"{path} cannot be resumed ({type(e).__name__}: {str(e).splitlines()[0]})") from None
         cuda_rng = ck["rng"]["cuda"]  # this device's generator (before 2026-12-02: a list of every device's)
         if torch.cuda.is_available() and cuda_rng is not None and len(cuda_rng):
             here = torch.cuda.current_device()
@@ -1982,7 +2012,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
     fpr, peak = flops_per_row(raw, cfg, mean_T), peak_flops(device, decoder_dtype(cfg, device) is not None)
     log(f"{variant or variant_name(cfg)}: {n_params(raw) / 1e6:.2f}M parameters, K = {cfg.codebook_size} codes of "
         f"d = {cfg.d_model}, {len(sentences):,} training sentences ({int(b[-1]):,} rows, {mean_T:.1f} per sentence), "
-        f"{cfg.batch_size} sentences per step, {cfg.max_iters} steps, {cfg.schedule} schedule")
+        f"{sampler.batch_size} sentences per step, {cfg.max_iters} steps, {cfg.schedule} schedule")
     data = acts_signature(train_acts)
 
     def next_batch():
@@ -3093,7 +3123,8 @@ def validate(cfg: Config, explicit=()) -> None:
     bad = [f.name for f in fields(cfg) if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
     if bad:
         raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number")
-    checks = [(cfg.codebook_size >= 1, "--codebook-size must be >= 1"), (cfg.top_k >= 1, "--top-k must be >= 1"),
+    checks = [(cfg.codebook_size >= 1, "--codebook-size must be >= 1"),
+              (1 <= cfg.top_k <= cfg.codebook_size, f"--top-k must be in [1, --codebook-size ({cfg.codebook_size})]"),
               (cfg.temperature >= 0, "--temperature must be >= 0"),
               (0 < cfg.ema_decay < 1, "--ema-decay must be in (0, 1)"), (cfg.ema_eps > 0, "--ema-eps must be > 0"),
               (cfg.beta >= 0, "--beta must be >= 0"), (cfg.dead_threshold >= 0, "--dead-threshold must be >= 0"),
@@ -3256,7 +3287,7 @@ def run(cfg: Config, explicit) -> int:
     json_safe = {k: v for k, v in results.items() if k not in ("cards_html", "models")}
     (out_dir / f"{tag}.json").write_text(json.dumps(json_safe, default=str))
     if results.get("cards_html"):
-        (out_dir / "cards.html").write_text("<!doctype html><meta charset=utf-8><title>CLVQ-VAE concept cards</title>"
+        (out_dir / f"{'cards' if cfg.train else 'analysis-cards'}.html").write_text("<!doctype html><meta charset=utf-8><title>CLVQ-VAE concept cards</title>"
                                             + results["cards_html"])
     if cfg.report:
         log(f"report: {write_report(out_dir, cfg, results, histories, 'report' if cfg.train else 'analysis')}")

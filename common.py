@@ -219,9 +219,12 @@ def load_local(path: str | Path) -> list[Document]:
                 if not line.strip():
                     continue
                 try:
-                    docs.append(Document(str(json.loads(line)["text"]), f"{path.stem}:{i + 1}"))
+                    text = json.loads(line)["text"]
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    raise DataError(f"{path}:{i + 1}: not a JSON object with a 'text' field")
+                    raise DataError(f"{path}:{i + 1}: not a JSON object with a 'text' field") from None
+                if not isinstance(text, str):
+                    raise DataError(f"{path}:{i + 1}: 'text' is a {type(text).__name__}, not a string")
+                docs.append(Document(text, f"{path.stem}:{i + 1}"))
     else:  # one file: the last ~10% of its characters, cut at a line boundary, is val
         text = path.read_text(encoding="utf-8", errors="replace")
         cut = text.rfind("\n", 0, int(len(text) * 0.9)) + 1 or int(len(text) * 0.9)
@@ -314,6 +317,14 @@ class _ByteEncoding:
 
     def decode(self, ids) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def unknown_note(tok: "Tokenizer", prompt: str) -> str | None:
+    """A line to log when a typed prompt holds ids outside the compacted vocabulary: each is read as the one
+    reserved unk id (and decodes as U+FFFD), so the model never sees the prompt as typed. None when it does."""
+    n = tok.encode(prompt).count(tok.unk) if tok.unk is not None else 0
+    return (f"note: {n} token(s) of the prompt are outside this run's vocabulary and read as <unk> (shown as "
+            "\ufffd); the model sees them as one unknown token") if n else None
 
 
 def get_encoding(name: str):
@@ -448,16 +459,16 @@ def _tokenize_split(docs, enc, out: Path, budget: int | None, batch: int = 256):
             buf = [d.text for _, d in zip(range(batch), docs)]
             if not buf:
                 break
-            for ids in enc.encode_ordinary_batch(buf, num_threads=threads):
+            for text, ids in zip(buf, enc.encode_ordinary_batch(buf, num_threads=threads)):
                 a = np.asarray(ids + [enc.eot_token], dtype=np.uint32)
-                if budget is not None:
+                if budget is not None and len(a) > budget - n_tok:  # the budget cuts this document
                     a = a[: budget - n_tok]
+                    text = enc.decode(ids[: len(a)])
                 a.tofile(fh)
                 counts += np.bincount(a, minlength=enc.n_vocab)
-                n_tok, n_doc = n_tok + len(a), n_doc + 1
+                n_tok, n_doc, n_chr = n_tok + len(a), n_doc + 1, n_chr + len(text)
                 if budget is not None and n_tok >= budget:
                     break
-            n_chr += sum(len(t) for t in buf)
     return n_tok, n_doc, n_chr, counts
 
 
@@ -481,9 +492,13 @@ def prepare(dataset: str = "shakespeare", tokenizer: str = "cl100k", compact="tr
         return final
     enc = get_encoding(tokenizer)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"cache folder {root}: {e.strerror}") from None
+        return _build_cache(dataset, enc, tokenizer, compact, max_tokens, spec, root, final, verbose)
+    except OSError as e:  # an unwritable folder, a full disk
+        raise DataError(f"building the token cache in {root}: {e.strerror or e}") from None
+
+
+def _build_cache(dataset, enc, tokenizer, compact, max_tokens, spec, root, final, verbose) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
         t0, stats = time.time(), {}
@@ -513,6 +528,8 @@ def prepare(dataset: str = "shakespeare", tokenizer: str = "cl100k", compact="tr
                     vocab_used=int(np.count_nonzero(train_counts)),
                     kept=None if tok.kept is None else tok.kept.tolist(), splits=stats)
         (tmp / "meta.json").write_text(json.dumps(meta))
+        if final.exists() and not (final / "meta.json").exists():  # damaged by hand: meta.json arrives with the
+            shutil.rmtree(final, ignore_errors=True)                # rest in one rename, so it is never in progress
         try:
             os.replace(tmp, final)  # atomic; fails if another process already renamed its copy into place
         except OSError:
@@ -695,6 +712,40 @@ def _flag_type(tp):
             raise argparse.ArgumentTypeError(f"invalid {tp.__name__} value: {s!r}")
     parse.__name__ = tp.__name__
     return parse
+
+
+def _fits(value, tp) -> bool:
+    if typing.get_origin(tp) is typing.Literal:
+        return value in typing.get_args(tp)
+    if typing.get_args(tp) and type(None) in typing.get_args(tp):  # Optional[X]
+        return value is None or any(_fits(value, a) for a in typing.get_args(tp) if a is not type(None))
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp in (int, float, str):
+        return isinstance(value, (int, float) if tp is float else tp) and not isinstance(value, bool)
+    return True
+
+
+def config_errors(cfg) -> list[str]:
+    """`name=value` for every field of a config dataclass whose value does not fit its annotation (a Literal's
+    choices, bool, int, float, str, Optional): the check a checkpoint's stored config gets before a script builds
+    anything from it, since a damaged one would otherwise end in a traceback deep inside the model."""
+    hints = typing.get_type_hints(type(cfg))
+    return [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
+            if not _fits(getattr(cfg, f.name), hints[f.name])]
+
+
+def stored_config_error(cfg, validate) -> str | None:
+    """Why a config read back from a checkpoint cannot be used (a value that does not fit its field, or one that
+    the script's `validate` refuses), or None. The scripts raise it as one line naming the file."""
+    bad = config_errors(cfg)
+    if bad:
+        return f"a damaged config ({', '.join(bad[:3])})"
+    try:
+        validate(cfg)
+    except Exception as e:  # the script's RunError: a value no flag could have set
+        return f"a config that fails its checks ({e})"
+    return None
 
 
 def config_parser(cfg_cls, description: str = "", extra=None) -> argparse.ArgumentParser:

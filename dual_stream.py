@@ -960,7 +960,8 @@ def peak_flops(device: torch.device, bf16: bool = True) -> Optional[float]:
 def log_line(step, max_iters, loss, lr, ms, tok_s, mfu) -> str:
     """The one log format of every glassbox script."""
     mfu_s = f"{100 * mfu:.1f}%" if mfu is not None else "-"
-    return f"step {step}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | {ms:.1f} ms | {tok_s / 1e3:.1f}k tok/s | mfu {mfu_s}"
+    rate = f"{tok_s / 1e3:.1f}k" if tok_s >= 1e3 else f"{tok_s:.0f}"  # 0.0k would hide a slow run
+    return f"step {step}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | {ms:.1f} ms | {rate} tok/s | mfu {mfu_s}"
 
 
 @torch.no_grad()
@@ -1052,6 +1053,10 @@ def nan_message(step: int, path: Path) -> str:
     return f"non-finite loss before step {step} (or non-finite weights); stopping ({keep})"
 
 
+CKPT_KEYS = ("config", "model", "optimizer", "step", "best_val_loss", "tokenizer", "history", "rng")  # what
+RNG_KEYS = ("torch", "data", "cuda")                               # save_checkpoint writes, and resume reads
+
+
 def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: float, data_rng, data,
                     history) -> None:
     """One file: written to a temporary name, then renamed (a crash never leaves half a checkpoint)."""
@@ -1077,17 +1082,26 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
                        "flags name the file)" if there else "(train first, or point --out-dir at one)"))
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
-        saved = ck["config"]
+        saved = dict(ck["config"])
         ok = ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "dual_stream"
+        missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
     except Exception as e:  # truncated file, not a checkpoint, unpickling refused
         raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None
     if not ok:
         raise RunError(f"{path} is not a dual_stream.py checkpoint")
+    if missing:
+        raise RunError(f"{path} is an incomplete checkpoint (no {', '.join(missing)}); delete it or retrain")
     bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k, getattr(Config, k))]
     if bad:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
         raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
-    merged = replace(cfg, **{k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and k not in explicit})
+    taken = {k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and k not in explicit}
+    merged = replace(cfg, **taken)
+    from common import stored_config_error
+
+    why = stored_config_error(replace(Config(train=False), **taken), validate)  # the stored values, as a loaded model
+    if why:
+        raise RunError(f"{path} stores {why}; delete it or retrain")
     return ck, merged
 
 
@@ -1117,14 +1131,14 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
     if cfg.resume:
         if ck is None:
             ck, _ = load_checkpoint(path, cfg, explicit)
+        load_weights(model, ck["model"], path)
         try:
-            model.load_state_dict(ck["model"])
             optimizer.load_state_dict(ck["optimizer"])
-        except (RuntimeError, ValueError) as e:
-            raise RunError(f"{path} does not fit this model: {str(e).splitlines()[0]}") from None
-        step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
-        torch.set_rng_state(ck["rng"]["torch"])
-        data.set_rng_state(ck["rng"]["data"])
+            step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
+            torch.set_rng_state(ck["rng"]["torch"])
+            data.set_rng_state(ck["rng"]["data"])
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:
+            raise RunError(f"{path} cannot be resumed ({type(e).__name__}: {str(e).splitlines()[0]})") from None
         cuda_rng = ck["rng"]["cuda"]  # this device's generator (before 2026-12-02: a list of every device's)
         if torch.cuda.is_available() and cuda_rng is not None and len(cuda_rng):
             here = torch.cuda.current_device()
@@ -1259,8 +1273,8 @@ def head_sweep_table(models: dict, ppl: dict, spec: dict) -> list[dict]:
         s, c = spec[name], spec[name]["coreference"]
         b = c.get("best", {})
         rows.append({"heads": m.cfg.heads, "d_h": m.cfg.d_model // m.cfg.heads, "val loss": ppl[name]["loss"],
-                     "distinctiveness": sum(s["distinctiveness"]) / len(s["distinctiveness"]),
-                     "per layer": " ".join(f"{v:.3f}" for v in s["distinctiveness"]),
+                     "distinctiveness": sum(s["distinctiveness"]) / max(len(s["distinctiveness"]), 1),
+                     "per layer": per_layer(s["distinctiveness"]),
                      "coref best head": f"L{b['layer']}h{b['head']}" if b else "",
                      "coref accuracy": b.get("accuracy", ""), "coref margin": b.get("margin", ""),
                      "coref prompts": c.get("prompts", 0)})
@@ -1268,13 +1282,14 @@ def head_sweep_table(models: dict, ppl: dict, spec: dict) -> list[dict]:
 
 
 def parse_alphas(spec: str) -> list[float]:
-    """'1,2,4,8,16' -> [1.0, 2.0, ...]; α must be > 0 (a one-line error otherwise)."""
+    """'1,2,4,8,16' -> [1.0, 2.0, ...]; α in (0, 1e6] (a one-line error otherwise): far above that α·q·kᵀ
+    overflows fp32 and every figure would be NaN."""
     try:
         alphas = [float(a) for a in spec.split(",") if a.strip()]
     except ValueError:
         raise RunError(f"--amplify {spec!r}: expected comma-separated numbers such as 1,2,4,8,16") from None
-    if any(not (math.isfinite(a) and a > 0) for a in alphas):
-        raise RunError(f"--amplify {spec!r}: every α must be a finite number > 0")
+    if any(not 0 < a <= 1e6 for a in alphas):
+        raise RunError(f"--amplify {spec!r}: every α must be in (0, 1e6]")
     return alphas
 
 
@@ -1366,11 +1381,15 @@ def distinctiveness(model: DualStream, data, windows: int = 8, width: int = 128,
         model(x)
         maps = [a.last["maps"][:, :, skip:] for a in model.attentions()]  # [B, H, T', T] per layer
     H = maps[0].shape[1]
-    out = []
-    for p in maps:
-        pairs = [js_divergence(p[:, g], p[:, h]).mean() for g in range(H) for h in range(g + 1, H)]
-        out.append(torch.stack(pairs).mean().item() if pairs else 0.0)
-    return out
+    if H < 2:  # no pair of heads to compare: [] (printed n/a), not a 0 that reads as "identical heads"
+        return []
+    return [torch.stack([js_divergence(p[:, g], p[:, h]).mean() for g in range(H) for h in range(g + 1, H)])
+            .mean().item() for p in maps]
+
+
+def per_layer(values: list[float]) -> str:
+    """Distinctiveness per layer as printed: three decimals each, n/a for a one-head model."""
+    return " ".join(f"{v:.3f}" for v in values) if values else "n/a (one head)"
 
 
 def hub_ratio(A: torch.Tensor) -> tuple[int, float, torch.Tensor]:
@@ -1384,9 +1403,10 @@ def hub_ratio(A: torch.Tensor) -> tuple[int, float, torch.Tensor]:
 
 
 def chance_hub_ratio(H: int, draws: int = 2000) -> float:
-    """The mean hub ratio of random N(0, 1) H×H matrices: a ratio near it says nothing about learned hubs."""
+    """The median hub ratio of random N(0, 1) H×H matrices: a ratio near it says nothing about learned hubs. The
+    median, not the mean: at H = 2 the ratio is |X|/|Y| of two normals, whose mean does not exist."""
     g = torch.Generator().manual_seed(0)
-    return sum(hub_ratio(torch.randn(H, H, generator=g))[1] for _ in range(draws)) / draws
+    return torch.tensor([hub_ratio(torch.randn(H, H, generator=g))[1] for _ in range(draws)]).median().item()
 
 
 def kronecker_maps(model: DualStream) -> list[tuple[int, str, torch.Tensor]]:
@@ -1706,7 +1726,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                      "heads</p>" + table_html(rows, list(rows[0])))
     for m, s in results.get("specialization", {}).items():
         parts.append(f"<h2>Head specialisation, {html.escape(m)}</h2><p>distinctiveness (mean pairwise JS, bits) per "
-                     "layer: " + " ".join(f"{v:.3f}" for v in s["distinctiveness"]) + "</p>")
+                     "layer: " + per_layer(s["distinctiveness"]) + "</p>")
         if s.get("hubs"):
             parts.append(img(s["figure"]) + table_html(s["hubs"], list(s["hubs"][0])))
         c = s["coreference"]
@@ -1817,18 +1837,25 @@ def check_tokenizer(ck: dict, data, path: Path) -> None:
                        f"({current['name']}, {data.vocab_size} ids); the corpus or its cache changed")
 
 
+def load_weights(model: nn.Module, state: dict, path: Path) -> None:
+    """load_state_dict, with one line for a checkpoint of another shape or one that holds NaN/inf weights."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise RunError(f"{path} does not fit this model ({str(e).splitlines()[-1].strip()})") from None
+    if not all(t.isfinite().all() for t in model.state_dict().values() if t.is_floating_point()):
+        raise RunError(f"{path} holds non-finite weights (a diverged or damaged run); delete it or retrain")
+
+
 def load_model(ck: dict, c: Config, data, device, path: Path) -> DualStream:
     check_tokenizer(ck, data, path)
     model = DualStream(c, data.vocab_size).to(device)
-    try:
-        model.load_state_dict(ck["model"])
-    except RuntimeError as e:
-        raise RunError(f"{path} does not fit this model ({str(e).splitlines()[-1].strip()})") from None
+    load_weights(model, ck["model"], path)
     return model
 
 
 def run(cfg: Config, explicit) -> int:
-    from common import DataError, load_data, preset_banner
+    from common import DataError, load_data, preset_banner, unknown_note
 
     preset = apply_preset(cfg, explicit)
     validate(cfg, explicit)
@@ -1954,7 +1981,7 @@ def run(cfg: Config, explicit) -> int:
         results["specialization"] = {}
         for name, m in models.items():
             s = results["specialization"][name] = head_specialization(m, data, device)
-            line = "distinctiveness per layer " + " ".join(f"{v:.3f}" for v in s["distinctiveness"])
+            line = "distinctiveness per layer " + per_layer(s["distinctiveness"])
             fig = kronecker_figure(m)
             if fig is not None:
                 png = out_dir / f"kronecker-{variant(m.cfg)}.png"
@@ -1982,6 +2009,9 @@ def run(cfg: Config, explicit) -> int:
                 f"(per layer {r['per layer']})  {coref}")
     if cfg.sample is not None or cfg.train:
         prompts = [cfg.sample] if cfg.sample is not None else ["HAMLET:\n"]
+        note = unknown_note(data.tokenizer, cfg.sample.replace("\\n", "\n")) if cfg.sample is not None else None
+        if note:  # a typed prompt the compacted vocabulary cannot spell: say so beside the sample
+            log(note)
         results["samples"] = {}
         for name, m in models.items():
             m.eval()

@@ -943,7 +943,8 @@ def peak_flops(device: torch.device, bf16: bool = True) -> Optional[float]:
 def log_line(step, max_iters, loss, lr, ms, tok_s, mfu) -> str:
     """The one log format of every glassbox script."""
     mfu_s = f"{100 * mfu:.1f}%" if mfu is not None else "-"
-    return f"step {step}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | {ms:.1f} ms | {tok_s / 1e3:.1f}k tok/s | mfu {mfu_s}"
+    rate = f"{tok_s / 1e3:.1f}k" if tok_s >= 1e3 else f"{tok_s:.0f}"  # 0.0k would hide a slow run
+    return f"step {step}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | {ms:.1f} ms | {rate} tok/s | mfu {mfu_s}"
 
 
 TAUS = (0.5, 0.7, 0.9)  # coverage thresholds on cosine similarity (spec §4.2: R̄1, R2 at several τ)
@@ -1062,6 +1063,10 @@ def nan_message(step: int, path: Path) -> str:
     return f"non-finite loss before step {step} (or non-finite weights); stopping ({keep})"
 
 
+CKPT_KEYS = ("config", "model", "optimizer", "step", "best_val_loss", "tokenizer", "history", "rng")  # what
+RNG_KEYS = ("torch", "data", "cuda")                               # save_checkpoint writes, and resume reads
+
+
 def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: float, data_rng, data,
                     history) -> None:
     """One file: written to a temporary name, then renamed (a crash never leaves half a checkpoint)."""
@@ -1085,17 +1090,28 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         raise RunError(f"no checkpoint at {path} (train first, or point --out-dir at one)")
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
-        saved = ck["config"]
+        saved = dict(ck["config"])
         ok = ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "prism"
+        missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
     except Exception as e:  # truncated file, not a checkpoint, unpickling refused
         raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None
     if not ok:
         raise RunError(f"{path} is not a prism.py checkpoint")
+    if missing:
+        raise RunError(f"{path} is an incomplete checkpoint (no {', '.join(missing)}); delete it or retrain")
+    if saved.get("head") != cfg.head:  # a file renamed by hand: the name says one head, the contents another
+        raise RunError(f"{path} holds a --head {saved.get('head')} model, not {cfg.head}")
     bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k)]
     if bad:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
         raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
-    merged = replace(cfg, **{k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and k not in explicit})
+    taken = {k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and k not in explicit}
+    merged = replace(cfg, **taken)
+    from common import stored_config_error
+
+    why = stored_config_error(replace(Config(train=False), **taken), validate)  # the stored values, as a loaded model
+    if why:
+        raise RunError(f"{path} stores {why}; delete it or retrain")
     return ck, merged
 
 
@@ -1226,15 +1242,15 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
     if cfg.resume:
         if ck is None:
             ck, _ = load_checkpoint(path, cfg, explicit)
-        try:
-            model.load_state_dict(ck["model"])
-            optimizer.load_state_dict(ck["optimizer"])
-        except (RuntimeError, ValueError) as e:
-            raise RunError(f"{path} does not fit this model: {str(e).splitlines()[0]}") from None
+        load_weights(model, ck["model"], path)
         model.sync_ready()
-        step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
-        torch.set_rng_state(ck["rng"]["torch"])
-        data.set_rng_state(ck["rng"]["data"])
+        try:
+            optimizer.load_state_dict(ck["optimizer"])
+            step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
+            torch.set_rng_state(ck["rng"]["torch"])
+            data.set_rng_state(ck["rng"]["data"])
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:
+            raise RunError(f"{path} cannot be resumed ({type(e).__name__}: {str(e).splitlines()[0]})") from None
         cuda_rng = ck["rng"]["cuda"]  # this device's generator (before 2026-12-02: a list of every device's)
         if torch.cuda.is_available() and cuda_rng is not None and len(cuda_rng):
             here = torch.cuda.current_device()
@@ -1442,8 +1458,18 @@ def logit_decomposition(model: PRISM, ids: torch.Tensor, tok) -> dict:
     return {"rows": rows, "max_abs_error": err, "max_abs_logit": logit.abs().max().item()}
 
 
+WORD = re.compile(r"[A-Za-z']+")  # what keyword_rate counts as a word
+
+
 def keywords_of(spec: str) -> list[str]:
-    return [w.strip().lower() for w in spec.split(",") if w.strip()]
+    """'Love, crown' -> ['love', 'crown']. Each keyword must be a word as keyword_rate counts them (letters and
+    apostrophes), else its rate could never move: a one-line error."""
+    kws = [w.strip().lower() for w in spec.split(",") if w.strip()]
+    bad = [w for w in kws if not WORD.fullmatch(w)]
+    if bad or not kws:
+        raise RunError(f"--suppress-keywords {spec!r}: expected words (letters and apostrophes) such as love,crown, "
+                       "or auto")
+    return kws
 
 
 def card_words(card: dict, sig_top: int = 3) -> set[str]:
@@ -1476,7 +1502,7 @@ def auto_keyword(cards: list[dict], generated: Optional[list[str]] = None, min_l
             for w in card_words(c):
                 if w.isalpha() and len(w) >= min_letters:
                     score[w] = score.get(w, 0) + c["uses"]
-    counts = Counter(w.lower() for t in generated or [] for w in re.findall(r"[A-Za-z']+", t))  # keyword_rate's words
+    counts = Counter(w.lower() for t in generated or [] for w in WORD.findall(t))  # keyword_rate's words
     return [min(score, key=lambda w: (-counts[w], -score[w], w))] if score else []
 
 
@@ -1488,12 +1514,12 @@ def parse_ids(spec: str, K: int) -> list[int]:
     bad = [i for i in ids if not 0 <= i < K]
     if bad or not ids:
         raise RunError(f"--suppress {spec!r}: ids must be in [0, {K})")
-    return ids
+    return sorted(set(ids))  # 3,3 suppresses one prototype, and counts as one
 
 
 def keyword_rate(texts: list[str], keywords: list[str]) -> float:
     """Keyword occurrences per 1,000 generated words."""
-    words = [w.lower() for t in texts for w in re.findall(r"[A-Za-z']+", t)]
+    words = [w.lower() for t in texts for w in WORD.findall(t)]
     kw = set(keywords)
     return 1000 * sum(w in kw for w in words) / max(1, len(words))
 
@@ -1530,12 +1556,12 @@ def suppression(model: PRISM, data, cfg: Config, ids: list[int], keywords: list[
     texts = {"before": before if before is not None else suppression_generations(model, data, cfg, {},
                                                                                  samples_per_prompt),
              "after": suppression_generations(model, data, cfg, kw, samples_per_prompt)}
-    ppl0 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows)["ppl"]
-    ppl1 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows, head_kw=kw)["ppl"]
+    ev0 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows)
+    ppl0, ppl1 = ev0["ppl"], evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows, head_kw=kw)["ppl"]
     return {"prototypes": ids, "fraction": len(ids) / model.P.shape[0], "keywords": keywords,
             "factor": cfg.suppress_factor, "generations": len(texts["before"]),
             "rate_before": keyword_rate(texts["before"], keywords), "rate_after": keyword_rate(texts["after"], keywords),
-            "ppl_before": ppl0, "ppl_after": ppl1, "ppl_change": ppl1 / ppl0 - 1,
+            "ppl_before": ppl0, "ppl_after": ppl1, "ppl_change": ppl1 / ppl0 - 1, "ppl_tokens": ev0["tokens"],
             "example": {"before": texts["before"][0], "after": texts["after"][0]}}
 
 
@@ -1558,6 +1584,7 @@ def suppression(model: PRISM, data, cfg: Config, ids: list[int], keywords: list[
 # TracIn over every parameter (recomputed per query batch, and from a CountSketch cache of the same bytes as
 # the prototype cache), and EK-FAC through kronfluence (optional).
 
+PROTOTYPE_ANALYSES = ("cards", "attribution", "ekfac", "suppress", "suppress_keywords", "controller")  # PRISM's
 FULL_ROUTING = ("attribution needs --resid-grad detach-zhat or detach-r: with full routing CE gives the "
                 "prototypes no gradient")
 ATTR_CHUNK = 2 ** 24  # elements of the largest temporary (N×V probabilities, posting products): 64 MB in fp32
@@ -2171,9 +2198,11 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     c = by[cached_name]
     speed = {name: by[name]["ms/query"] / c["ms/query"] for name in by if name != cached_name}
     # like with like: the cached time is one query at a time; a batch row is one pass over Q queries divided by Q
-    alone = [f"{speed[r['method']]:.3g}x faster than {r['method']}" for r in rows
-             if r["method"] != cached_name and not r["batched"]]
-    batch = [f"{speed[r['method']]:.3g}x faster than {r['method']}" for r in rows if r["batched"]]
+    def than(name):
+        x = speed[name]
+        return f"{x:.3g}x faster than {name}" if x >= 1 else f"{1 / x:.3g}x slower than {name}"
+    alone = [than(r["method"]) for r in rows if r["method"] != cached_name and not r["batched"]]
+    batch = [than(r["method"]) for r in rows if r["batched"]]
     summary = (f"cached prototype attribution ({cfg.attr_curvature}) takes {c['ms/query']:.2f} ms per query, one "
                "query at a time (setup excluded for every method): " + ", ".join(alone) + ", each also one query at a "
                "time" + ("; against per-query times of one batched pass over " + f"{Q} queries (which favours them): "
@@ -2185,7 +2214,8 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     log(summary)
     log(f"attribution, gradients alone (no curvature in either ranking): cached vs exact top-10/top-100 overlap "
         f"{gradients_only['top-10 overlap']:.2f}/{gradients_only['top-100 overlap']:.2f}: what the cache's fixed-a "
-        f"gradients keep; the rest of the gap to {c['top-10 overlap']:.2f}/{c['top-100 overlap']:.2f} is the curvature")
+        f"gradients keep before any curvature (the cached method itself: {c['top-10 overlap']:.2f}/"
+        f"{c['top-100 overlap']:.2f})")
     log(f"attribution, one approximation at a time: with the cache's {cfg.attr_curvature} curvature in both rankings, "
         f"cached vs exact gradients {same_curvature['top-10 overlap']:.2f}/{same_curvature['top-100 overlap']:.2f} "
         f"(the fixed-a gradients alone); exact gradients ranked with the cache's curvature vs the exact ranking "
@@ -2768,7 +2798,9 @@ def validate(cfg: Config) -> None:
     if seeds:  # torch.manual_seed overflows past 64 bits with a traceback; numpy's legacy seeding past 32
         raise RunError(f"--{seeds[0].replace('_', '-')} must be in [0, 2**32)")
     checks = [(cfg.layers >= 1, "--layers must be >= 1"), (cfg.heads >= 1, "--heads must be >= 1"),
-              (cfg.d_model % cfg.heads == 0, f"--d-model {cfg.d_model} must split into --heads {cfg.heads} heads"),
+              (cfg.d_model >= 1, "--d-model must be >= 1"),
+              (cfg.heads < 1 or cfg.d_model % cfg.heads == 0,
+               f"--d-model {cfg.d_model} must split into --heads {cfg.heads} heads"),
               (cfg.n_protos >= 1, "--n-protos must be >= 1"),
               (1 <= cfg.topk <= cfg.n_protos, "--topk must be in [1, --n-protos]"),
               (cfg.ctx >= 1, "--ctx must be >= 1"), (cfg.batch_size >= 1, "--batch-size must be >= 1"),
@@ -2782,26 +2814,33 @@ def validate(cfg: Config) -> None:
               (cfg.init_steps >= 0, "--init-steps must be >= 0"), (cfg.push_interval >= 0, "--push-interval must be >= 0"),
               (cfg.card_windows >= 1 and cfg.attr_seqs >= 2 and cfg.attr_queries >= 1 and cfg.attr_ctx >= 1,
                "--card-windows, --attr-queries, --attr-ctx must be >= 1 and --attr-seqs >= 2"),
-              (cfg.attr_damping > 0, "--attr-damping must be > 0"), (cfg.controller_l1 >= 0, "--controller-l1 must be >= 0"),
+              (0 < cfg.attr_damping <= 1e6, "--attr-damping must be in (0, 1e6]"), (cfg.controller_l1 >= 0, "--controller-l1 must be >= 0"),
               (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"),
               (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file")]
     for ok, msg in checks:
         if not ok:
             raise RunError(msg)
-    if cfg.head == "prism" and cfg.init == "kmeans++" and cfg.train and not cfg.resume:
-        tokens = cfg.batch_size * cfg.ctx  # the global batch: the ranks' states are gathered for the seeding
-        if cfg.init_steps >= cfg.max_iters:
-            raise RunError(f"--init-steps {cfg.init_steps} leaves no step for the prototypes (--max-iters {cfg.max_iters})")
-        if tokens < cfg.n_protos:
-            raise RunError(f"k-means++ seeding draws K={cfg.n_protos} prototypes from one batch of {tokens} tokens; "
-                           "raise --batch-size/--ctx or use --init random")
-    if cfg.suppress and cfg.train:  # without training, K comes from the checkpoint (checked in run)
+    if cfg.train and not cfg.resume:  # a resumed run: once its settings are merged (run)
+        check_seeding(cfg)
+    if cfg.suppress and cfg.train and not cfg.resume:  # otherwise K comes from the checkpoint (checked in run)
         parse_ids(cfg.suppress, cfg.n_protos)
+    if cfg.suppress_keywords:
+        keywords_of(cfg.suppress_keywords)
     bad = [f.name for f in fields(cfg) if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
     if bad:
         raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number")
-    if cfg.suppress and cfg.head != "prism":
-        raise RunError("--suppress needs --head prism")
+
+
+def check_seeding(cfg: Config) -> None:
+    """A PRISM run that starts from step 0 must be able to seed its K prototypes from one batch (spec §3.4)."""
+    if cfg.head != "prism" or cfg.init != "kmeans++":
+        return
+    tokens = cfg.batch_size * cfg.ctx  # the global batch: the ranks' states are gathered for the seeding
+    if cfg.init_steps >= cfg.max_iters:
+        raise RunError(f"--init-steps {cfg.init_steps} leaves no step for the prototypes (--max-iters {cfg.max_iters})")
+    if tokens < cfg.n_protos:
+        raise RunError(f"k-means++ seeding draws K={cfg.n_protos} prototypes from one batch of {tokens} tokens; "
+                       "raise --batch-size/--ctx or use --init random")
 
 
 def check_tokenizer(ck: dict, data, path: Path) -> None:
@@ -2814,13 +2853,20 @@ def check_tokenizer(ck: dict, data, path: Path) -> None:
                        f"({current['name']}, {data.vocab_size} ids); the corpus or its cache changed")
 
 
+def load_weights(model: nn.Module, state: dict, path: Path) -> None:
+    """load_state_dict, with one line for a checkpoint of another shape or one that holds NaN/inf weights."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise RunError(f"{path} does not fit this model ({str(e).splitlines()[-1].strip()})") from None
+    if not all(t.isfinite().all() for t in model.state_dict().values() if t.is_floating_point()):
+        raise RunError(f"{path} holds non-finite weights (a diverged or damaged run); delete it or retrain")
+
+
 def load_model(ck: dict, c: Config, data, device, path: Path) -> PRISM:
     check_tokenizer(ck, data, path)
     model = PRISM(c, data.vocab_size).to(device)
-    try:
-        model.load_state_dict(ck["model"])
-    except RuntimeError as e:
-        raise RunError(f"{path} does not fit this model ({str(e).splitlines()[-1].strip()})") from None
+    load_weights(model, ck["model"], path)
     model.sync_ready()
     return model
 
@@ -2831,11 +2877,12 @@ def twin_history(cfg: Config, histories: dict, log=print) -> Optional[dict]:
     if "dense" in histories:
         return histories["dense"]
     path = ckpt_path(replace(cfg, head="dense"))
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=True) if path.exists() else None
-    except Exception:  # an unreadable twin only costs the gap column
+    if not path.exists():
         return None
-    if ck is None:
+    try:
+        ck = load_checkpoint(path, replace(cfg, head="dense"))[0]
+    except RunError as e:  # an unreadable twin only costs the gap column
+        log(f"gap to dense: not computed, {e}")
         return None
     recipe = [k for k in TWIN_KEYS if k in ck["config"] and ck["config"][k] != getattr(cfg, k)]
     if recipe:
@@ -2846,12 +2893,13 @@ def twin_history(cfg: Config, histories: dict, log=print) -> Optional[dict]:
 
 
 def run(cfg: Config, explicit) -> int:
-    from common import DataError, load_data, preset_banner
+    from common import DataError, load_data, preset_banner, unknown_note
 
     preset = apply_preset(cfg, explicit)
     validate(cfg)
-    if cfg.head == "prism" and cfg.resid_grad == "full" and cfg.attribution and "attribution" in explicit:
-        raise RunError(FULL_ROUTING)  # asked for explicitly: say so now, not after training
+    typed = [k for k in PROTOTYPE_ANALYSES if k in explicit and getattr(cfg, k)]
+    if cfg.head == "dense" and typed:
+        raise RunError(f"--{typed[0].replace('_', '-')} is a prototype analysis: it needs --head prism")
     device, autocast, dist_info = setup_device(cfg)
     if cfg.kernels == "triton" and not HAS_TRITON:
         raise RunError(f"--kernels triton needs the triton package, which failed to import ({TRITON_ERROR})")
@@ -2872,6 +2920,10 @@ def run(cfg: Config, explicit) -> int:
         saved = loaded.get(cfg.head, next(iter(loaded.values())))[2]
         cfg = replace(cfg, **{k: getattr(saved, k) for k in ARCH_KEYS + MERGED_KEYS if k != "head"})
         heads = tuple(h for h in heads if h in loaded) if not cfg.train else heads
+        if cfg.train and "prism" in heads and "prism" not in loaded:  # PRISM starts from step 0 after all
+            check_seeding(replace(cfg, head="prism"))
+    if cfg.head == "prism" and cfg.resid_grad == "full" and cfg.attribution and "attribution" in explicit:
+        raise RunError(FULL_ROUTING)  # asked for explicitly (as trained, with a checkpoint): say so now
     if cfg.kernels == "triton" and cfg.topk > PROTO_TOPK_MAX_K:  # k as trained: after the checkpoint's settings
         raise RunError(f"--kernels triton: the top-k kernel takes --topk up to {PROTO_TOPK_MAX_K}, not {cfg.topk}; "
                        "use --kernels auto (the torch form for a larger k)")
@@ -2963,7 +3015,8 @@ def run(cfg: Config, explicit) -> int:
             text = model.generate(prompt, 24, generator=torch.Generator(device=device).manual_seed(cfg.seed))
             dec = logit_decomposition(model, text[:, -(cfg.ctx + 1):], data.tokenizer)  # positions < ctx
             results["decomposition"] = dec
-            log(f"logit decomposition of {len(dec['rows'])} generated tokens: prototype slices + residual = logit, "
+            log(f"logit decomposition of {len(dec['rows'])} positions of a prompt and its generated continuation: "
+                "prototype slices + residual = logit, "
                 f"max |error| {dec['max_abs_error']:.2e} (largest |logit| {dec['max_abs_logit']:.1f})")
         if cfg.attribution and cfg.resid_grad == "full":
             log(f"attribution skipped: {FULL_ROUTING}")
@@ -2978,9 +3031,11 @@ def run(cfg: Config, explicit) -> int:
             if kws == ["auto"]:
                 before = suppression_generations(model, data, cfg, {})
                 kws = auto_keyword(cards["cards"], before)
+                rate = keyword_rate(before, kws) if kws else 0.0
                 log(f"suppression: auto keyword {kws[0]!r}, of the words live cards are about the one the model "
-                    f"generates most ({keyword_rate(before, kws):.2f} per 1k words; --suppress-keywords WORD,... "
-                    "chooses)" if kws else
+                    f"generates most ({rate:.2f} per 1k words"
+                    + ("; never generated, so its rate cannot fall: the perplexity change still shows the edit's cost"
+                       if rate == 0 else "") + "; --suppress-keywords WORD,... chooses)" if kws else
                     "suppression: no live prototype card is about a word of 4+ letters; nothing to suppress")
             if kws:
                 targets.append(("keywords", match_keywords(cards["cards"], kws), kws))
@@ -2988,22 +3043,27 @@ def run(cfg: Config, explicit) -> int:
             if not ids:
                 log(f"suppression: no live prototype card matches {', '.join(kws)}; nothing to suppress")
                 continue
-            if not kws:  # --suppress IDS: measure the words those prototypes promote most (top-3 of each signature)
-                sig = signatures(model, top=3)
+            if kind == "ids":  # --suppress IDS: measure the words those prototypes promote most (top 3 of each
+                sig = signatures(model, top=3)  # signature); punctuation and fragments are no word to count
                 kws = sorted({p.strip().lower() for i in ids for p in token_pieces(data.tokenizer, sig[i].tolist())
-                              if p.strip()})
+                              if WORD.fullmatch(p.strip())})
             if len(ids) > 0.1 * cfg.n_protos:
                 log(f"suppression: warning, {len(ids)} of {cfg.n_protos} prototypes match ({len(ids) / cfg.n_protos:.0%} of "
                     "the bank); the keywords are too common for a targeted edit")
             r = suppression(model, data, cfg, ids, kws, autocast, before=before)
             results.setdefault("suppression", []).append(r)
-            log(f"suppression of {len(ids)} prototypes ({r['fraction']:.2%} of the bank) for {', '.join(kws)}: "
-                f"keyword rate {r['rate_before']:.2f} -> {r['rate_after']:.2f} per 1k words over {r['generations']} "
-                f"generations; val perplexity {r['ppl_before']:.2f} -> {r['ppl_after']:.2f} ({r['ppl_change']:+.2%})")
+            measured = (f"for {', '.join(kws)}: keyword rate {r['rate_before']:.2f} -> {r['rate_after']:.2f} per 1k "
+                        f"words over {r['generations']} generations" if kws else
+                        "(no word among their signatures' top tokens: no keyword rate)")
+            log(f"suppression of {len(ids)} prototypes ({r['fraction']:.2%} of the bank) {measured}; val perplexity over "
+                f"{r['ppl_tokens']:,} tokens {r['ppl_before']:.2f} -> {r['ppl_after']:.2f} ({r['ppl_change']:+.2%})")
         if cfg.controller:
             results["controller"] = controller_experiment(model, models.get("dense"), data, cfg, log)
     if cfg.sample is not None or cfg.train:
         prompts = [cfg.sample] if cfg.sample is not None else ["HAMLET:\n"]
+        note = unknown_note(data.tokenizer, cfg.sample.replace("\\n", "\n")) if cfg.sample is not None else None
+        if note:  # a typed prompt the compacted vocabulary cannot spell: say so beside the sample
+            log(note)
         results["samples"] = {}
         for h, m in models.items():
             m.eval()

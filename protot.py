@@ -1125,7 +1125,8 @@ def peak_flops(device: torch.device, bf16: bool = True) -> Optional[float]:
 def log_line(step, max_iters, loss, lr, ms, tok_s, mfu) -> str:
     """The one log format of every glassbox script."""
     mfu_s = f"{100 * mfu:.1f}%" if mfu is not None else "-"
-    return f"step {step}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | {ms:.1f} ms | {tok_s / 1e3:.1f}k tok/s | mfu {mfu_s}"
+    rate = f"{tok_s / 1e3:.1f}k" if tok_s >= 1e3 else f"{tok_s:.0f}"  # 0.0k would hide a slow run
+    return f"step {step}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | {ms:.1f} ms | {rate} tok/s | mfu {mfu_s}"
 
 
 @torch.no_grad()
@@ -1185,6 +1186,10 @@ def nan_message(step: int, path: Path) -> str:
     return f"non-finite loss before step {step} (or non-finite weights); stopping ({keep})"
 
 
+CKPT_KEYS = ("config", "model", "optimizer", "step", "best_val_loss", "tokenizer", "history", "rng")  # what
+RNG_KEYS = ("torch", "data", "cuda")                               # save_checkpoint writes, and resume reads
+
+
 def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: float, data_rng, data,
                     history) -> None:
     """One file: written to a temporary name, then renamed (a crash never leaves half a checkpoint)."""
@@ -1208,17 +1213,26 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         raise RunError(f"no checkpoint at {path} (train first, or point --out-dir at one)")
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
-        saved = ck["config"]
+        saved = dict(ck["config"])
         ok = ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "protot"
+        missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
     except Exception as e:  # truncated file, not a checkpoint, unpickling refused
         raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None
     if not ok:
         raise RunError(f"{path} is not a protot.py checkpoint")
+    if missing:
+        raise RunError(f"{path} is an incomplete checkpoint (no {', '.join(missing)}); delete it or retrain")
     bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k)]
     if bad:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
         raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
-    merged = replace(cfg, **{k: saved[k] for k in MERGED_KEYS if k in saved and k not in explicit})
+    taken = {k: saved[k] for k in MERGED_KEYS if k in saved and k not in explicit}
+    merged = replace(cfg, **taken)
+    from common import stored_config_error
+
+    why = stored_config_error(replace(Config(train=False), **taken), validate)  # the stored values, as a loaded model
+    if why:
+        raise RunError(f"{path} stores {why}; delete it or retrain")
     return ck, merged
 
 
@@ -1243,14 +1257,14 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
     if cfg.resume:
         if ck is None:
             ck, _ = load_checkpoint(path, cfg, explicit)
+        load_weights(model, ck["model"], path)
         try:
-            model.load_state_dict(ck["model"])
             optimizer.load_state_dict(ck["optimizer"])
-        except (RuntimeError, ValueError) as e:
-            raise RunError(f"{path} does not fit this model: {str(e).splitlines()[0]}") from None
-        step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
-        torch.set_rng_state(ck["rng"]["torch"])
-        data.set_rng_state(ck["rng"]["data"])
+            step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
+            torch.set_rng_state(ck["rng"]["torch"])
+            data.set_rng_state(ck["rng"]["data"])
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:
+            raise RunError(f"{path} cannot be resumed ({type(e).__name__}: {str(e).splitlines()[0]})") from None
         cuda_rng = ck["rng"]["cuda"]  # this device's generator (before 2026-12-02: a list of every device's)
         if torch.cuda.is_available() and cuda_rng is not None and len(cuda_rng):
             here = torch.cuda.current_device()
@@ -1354,8 +1368,11 @@ def words_of(pieces: list[str], acts: list[float]) -> list[tuple[str, float]]:
     return [(w, sum(a) / len(a)) for w, a in words]
 
 
+LABEL_WIDTH = 32  # tokens per labelling context
+
+
 @torch.no_grad()
-def label_prototypes(model: ProtoT, data, cfg: Config, out_dir: Path, top: int = 10, width: int = 32) -> dict:
+def label_prototypes(model: ProtoT, data, cfg: Config, out_dir: Path, top: int = 10, width: int = LABEL_WIDTH) -> dict:
     """Spec §5.1: for every (layer, prototype), the val contexts of `width` tokens with the highest mean
     write-gate probability, words coloured by activation (HTML) and listed (JSON), with the half-life."""
     model.eval()
@@ -1516,14 +1533,15 @@ def intervention(model: ProtoT, units: list[tuple[int, int]], mode: str, seed: i
             m.write_mask = m.read_mask = None
 
 
-def parse_units(spec: str, layers: int, n_protos: int) -> list[tuple[int, int]]:
+def parse_units(spec: str, layers: Optional[int], n_protos: Optional[int]) -> list[tuple[int, int]]:
+    """'1:3,2:7' -> [(1, 3), (2, 7)]; the ranges checked once the model is known (layers, n_protos not None)."""
     units = []
     for part in spec.split(","):
         try:
             l, k = (int(s) for s in part.split(":"))
         except ValueError:
             raise RunError(f"--intervene expects LAYER:PROTO[,LAYER:PROTO...], got {part!r}") from None
-        if not (0 <= l < layers and 0 <= k < n_protos):
+        if layers is not None and not (0 <= l < layers and 0 <= k < n_protos):
             raise RunError(f"--intervene {part}: layer must be in 0..{layers - 1}, prototype in 0..{n_protos - 1}")
         if (l, k) not in units:
             units.append((l, k))
@@ -1697,6 +1715,12 @@ def bench_time(fn, device, reps=3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def crossover(ctxs: list[int], protot_tok_s: list[float], attention_tok_s: list[float]) -> Optional[int]:
+    """The context from which ProtoT is faster at every longer one (a single noisy win is no crossover)."""
+    return next((T for i, T in enumerate(ctxs) if all(p > a for p, a in zip(protot_tok_s[i:], attention_tok_s[i:]))),
+                None)
+
+
 @torch.no_grad()
 def bench(cfg: Config, vocab_size: int, device, log=print) -> dict:
     """Forward tokens/s against context (ProtoT torch and Triton paths, attention), the crossover, decode
@@ -1704,9 +1728,13 @@ def bench(cfg: Config, vocab_size: int, device, log=print) -> dict:
     this run, measured side by side in one process."""
     gpu = device.type == "cuda"
     ctxs = [1024, 2048, 4096, 8192, 16384, 32768] if gpu else [256, 512, 1024, 2048, 4096, 8192]
-    variants = {"protot-torch": dict(mixer="proto", kernels="torch"), "attention": dict(mixer="attention")}
-    if gpu and HAS_TRITON and _prefix_mean_fits(cfg.n_protos, value_width(cfg)):
+    variants = {"protot-torch": dict(mixer="proto", kernels="torch"), "attention": dict(mixer="attention",
+                                                                                        kernels="torch")}
+    if cfg.ema == "official" and gpu:
+        log("bench: --ema official is the b^s-cumsum shortcut, which has no kernel; timing its torch form only")
+    elif gpu and HAS_TRITON and _prefix_mean_fits(cfg.n_protos, value_width(cfg)):
         variants["protot-triton"] = dict(mixer="proto", kernels="triton")
+        variants["attention"]["kernels"] = "triton"  # the same norm and loss kernels as the path it is compared to
     elif gpu and HAS_TRITON:
         log(f"bench: R {cfg.n_protos} × d_v {value_width(cfg)} is past the scan kernel's tile limit; "
             "timing the chunked torch form only")
@@ -1732,9 +1760,9 @@ def bench(cfg: Config, vocab_size: int, device, log=print) -> dict:
     i1k = ctxs.index(1024)
     res["protot_time_ratio_8k_1k"] = (8192 / p[ctxs.index(8192)]) / (1024 / p[i1k])
     res["attention_time_ratio_8k_1k"] = (8192 / a[ctxs.index(8192)]) / (1024 / a[i1k])
-    res["crossover_ctx"] = next((T for T, pt, at in zip(ctxs, p, a) if pt > at), None)
+    res["crossover_ctx"] = crossover(ctxs, p, a)
     log(f"time(8k)/time(1k): {scan} {res['protot_time_ratio_8k_1k']:.1f}, attention "
-        f"{res['attention_time_ratio_8k_1k']:.1f} (linear = 8); ProtoT faster from ctx "
+        f"{res['attention_time_ratio_8k_1k']:.1f} (linear = 8); ProtoT faster at every ctx from "
         f"{res['crossover_ctx'] or '> ' + str(ctxs[-1])}")
     # decode: the O(1) step at position 256 and at 16k
     m = models["protot-triton" if "protot-triton" in models else "protot-torch"]
@@ -1905,7 +1933,8 @@ def validate(cfg: Config) -> None:
     seeds = [f.name for f in fields(cfg) if f.name.endswith("seed") and not 0 <= getattr(cfg, f.name) < 2**32]
     if seeds:  # torch.manual_seed overflows past 64 bits with a traceback; numpy's legacy seeding past 32
         raise RunError(f"--{seeds[0].replace('_', '-')} must be in [0, 2**32)")
-    checks = [(cfg.layers >= 1, "--layers must be >= 1"), (cfg.d_model >= 2 and cfg.d_model % 2 == 0, "--d-model must be even"),
+    checks = [(cfg.layers >= 1, "--layers must be >= 1"), (cfg.d_model % 2 == 0, "--d-model must be even"),
+              (cfg.d_model >= 6, "--d-model must be >= 6 (below, the SwiGLU width floor(2.7·d/16)·16 is 0)"),
               (cfg.n_protos >= 1, "--n-protos must be >= 1"), (cfg.ctx >= 1, "--ctx must be >= 1"),
               (cfg.batch_size >= 1, "--batch-size must be >= 1"), (cfg.max_iters >= 1, "--max-iters must be >= 1"),
               (cfg.eval_interval >= 1 and cfg.log_interval >= 1 and cfg.eval_iters >= 1, "intervals must be >= 1"),
@@ -1925,11 +1954,11 @@ def validate(cfg: Config) -> None:
     if (cfg.intervene or cfg.find_prototype not in ("auto", "off")) and cfg.mixer != "proto" and not cfg.compare:
         raise RunError("--intervene and --find-prototype need --mixer proto")
     if cfg.intervene:
-        parse_units(cfg.intervene, 1 << 30, 1 << 30)  # the syntax now; the ranges once the model is known
+        parse_units(cfg.intervene, None, None)  # the syntax now; the ranges once the model is known
     if (cfg.intervene and not cfg.target.strip()) or not cfg.find_prototype.strip():
         raise RunError("the target word is empty (--target, --find-prototype WORD; --find-prototype off skips it)")
     if cfg.prompts and not Path(cfg.prompts).is_file():
-        raise RunError(f"--prompts {cfg.prompts}: no such file")
+        raise RunError(f"--prompts {cfg.prompts}: " + ("a folder, not a file" if Path(cfg.prompts).is_dir() else "no such file"))
 
 
 def check_tokenizer(ck: dict, data, path: Path) -> None:
@@ -1942,18 +1971,25 @@ def check_tokenizer(ck: dict, data, path: Path) -> None:
                        f"({current['name']}, {data.vocab_size} ids); the corpus or its cache changed")
 
 
+def load_weights(model: nn.Module, state: dict, path: Path) -> None:
+    """load_state_dict, with one line for a checkpoint of another shape or one that holds NaN/inf weights."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise RunError(f"{path} does not fit this model ({str(e).splitlines()[-1].strip()})") from None
+    if not all(t.isfinite().all() for t in model.state_dict().values() if t.is_floating_point()):
+        raise RunError(f"{path} holds non-finite weights (a diverged or damaged run); delete it or retrain")
+
+
 def load_model(ck: dict, c: Config, data, device, path: Path) -> ProtoT:
     check_tokenizer(ck, data, path)
     model = ProtoT(c, data.vocab_size).to(device)
-    try:
-        model.load_state_dict(ck["model"])
-    except RuntimeError as e:
-        raise RunError(f"{path} does not fit this model ({str(e).splitlines()[-1].strip()})") from None
+    load_weights(model, ck["model"], path)
     return model
 
 
 def run(cfg: Config, explicit) -> int:
-    from common import DataError, load_data, preset_banner
+    from common import DataError, load_data, preset_banner, unknown_note
 
     preset = apply_preset(cfg, explicit)
     validate(cfg)
@@ -2010,14 +2046,17 @@ def run(cfg: Config, explicit) -> int:
     if rank != 0:
         data = get_data()
     data.check_ctx(cfg.ctx)  # before any step: a window longer than a split cannot be drawn from it
+    if cfg.labels and "proto" in mixers and len(data.tokens("val")) <= LABEL_WIDTH:  # and not after training
+        raise RunError(f"prototype labelling reads val windows of {LABEL_WIDTH} tokens; the val split has "
+                       f"{len(data.tokens('val'))} (a larger corpus, or --no-labels)")
     results = {"preset": preset, "device": str(device)}
     histories, models = {}, {}
     for mixer in mixers:
         c = replace(cfg, mixer=mixer)
         if cfg.train:
             ck = None
-            if mixer in loaded:  # --resume
-                path, ck, _ = loaded[mixer]
+            if mixer in loaded:  # --resume, with this checkpoint's own settings (--compare: each its own)
+                path, ck, c = loaded[mixer]
                 check_tokenizer(ck, data, path)
             elif cfg.resume:
                 c = replace(c, resume=False)
@@ -2087,6 +2126,9 @@ def run(cfg: Config, explicit) -> int:
                                                      for k, v in r.items() if k != "pairs"))
     if cfg.sample is not None or cfg.train:
         prompts = [cfg.sample] if cfg.sample is not None else ["HAMLET:\n", "KING:\nMy lords,"]
+        note = unknown_note(data.tokenizer, cfg.sample.replace("\\n", "\n")) if cfg.sample is not None else None
+        if note:  # a typed prompt the compacted vocabulary cannot spell: say so beside the sample
+            log(note)
         m = next(iter(models.values()))
         m.eval()
         results["samples"] = [sample_text(m, data.tokenizer, p, cfg.sample_tokens, device, cfg.seed) for p in prompts]

@@ -189,7 +189,7 @@ def test_cache_key_changes_with_the_weights(tmp_path):
     assert s1.fingerprint != s2.fingerprint and p1 != p2
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncate", "wrong-layout"])
+@pytest.mark.parametrize("damage", ["garbage", "truncate", "wrong-layout", "wrong-width"])
 def test_corrupt_cache_is_one_line_error_naming_the_file(bert, tmp_path, damage):
     texts, labels = ["the cat sat."], [0]
     C.cached_activations(bert, "toy", texts, labels, (1, 2), 0, None, cache_dir=tmp_path)
@@ -198,9 +198,12 @@ def test_corrupt_cache_is_one_line_error_naming_the_file(bert, tmp_path, damage)
         path.write_bytes(b"not a torch file")
     elif damage == "truncate":
         path.write_bytes(path.read_bytes()[:200])
-    else:
+    else:  # rows that do not line up, or of another width than the source model's (consistent among themselves)
         sd = torch.load(path, weights_only=True)
-        sd["x_h"] = sd["x_h"][:1]
+        if damage == "wrong-layout":
+            sd["x_h"] = sd["x_h"][:1]
+        else:
+            sd["x_l"], sd["x_h"] = sd["x_l"][:, :16], sd["x_h"][:, :16]
         torch.save(sd, path)
     with pytest.raises(DataError) as e:
         C.cached_activations(bert, "toy", texts, labels, (1, 2), 0, None, cache_dir=tmp_path)

@@ -89,7 +89,7 @@ def test_training_loss_falls_and_evaluations_are_logged(tmp_path, acts):
     assert all(1 <= p <= cfg.codebook_size for p in hist["perplexity"])
     assert all(0 <= u < cfg.codebook_size for u in hist["unused"] + hist["dead_ema"])
     steps = [ln for ln in lines if ln.startswith("step ") and "| loss" in ln]
-    assert len(steps) == 40 and steps[0].startswith("step 1/40 | loss ") and steps[0].endswith("k tok/s | mfu -")
+    assert len(steps) == 40 and steps[0].startswith("step 1/40 | loss ") and steps[0].endswith(" tok/s | mfu -")
     evals = [ln for ln in lines if ln.startswith("step 20: val loss")]
     assert len(evals) == 1 and "| mse " in evals[0] and "| commit " in evals[0] and "perplexity" in evals[0] \
         and "dead codes" in evals[0] and "unused on val" in evals[0] and "EMA count < threshold" in evals[0]
@@ -280,7 +280,8 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     for a, b in ((model, calls[0]["model"]), (base, calls[0]["base"])):
         for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
             assert torch.equal(x, y), name
-    assert (tmp_path / "analysis.json").exists()
+    assert (tmp_path / "analysis.json").exists() and (tmp_path / "analysis-cards.html").exists()
+    assert (tmp_path / "cards.html").stat().st_mtime < (tmp_path / "analysis-cards.html").stat().st_mtime
     # --resume takes the run's settings from the checkpoint (not the preset's) and extends a finished run
     rc, err = call_main(cv.main, ["--resume", "--max-iters", "9", *named, "--cache-dir", str(cache_dir)], capsys,
                         monkeypatch)
@@ -291,6 +292,15 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     # a checkpoint trained with K = 8 cannot be used with K = 16; a damaged one is refused
     rc, err = call_main(cv.main, ["--no-train", "--codebook-size", "16", *named], capsys, monkeypatch)
     assert rc == 1 and err.count("\n") == 1 and "was trained with codebook_size=8 (asked 16)" in err
+    ck = torch.load(tmp_path / "ckpt-clvq-l1-h2.pt", weights_only=True)  # NaN weights: refused, not analysed
+    ck["model"]["encoder.W.weight"].fill_(float("nan"))
+    torch.save(ck, tmp_path / "ckpt-clvq-l1-h2.pt")
+    rc, err = call_main(cv.main, ["--no-train", *named], capsys, monkeypatch)
+    assert rc == 1 and err.count("\n") == 1 and "holds non-finite weights" in err
+    del ck["rng"]
+    torch.save(ck, tmp_path / "ckpt-clvq-l1-h2.pt")
+    rc, err = call_main(cv.main, ["--resume", "--max-iters", "12", *named], capsys, monkeypatch)
+    assert rc == 1 and err.count("\n") == 1 and "is an incomplete checkpoint (no rng)" in err
     (tmp_path / "ckpt-clvq-l1-h2.pt").write_bytes(b"not a checkpoint")
     rc, err = call_main(cv.main, ["--no-train", *named], capsys, monkeypatch)
     assert rc == 1 and err.count("\n") == 1 and "is not a readable checkpoint" in err and "Traceback" not in err
@@ -300,6 +310,7 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     (["--codebok-size", "8"], 2, "unrecognized arguments: --codebok-size"),
     (["--schedule", "linear"], 2, "invalid choice: 'linear'"),
     (["--codebook-size", "0"], 1, "error: --codebook-size must be >= 1"),
+    (["--codebook-size", "8", "--top-k", "20"], 1, "--top-k must be in [1, --codebook-size (8)]"),
     (["--layer-l", "2", "--layer-h", "1"], 1, "--layer-h 1 is below --layer-l 2"),
     (["--layer-h", "5"], 1, "need 0 <= l <= h <= 2"),
     (["--layer-l", "2", "--layer-h", "2"], 1, "Integrated Gradients needs 1 <= l < 2"),  # before any training
@@ -441,3 +452,13 @@ def test_cuda_tiny_run_and_resume(tmp_path, tiny_bert, cache_dir):
                                          "--model", tiny_bert, "--cache-dir", str(cache_dir)],
                          tmp_path, ["ckpt-clvq-l1-h2.pt"], 12, cv.peak_flops(torch.device("cuda")))
     assert "concept-ablation fidelity" in out
+
+
+def test_a_checkpoint_is_tied_to_the_values_of_its_activations(acts):
+    """The same rows from another source model (same shapes, other weights) are other activations."""
+    train_acts = acts[0]
+    moved = replace(train_acts, x_h=train_acts.x_h + 1e-3)
+    assert cv.acts_signature(moved)["rows"] == cv.acts_signature(train_acts)["rows"]
+    with pytest.raises(cv.RunError, match="was trained on other activations"):
+        cv.check_data({"data": cv.acts_signature(train_acts)}, moved, Path("ckpt.pt"))
+    cv.check_data({"data": cv.acts_signature(train_acts)}, train_acts, Path("ckpt.pt"))

@@ -217,6 +217,24 @@ def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
     assert list((tmp_path / "cache").iterdir()) == []
 
 
+def test_cache_folder_without_meta_is_rebuilt(tmp_path):
+    """A folder under the final name without meta.json (damaged by hand) is replaced, not a crash on every run."""
+    corpus, cache = write_corpus(tmp_path / "c"), tmp_path / "cache"
+    path = common.prepare(str(corpus), "bytes", cache_dir=cache)
+    tokens = common.TokenData(path).tokens("train").copy()
+    (path / "meta.json").unlink()
+    assert common.prepare(str(corpus), "bytes", cache_dir=cache) == path
+    assert np.array_equal(common.TokenData(path).tokens("train"), tokens)
+
+
+def test_budget_counts_only_the_characters_it_keeps(tmp_path):
+    """--max-tokens cuts documents; the statistics count the characters actually tokenised, not the whole batch."""
+    corpus = write_corpus(tmp_path / "c", n_docs=12, words=40)
+    path = common.prepare(str(corpus), "bytes", max_tokens=50, cache_dir=tmp_path / "cache")
+    train = json.loads((path / "meta.json").read_text())["splits"]["train"]
+    assert train["tokens"] == 50 and train["documents"] == 1 and train["characters"] == 50
+
+
 def test_corrupt_cache_is_a_clear_error(tmp_path):
     path = common.prepare(str(write_corpus(tmp_path / "c")), "bytes", cache_dir=tmp_path / "cache")
     with open(path / "val.bin", "r+b") as fh:
@@ -324,6 +342,8 @@ def test_local_txt_file_folder_and_jsonl(tmp_path):
     ('{"text": "ok"}\n{"title": "no text field"}\n', "data.jsonl:2: not a JSON object with a 'text' field"),
     ('{"text": "ok"}\nnot json\n', "data.jsonl:2"),
     ('{"text": "only one"}\n', "at least two documents"),
+    ('{"text": "ok"}\n{"text": null}\n', "data.jsonl:2: 'text' is a NoneType, not a string"),
+    ('{"text": ["a", "b"]}\n{"text": "ok"}\n', "data.jsonl:1: 'text' is a list, not a string"),
 ])
 def test_local_jsonl_errors(tmp_path, content, match):
     (tmp_path / "data.jsonl").write_text(content)
@@ -476,7 +496,8 @@ def test_cli_prints_statistics(tmp_path):
     (["--tokenizer", "sentencepiece"], 2, "invalid choice: 'sentencepiece'"),
     (["--compact", "-3"], 1, "error: --compact must be none, train or an integer >= 2"),
     (["--frobnicate"], 2, "unrecognized arguments: --frobnicate"),
-    (["--cache-dir", "README.md"], 1, "error: cache folder README.md: File exists"),
+    (["--cache-dir", "README.md"], 1, "error: building the token cache in README.md: File exists"),
+    (["--cache-dir", "README.md/sub"], 1, "error: building the token cache in README.md/sub: Not a directory"),
 ])
 def test_cli_bad_input_one_line_nonzero_exit(tmp_path, args, code, needle):
     r = run_cli("--cache-dir", str(tmp_path), *args, env={"HF_HUB_OFFLINE": "1"})
@@ -506,3 +527,12 @@ def test_preset_banner_quotes_the_time_only_for_the_presets_own_run():
     line = common.preset_banner(C(layers=2, lr=1e-2, preset="cpu"), {"layers", "lr", "preset"}, cpu,
                                 "about 5 minutes", preset, ("preset", "out_dir"))
     assert line == "running the CPU preset (--preset cpu); --preset paper runs the paper's configuration"
+
+
+def test_unknown_note_flags_a_prompt_the_vocabulary_cannot_spell(shakespeare_cache):
+    """A typed prompt with ids outside the compacted vocabulary is read as <unk>: the scripts log this line."""
+    tok = common.TokenData(shakespeare_cache).tokenizer
+    assert common.unknown_note(tok, "ROMEO:\nMy lord,") is None
+    note = common.unknown_note(tok, "ROMEO: 東京 𝔘")
+    assert note.startswith("note: ") and "outside this run's vocabulary and read as <unk>" in note
+    assert common.unknown_note(common.Tokenizer("bytes", None), "東京") is None  # nothing is unknown to bytes

@@ -5,6 +5,7 @@ works when copied alone."""
 import json
 import math
 import shutil
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -646,7 +647,8 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     (["--d-model", "30", "--heads", "4"], 1, "must split into --heads 4 heads"),
     (["--d-model", "30", "--heads", "6"], 1, "the head size d_model/heads must be even"),
     (["--amplify", "1,x"], 1, "--amplify '1,x': expected comma-separated numbers"),
-    (["--amplify", "1,-2"], 1, "every α must be a finite number > 0"),
+    (["--amplify", "1,-2"], 1, "every α must be in (0, 1e6]"),
+    (["--amplify", "1,1e300"], 1, "every α must be in (0, 1e6]"),
     (["--no-train"], 1, "error: no checkpoint at"),
     (["--no-train", "--sweep"], 1, "no sweep checkpoints in"),
     (["--device", "tpu"], 1, "--device tpu: expected auto, cpu, cuda, cuda:N or mps"),
@@ -729,3 +731,18 @@ def test_cuda_tiny_run_and_resume(tmp_path, cache_dir):
                          ["ckpt-token-factor-kronecker-heads-3-layers-2-d-model-24.pt"], 30,
                          ds.peak_flops(torch.device("cuda")))
     assert "amplification," in out and "ablation," in out and "specialisation," in out
+
+
+def test_chance_hub_ratio_is_a_stable_median():
+    """At H = 2 the ratio is |X|/|Y| of two normals (no mean): the median settles, near 2.5, whatever the draws."""
+    assert 2.2 < ds.chance_hub_ratio(2, 500) < 2.9 and 2.2 < ds.chance_hub_ratio(2, 2000) < 2.9
+    assert 1.4 < ds.chance_hub_ratio(6, 500) < 1.7
+
+
+def test_one_head_has_no_distinctiveness():
+    """No pair of heads: [] and n/a, not a 0.000 that reads as identical heads."""
+    model = ds.DualStream(ds.Config(layers=1, heads=1, d_model=16, ctx=16), 40)
+    data = types.SimpleNamespace(tokens=lambda split: torch.arange(200) % 40,
+                                 iter_eval=lambda split, n, w: iter([(torch.arange(2 * w).view(2, w) % 40, None)]))
+    assert ds.distinctiveness(model, data, width=12) == [] and ds.per_layer([]) == "n/a (one head)"
+    assert ds.per_layer([0.5, 0.25]) == "0.500 0.250"

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dataclasses import replace
 
 import common
 import kernels
@@ -177,3 +178,55 @@ def test_triton_k_above_the_kernel_list_is_one_line(script, flag, limit, kernel,
     err = capsys.readouterr().err
     assert rc == 1 and f"--kernels triton: the {kernel} takes {flag} up to {k - 1}, not {k}" in err
     assert err.count("\n") == 1
+
+
+TINY_LM = {"protot": dict(layers=1, d_model=16, n_protos=4, heads=2, ctx=16),
+           "prism": dict(layers=1, d_model=16, heads=2, n_protos=8, topk=2, ctx=16),
+           "dual_stream": dict(layers=1, d_model=16, heads=2, ctx=16)}
+
+
+@pytest.mark.parametrize("name", list(TINY_LM))
+def test_damaged_checkpoints_are_one_line_errors(name, tmp_path, cache_dir):
+    """A checkpoint that reads but is damaged (NaN weights, a missing key, a stored value of the wrong type or one
+    no flag accepts, an RNG state that cannot be restored) is a RunError naming the file, never a traceback deep
+    in the model or a run of NaN figures."""
+    import contextlib
+    import importlib
+
+    import torch
+
+    mod = importlib.import_module(name)
+    data = common.load_data(cache_dir=cache_dir)
+    cfg = mod.Config(**TINY_LM[name], kernels="torch", out_dir=str(tmp_path), max_iters=2)
+    model = mod.build_model(cfg, data.vocab_size, torch.device("cpu"))
+    path = tmp_path / "ckpt.pt"
+    mod.save_checkpoint(path, model, mod.make_optimizer(model, cfg, "cpu"), cfg, 1, 9.0, data.rng_state(), data,
+                        {"step": [], "train": [], "val": []})
+    ck, c = mod.load_checkpoint(path, cfg)
+    mod.load_model(ck, c, data, torch.device("cpu"), path)  # the intact file loads
+
+    def damaged(edit):
+        ck = torch.load(path, weights_only=True)
+        edit(ck)
+        torch.save(ck, tmp_path / "bad.pt")
+        return tmp_path / "bad.pt"
+
+    def poison(ck):
+        next(v for v in ck["model"].values() if v.is_floating_point()).fill_(float("nan"))
+    bad = damaged(poison)
+    ck, c = mod.load_checkpoint(bad, cfg)
+    with pytest.raises(mod.RunError, match="bad.pt holds non-finite weights"):
+        mod.load_model(ck, c, data, torch.device("cpu"), bad)
+    with pytest.raises(mod.RunError, match=r"bad.pt is an incomplete checkpoint \(no rng\)"):
+        mod.load_checkpoint(damaged(lambda ck: ck.pop("rng")), cfg)
+    with pytest.raises(mod.RunError, match=r"incomplete checkpoint \(no rng.data\)"):
+        mod.load_checkpoint(damaged(lambda ck: ck["rng"].pop("data")), cfg)
+    with pytest.raises(mod.RunError, match=r"bad.pt stores a damaged config \(layers='x'\)"):
+        mod.load_checkpoint(damaged(lambda ck: ck["config"].update(layers="x")), cfg)
+    with pytest.raises(mod.RunError, match=r"bad.pt stores a config that fails its checks \(--ctx must be >= 1\)"):
+        mod.load_checkpoint(damaged(lambda ck: ck["config"].update(ctx=0)), cfg)
+    resume = replace(cfg, resume=True)
+    ck, c = mod.load_checkpoint(damaged(lambda ck: ck["rng"].update(data=None)), resume)
+    with pytest.raises(mod.RunError, match=r"cannot be resumed \(TypeError"):
+        mod.train(c, data, torch.device("cpu"), contextlib.nullcontext(),
+                  dict(ddp=False, rank=0, local_rank=0, world=1), log=lambda *a: None, ck=ck)

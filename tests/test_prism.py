@@ -337,6 +337,20 @@ def test_push_turns_each_prototype_onto_its_nearest_token():
     assert st["exp_avg"].abs().sum() == 0 and st["exp_avg_sq"].abs().sum() == 0
 
 
+def test_suppression_ids_and_keywords_are_parsed_once_each():
+    assert prism.parse_ids("3,3, 1", 8) == [1, 3]  # a repeated id is one prototype, and counts as one
+    assert prism.keywords_of(" Love, crown's ") == ["love", "crown's"]
+
+
+def test_a_checkpoint_renamed_to_the_other_head_is_refused(tmp_path):
+    cfg = prism.Config(out_dir=str(tmp_path), layers=1, d_model=16, heads=2, n_protos=8, topk=2)
+    torch.save({"format": "glassbox-checkpoint/1", "script": "prism", "model": {}, "optimizer": {}, "step": 5,
+                "best_val_loss": 6.0, "tokenizer": {}, "history": {}, "rng": {"torch": 0, "data": 0, "cuda": 0},
+                "config": dataclasses.asdict(dataclasses.replace(cfg, head="dense"))}, tmp_path / "ckpt-prism.pt")
+    with pytest.raises(prism.RunError, match="holds a --head dense model, not prism"):
+        prism.load_checkpoint(tmp_path / "ckpt-prism.pt", cfg)
+
+
 def test_match_keywords_needs_the_card_to_be_about_the_word():
     def ctx(tok, nxt):
         return {"token": tok, "next": nxt, "a": 1.0, "before": ""}
@@ -364,14 +378,20 @@ def test_gap_needs_a_twin_trained_with_the_same_recipe(tmp_path):
     why) rather than a gap at equal step numbers between two different schedules."""
     cfg = prism.Config(out_dir=str(tmp_path), head="prism")
     hist = {"step": [5], "val": [6.0]}
-    torch.save({"config": dataclasses.asdict(dataclasses.replace(cfg, head="dense", n_protos=7)), "history": hist},
-               tmp_path / "ckpt-dense.pt")
+
+    def twin(**kw):
+        torch.save({"format": "glassbox-checkpoint/1", "script": "prism", "model": {}, "optimizer": {}, "step": 5,
+                    "best_val_loss": 6.0, "tokenizer": {}, "history": hist, "rng": {"torch": 0, "data": 0, "cuda": 0},
+                    "config": dataclasses.asdict(dataclasses.replace(cfg, head="dense", **kw))},
+                   tmp_path / "ckpt-dense.pt")
+    twin(n_protos=7, topk=4)
     assert prism.twin_history(cfg, {}) == hist  # prototype settings do not matter to the twin
-    torch.save({"config": dataclasses.asdict(dataclasses.replace(cfg, head="dense", lr=1.0)), "history": hist},
-               tmp_path / "ckpt-dense.pt")
+    twin(lr=1.0)
     lines = []
     assert prism.twin_history(cfg, {}, lines.append) is None
     assert "gap to dense: not computed" in lines[0] and f"lr=1.0, here {cfg.lr}" in lines[0]
+    torch.save({"foo": 1}, tmp_path / "ckpt-dense.pt")  # not a checkpoint: no gap, a line that says why
+    assert prism.twin_history(cfg, {}, lines.append) is None and "is not a readable checkpoint" in lines[1]
 
 
 def test_twin_and_prism_train_on_the_same_batches(tmp_path, cache_dir):
@@ -475,6 +495,20 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     assert "ckpt-prism.pt at step 10" in r.stdout
 
 
+def test_resume_checks_the_seeding_of_a_prism_that_starts_from_step_0(tmp_path, cache_dir, capsys, monkeypatch):
+    """A twin trained with a K too large for one batch: --resume resumes it, but PRISM would start from step 0
+    and could not seed K prototypes. One line before anything trains, not a traceback after the twin."""
+    args = ["--layers", "1", "--d-model", "16", "--heads", "2", "--ctx", "16", "--batch-size", "2", "--n-protos",
+            "100", "--init-steps", "1", "--eval-iters", "1", "--no-report", "--sample-tokens", "2", *SMALL_CORPUS,
+            "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)]
+    rc, err = call_main(prism.main, [*args, "--head", "dense", "--max-iters", "2"], capsys, monkeypatch)
+    assert rc == 0, err
+    rc, err = call_main(prism.main, ["--resume", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys,
+                        monkeypatch)
+    assert rc == 1 and "k-means++ seeding draws K=100 prototypes from one batch of 32 tokens" in err, err
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize("args,code,needle", [
     (["--head", "sparse"], 2, "invalid choice: 'sparse'"),
     (["--resid-grad", "none"], 2, "invalid choice: 'none'"),
@@ -490,7 +524,14 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     (["--device", "tpu"], 1, "--device tpu: expected auto, cpu, cuda, cuda:N or mps"),
     (["--dataset", "tinystories"], 1, "needs the Hugging Face hub, which is unreachable"),
     (["--kernels", "triton"], 1, "--kernels triton needs a CUDA device"),
-    (["--attr-damping", "0"], 1, "--attr-damping must be > 0"),
+    (["--attr-damping", "0"], 1, "--attr-damping must be in (0, 1e6]"),
+    (["--attr-damping", "1e308"], 1, "--attr-damping must be in (0, 1e6]"),
+    (["--heads", "0"], 1, "error: --heads must be >= 1"),
+    (["--d-model", "0"], 1, "error: --d-model must be >= 1"),
+    (["--suppress-keywords", ","], 1, "--suppress-keywords ',': expected words"),
+    (["--suppress-keywords", "love,:"], 1, "--suppress-keywords 'love,:': expected words"),
+    (["--head", "dense", "--attribution"], 1, "--attribution is a prototype analysis: it needs --head prism"),
+    (["--head", "dense", "--suppress-keywords", "love"], 1, "--suppress-keywords is a prototype analysis"),
     (["--suppress-factor", "nan"], 1, "--suppress-factor must be a finite number"),
     (["--resid-grad", "full", "--attribution"], 1, "attribution needs --resid-grad detach-zhat or detach-r"),
     (["--device", "meta"], 1, "--device meta: expected auto, cpu, cuda, cuda:N or mps"),  # torch.device takes it

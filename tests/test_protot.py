@@ -222,6 +222,9 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     (["--intervene", "x"], 1, "--intervene expects LAYER:PROTO"),
     (["--intervene", "0:1", "--target", " "], 1, "the target word is empty"),
     (["--prompts", "no/such/file.txt"], 1, "--prompts no/such/file.txt: no such file"),
+    (["--prompts", "tests"], 1, "--prompts tests: a folder, not a file"),
+    (["--intervene=-1:0"], 1, "--intervene -1:0: layer must be in 0.."),
+    (["--d-model", "4"], 1, "--d-model must be >= 6"),
     (["--compare", "--heads", "3", "--d-model", "32"], 1, "must split into --heads 3 heads"),
     (["--heads", "0"], 1, "--heads must be >= 1"),
     (["--device", "tpu"], 1, "--device tpu: expected auto, cpu, cuda, cuda:N or mps"),
@@ -270,6 +273,40 @@ def test_resume_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     assert rc == 0, err
     c = torch.load(tmp_path / "ckpt-proto.pt", weights_only=True)
     assert c["step"] == 15 and c["config"]["lr"] == 1e-3 and c["config"]["batch_size"] == 4
+    # --compare --resume resumes each model with its own checkpoint's settings, not ProtoT's for both
+    rc, err = call_main(protot.main, [*small, *quiet, "--mixer", "attention", "--lr", "5e-3", "--max-iters", "15"],
+                        capsys, monkeypatch)
+    assert rc == 0, err
+    rc, err = call_main(protot.main, ["--compare", "--resume", "--max-iters", "20", *quiet], capsys, monkeypatch)
+    assert rc == 0, err
+    lrs = {m: torch.load(tmp_path / f"ckpt-{m}.pt", weights_only=True)["config"]["lr"] for m in ("proto", "attention")}
+    assert lrs == {"proto": 1e-3, "attention": 5e-3}
+
+
+def test_labelling_needs_a_val_window_and_says_so_before_training(tmp_path, cache_dir, capsys, monkeypatch):
+    text = tmp_path / "tiny.txt"
+    text.write_text("To be, or not to be, that is the question. " * 7)  # val: the last ~10%, under 32 bytes
+    rc, err = call_main(protot.main, ["--dataset", str(text), "--tokenizer", "bytes", "--compact", "none", "--ctx", "8",
+                                      "--layers", "1", "--d-model", "16", "--out-dir", str(tmp_path / "out"),
+                                      "--cache-dir", str(cache_dir)], capsys, monkeypatch)
+    assert rc == 1 and "prototype labelling reads val windows of 32 tokens; the val split has" in err, err
+    assert not (tmp_path / "out" / "ckpt-proto.pt").exists()
+
+
+def test_crossover_is_where_protot_stays_ahead():
+    ctxs = [1, 2, 3, 4]
+    assert protot.crossover(ctxs, [5, 1, 5, 6], [4, 2, 4, 5]) == 3  # the noisy win at 1 is no crossover
+    assert protot.crossover(ctxs, [1, 1, 1, 1], [2, 2, 2, 2]) is None
+    assert protot.crossover(ctxs, [3, 3, 3, 3], [2, 2, 2, 2]) == 1
+
+
+@pytest.mark.parametrize("name", ["protot", "prism", "dual_stream", "clvq_vae"])
+def test_log_line_shows_a_slow_rate(name):
+    import importlib
+
+    log_line = importlib.import_module(name).log_line
+    assert log_line(3, 10, 1.0, 1e-3, 5.0, 40.0, None).endswith("| 5.0 ms | 40 tok/s | mfu -")
+    assert log_line(3, 10, 1.0, 1e-3, 5.0, 12345.0, 0.5).endswith("| 12.3k tok/s | mfu 50.0%")
 
 
 def test_corrupt_checkpoint_is_one_line(tmp_path, cache_dir):
