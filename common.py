@@ -268,9 +268,9 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def require_hub(what: str) -> None:
+def require_hub(what: str, choices: str = OFFLINE_CHOICES) -> None:
     if not hub_reachable():
-        raise DataError(f"{what} needs the Hugging Face hub, which is unreachable (offline); {OFFLINE_CHOICES}")
+        raise DataError(f"{what} needs the Hugging Face hub, which is unreachable (offline); {choices}")
 
 
 def _hub_stream(name: str, split: str):
@@ -681,7 +681,7 @@ def load_labeled(name: str = "shakespeare", genres=None, min_words: int = 40,
         return shakespeare_passages(min_words, genres)
     if name not in LABELED:
         raise DataError(f"unknown labeled dataset '{name}'; choose one of {', '.join(LABELED)}")
-    require_hub(f"dataset '{name}'")
+    require_hub(f"dataset '{name}'", "offline choice: --dataset shakespeare (the embedded plays' genres)")
     repo, _, splits, _ = HUB[name]
     out = LabeledText([], [], _hub_label_names(name), [], [])
     for ours, theirs in splits.items():

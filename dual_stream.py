@@ -1984,7 +1984,7 @@ def run(cfg: Config, explicit) -> int:
             line = "distinctiveness per layer " + per_layer(s["distinctiveness"])
             fig = kronecker_figure(m)
             if fig is not None:
-                png = out_dir / f"kronecker-{variant(m.cfg)}.png"
+                png = out_dir / f"{'' if cfg.train else 'analysis-'}kronecker-{variant(m.cfg)}.png"
                 png.write_bytes(base64.b64decode(fig))
                 s["figure"] = fig
                 kind = "O" if any(h["matrix"] == "O" for h in s["hubs"]) else "V"  # A_O's hubs, else A_V's

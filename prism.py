@@ -217,7 +217,7 @@ class Config:
     attr_damping: float = field(default=1e-3, metadata={"help": "curvature damping λ, relative to the mean eigenvalue"})
     attr_curvature: Literal["block", "kfac"] = field(default="block", metadata={"help": "cached curvature: per-prototype blocks or with co-usage"})
     ekfac: bool = field(default=False, metadata={"help": "also rank with EK-FAC through kronfluence (if installed)"})
-    suppress_keywords: str = field(default="auto", metadata={"help": "WORD[,WORD..]: suppress prototypes whose live cards match; auto: of the words live cards are about, the one generated most; '' off"})
+    suppress_keywords: str = field(default="auto", metadata={"help": "WORD[,WORD..]: suppress prototypes whose live cards match; auto: of the words live cards are about, the one generated most (not when --suppress is typed alone); '' off"})
     suppress: str = field(default="", metadata={"help": "ID[,ID..]: suppress these prototypes"})
     suppress_factor: float = field(default=0.0, metadata={"help": "kept fraction of suppressed terms (0 drops, <0 pushes away)"})
     controller: bool = field(default=True, metadata={"help": "sparse prototype controller vs SAE controller (4-way cloze)"})
@@ -2718,7 +2718,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
     if "cards" in results:
         c = results["cards"]
         parts.append(f'<h2>Prototype cards</h2><p>{c["used"]} prototypes active, {c["dead"]} never, over '
-                     f'{c["tokens"]:,} training tokens: <a href="prototypes.html">prototypes.html</a>, prototypes.json</p>')
+                     f'{c["tokens"]:,} training tokens: <a href="{c["file"]}">{c["file"]}</a> (and its .json)</p>')
     if "decomposition" in results:
         d = results["decomposition"]
         rows = [{"token": r["token"], "logit": r["logit"], "residual slice": r["residual"],
@@ -2897,6 +2897,8 @@ def run(cfg: Config, explicit) -> int:
 
     preset = apply_preset(cfg, explicit)
     validate(cfg)
+    if cfg.suppress and "suppress_keywords" not in explicit:  # --suppress IDS alone: those ids, not also auto's
+        cfg = replace(cfg, suppress_keywords="")
     typed = [k for k in PROTOTYPE_ANALYSES if k in explicit and getattr(cfg, k)]
     if cfg.head == "dense" and typed:
         raise RunError(f"--{typed[0].replace('_', '-')} is a prototype analysis: it needs --head prism")
@@ -3005,11 +3007,12 @@ def run(cfg: Config, explicit) -> int:
         cards = None
         if cfg.cards or cfg.suppress_keywords:
             cards = prototype_cards(model, data, cfg)
-            (out_dir / "prototypes.json").write_text(json.dumps(cards))
-            (out_dir / "prototypes.html").write_text(cards_html(cards["cards"]))
-            results["cards"] = {k: v for k, v in cards.items() if k != "cards"}
+            stem = "prototypes" if cfg.train else "analysis-prototypes"  # never over the training run's
+            (out_dir / f"{stem}.json").write_text(json.dumps(cards))
+            (out_dir / f"{stem}.html").write_text(cards_html(cards["cards"]))
+            results["cards"] = {**{k: v for k, v in cards.items() if k != "cards"}, "file": f"{stem}.html"}
             log(f"prototype cards: {cards['used']}/{model.P.shape[0]} prototypes active over {cards['tokens']:,} "
-                f"training tokens; {out_dir / 'prototypes.html'}")
+                f"training tokens; {out_dir / (stem + '.html')}")
         if cfg.cards:
             prompt = torch.tensor([data.tokenizer.encode("KING:\nMy lords,")], device=device)
             text = model.generate(prompt, 24, generator=torch.Generator(device=device).manual_seed(cfg.seed))

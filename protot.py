@@ -1372,9 +1372,11 @@ LABEL_WIDTH = 32  # tokens per labelling context
 
 
 @torch.no_grad()
-def label_prototypes(model: ProtoT, data, cfg: Config, out_dir: Path, top: int = 10, width: int = LABEL_WIDTH) -> dict:
+def label_prototypes(model: ProtoT, data, cfg: Config, out_dir: Path, top: int = 10, width: int = LABEL_WIDTH,
+                     stem: str = "prototypes") -> dict:
     """Spec §5.1: for every (layer, prototype), the val contexts of `width` tokens with the highest mean
-    write-gate probability, words coloured by activation (HTML) and listed (JSON), with the half-life."""
+    write-gate probability, words coloured by activation (out_dir/<stem>.html) and listed (<stem>.json), with
+    the half-life."""
     model.eval()
     tokens = data.tokens("val")
     n = min(cfg.label_windows, (len(tokens) - 1) // width)
@@ -1399,9 +1401,9 @@ def label_prototypes(model: ProtoT, data, cfg: Config, out_dir: Path, top: int =
                          "words": words_of(token_pieces(data.tokenizer, windows[j]), w[j, :, k].tolist())}
                         for j in best]
             cards.append({"layer": l, "proto": k, "half_life": hl[l][k], "contexts": contexts})
-    (out_dir / "prototypes.json").write_text(json.dumps(cards))
-    (out_dir / "prototypes.html").write_text(prototype_html(cards))
-    return {"cards": cards, "windows": n}
+    (out_dir / f"{stem}.json").write_text(json.dumps(cards))
+    (out_dir / f"{stem}.html").write_text(prototype_html(cards))
+    return {"cards": cards, "windows": n, "file": f"{stem}.html"}
 
 
 def prototype_html(cards: list[dict]) -> str:
@@ -1861,7 +1863,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, ste
     if "labels" in results:
         hl = [c["half_life"] for c in results["labels"]["cards"]]
         parts.append(f'<h2>Prototypes</h2><p>{len(hl)} prototypes labelled from {results["labels"]["windows"]} '
-                     f'val contexts: <a href="prototypes.html">prototypes.html</a>, prototypes.json. Half-lives: '
+                     f'val contexts: <a href="{results["labels"]["file"]}">{results["labels"]["file"]}</a> (and its '
+                     f'.json). Half-lives: '
                      f'min {min(hl):.1f}, median {sorted(hl)[len(hl) // 2]:.1f}, max {max(hl):.1f} tokens '
                      f'(init ln 0.5 / ln 0.9 = 6.6).</p>')
     if "find_prototype" in results:
@@ -2084,8 +2087,9 @@ def run(cfg: Config, explicit) -> int:
     if model is not None:
         model.eval()
         if cfg.labels:
-            results["labels"] = label_prototypes(model, data, cfg, out_dir)
-            log(f"prototype labels: {out_dir / 'prototypes.html'}, {out_dir / 'prototypes.json'}")
+            stem = "prototypes" if cfg.train else "analysis-prototypes"  # never over the training run's
+            results["labels"] = label_prototypes(model, data, cfg, out_dir, stem=stem)
+            log(f"prototype labels: {out_dir / (stem + '.html')}, {out_dir / (stem + '.json')}")
         auto = cfg.find_prototype == "auto"
         target = cfg.target if auto and cfg.train and not cfg.intervene else \
             ("" if cfg.find_prototype in ("auto", "off") else cfg.find_prototype)

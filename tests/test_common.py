@@ -375,6 +375,7 @@ def test_hub_datasets_fail_at_once_offline(monkeypatch, tmp_path, name, no_hub):
             common.load_labeled(name)
     msg = str(e.value)
     assert "\n" not in msg and "unreachable (offline)" in msg and "--dataset shakespeare" in msg
+    assert ("local path" in msg) == (name in common.DATASETS)  # labeled data have no local-path choice
 
 
 def fake_stream(records_by_split, calls):

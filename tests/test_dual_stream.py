@@ -565,6 +565,11 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
                                                                                   ("x_e", "all")]
     assert "without attention writes in every block (logits from x_t + x_e" in r.stdout
     assert "specialization" not in res or not res["specialization"]
+    png = (tmp_path / f"kronecker-{name}.png").read_bytes()
+    rc, err = call_main(ds.main, ["--no-train", *arch, "--amplify", "", "--no-ablation", "--out-dir", str(tmp_path),
+                                  "--cache-dir", str(cache_dir)], capsys, monkeypatch)
+    assert rc == 0, err
+    assert (tmp_path / f"analysis-kronecker-{name}.png").is_file() and (tmp_path / f"kronecker-{name}.png").read_bytes() == png
     # mismatches, in-process (seconds less than a run each)
     rc, err = call_main(ds.main, ["--no-train", *arch, "--max-tokens", "30000", "--out-dir", str(tmp_path),
                                   "--cache-dir", str(cache_dir)], capsys, monkeypatch)

@@ -430,7 +430,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache_dir, 
 def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     """The issue's tiny run: falling loss, checkpoints of PRISM and its twin, the report, the attribution and
     suppression tables."""
-    r = run_script("prism.py", *TINY, "--suppress", "0,1", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    r = run_script("prism.py", *TINY, "--suppress", "0,1", "--suppress-keywords", "auto", "--out-dir", str(tmp_path),
+                   "--cache-dir", str(cache_dir))  # both suppressions: the ids, and the auto keyword (typed)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     assert "no GPU: running the CPU preset" in out
@@ -461,10 +462,12 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert "data:image/png;base64" in report and "Suppression" in report
 
     # analyses on the saved checkpoints, without training; then a mismatched architecture
-    r = run_script("prism.py", "--no-train", "--suppress", "0,1", "--suppress-keywords", "", "--no-cards",
-                   "--no-attribution", "--no-controller", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    cards = (tmp_path / "prototypes.json").read_text()
+    r = run_script("prism.py", "--no-train", "--suppress", "0,1", "--no-attribution", "--no-controller",
+                   "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "suppression of 2 prototypes" in r.stdout
+    assert "suppression of 2 prototypes" in r.stdout and "auto keyword" not in r.stdout  # the ids typed, alone
+    assert (tmp_path / "analysis-prototypes.html").is_file() and (tmp_path / "prototypes.json").read_text() == cards
     rc, err = call_main(prism.main, ["--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir",
                                      str(cache_dir)], capsys, monkeypatch)  # in-process: seconds less than a run
     assert rc == 1 and err.count("\n") == 1

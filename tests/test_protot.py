@@ -201,12 +201,14 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert "data:image/png;base64" in report and "Robustness" in report
 
     # analyses on the saved checkpoint, without training: an intervention, then a mismatched architecture
+    labels = (tmp_path / "prototypes.json").read_text()
     r = run_script("protot.py", "--no-train", "--intervene", "1:3,0:2", "--mode", "read-mask", "--target", "queen",
-                   "--no-labels", "--no-robustness", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+                   "--no-robustness", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "read-mask L1 P3,L0 P2 on 'queen' (8 prompts): target probability max" in r.stdout
     assert (tmp_path / "analysis.json").is_file() and (tmp_path / "analysis.html").is_file()
     assert json.loads((tmp_path / "results.json").read_text()) == res  # the training run's results are kept
+    assert (tmp_path / "analysis-prototypes.html").is_file() and (tmp_path / "prototypes.json").read_text() == labels
     rc, err = call_main(protot.main, ["--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir",
                                       str(cache_dir)], capsys, monkeypatch)  # in-process: seconds less than a run
     assert rc == 1 and err.count("\n") == 1
