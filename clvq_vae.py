@@ -106,6 +106,7 @@ import os
 import re
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal, Optional
@@ -393,6 +394,7 @@ def _check_args(x, codebook, k, temperature, uniforms):
         raise ValueError(f"vq_search: uniforms must have shape ({x.shape[0]},), got {tuple(uniforms.shape)}")
 
 
+@torch.compiler.disable  # a draw of a data-dependent length: under --compile it would fail to trace (dynamic N)
 def _uniforms(x, temperature, generator, uniforms):
     """u [N] fp32 in [0, 1): the supplied ones, or one draw per row from `generator` (none when T = 0)."""
     if temperature == 0:
@@ -1871,7 +1873,9 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     """Load with weights_only=True; the architecture and data settings come from the checkpoint, and one given on
     the command line that disagrees with it is an error (one line) rather than a silent mismatch."""
     if not path.exists():
-        raise RunError(f"no checkpoint at {path} (train first, or point --out-dir at one)")
+        there = sorted(p.name for p in path.parent.glob("ckpt-*.pt"))  # the layers name the file: say what is here
+        raise RunError(f"no checkpoint at {path} " + (f"({path.parent} holds {', '.join(there)}: --layer-l and "
+                       "--layer-h name the file)" if there else "(train first, or point --out-dir at one)"))
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
         saved = dict(ck["config"])
@@ -2003,11 +2007,15 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
     if cfg.compile:
         model = torch.compile(model)
     if dist_info["ddp"]:
+        import inspect
+
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        # broadcast_buffers=False: the EMA buffers are all-reduced inside the quantiser, equal on every rank
-        model = DDP(model, device_ids=[dist_info["local_rank"]] if device.type == "cuda" else None,
-                    broadcast_buffers=False)
+        # no buffer sync in forward: the EMA buffers are all-reduced inside the quantiser, equal on every rank
+        # (torch >= 2.13 names it forward_sync_buffers and deprecates broadcast_buffers; older torch has only that)
+        sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else \
+            "broadcast_buffers"
+        model = DDP(model, device_ids=[dist_info["local_rank"]] if device.type == "cuda" else None, **{sync: False})
     mean_T = float(lengths.float().mean())
     fpr, peak = flops_per_row(raw, cfg, mean_T), peak_flops(device, decoder_dtype(cfg, device) is not None)
     log(f"{variant or variant_name(cfg)}: {n_params(raw) / 1e6:.2f}M parameters, K = {cfg.codebook_size} codes of "
@@ -2601,6 +2609,22 @@ def train_probe(r: torch.Tensor, y: torch.Tensor, n_classes: int, seed: int, epo
 
 class TooFewSentences(ValueError):
     """The fidelity probe cannot be cross-validated on these sentences."""
+
+
+def check_before_training(cfg: Config, train_acts: Activations, dev_acts: Activations) -> None:
+    """What the activations alone decide, checked before anything trains: some word survived the frequency
+    filter, and the fidelity probe (on by default) has two classes of at least two dev sentences with rows."""
+    if not bool((~train_acts.special).any()):
+        raise RunError(f"no word of the {len(train_acts.texts)} training sentences survives the frequency filter "
+                       f"(--min-count {cfg.min_count}, --max-per-type {cfg.max_per_type}); lower --min-count")
+    if cfg.fidelity:
+        cap = cfg.fidelity_sentences
+        acts = _first_sentences(dev_acts, cap) if cap and cap < len(dev_acts.texts) else dev_acts
+        counts = Counter(acts.labels[s] for s in sentences_with_rows(acts))
+        if len(counts) < 2 or min(counts.values()) < 2:
+            raise RunError(f"fidelity on {sum(counts.values())} dev sentences: the probe needs >= 2 classes with "
+                           f">= 2 sentences each, here {sorted(counts.values())} (raise --dev-per-class or "
+                           "--fidelity-sentences, or --no-fidelity)")
 
 
 def probe_fidelity(r: torch.Tensor, labels, ablations: dict, folds: int = 20, seed: int = 42, log=print,
@@ -3263,6 +3287,7 @@ def run(cfg: Config, explicit) -> int:
         f"layer {cfg.layer_l} -> layer {cfg.layer_h}")
     if cfg.d_model % cfg.dec_heads:
         raise RunError(f"the source model's width d = {cfg.d_model} must split into --dec-heads {cfg.dec_heads} heads")
+    check_before_training(cfg, train_acts, dev_acts)
     model = fit(cfg, train_acts, dev_acts, device, log, variant_name(cfg))
     if dist_info["ddp"]:  # the analyses run on rank 0 alone
         torch.distributed.destroy_process_group()

@@ -1881,7 +1881,10 @@ def run(cfg: Config, explicit) -> int:
                 continue
             loaded[name] = (path, *load_checkpoint(path, c, explicit))
         if not loaded and not cfg.train:
-            raise RunError(f"no sweep checkpoints in {cfg.out_dir} (run --sweep first)")
+            flag = "--head-sweep" if cfg.head_sweep else "--sweep"
+            there = sorted(p.name for p in Path(cfg.out_dir).glob("ckpt-*.pt"))
+            raise RunError(f"no {flag} checkpoints in {cfg.out_dir} (" + (f"it holds {', '.join(there)}: the "
+                           "architecture flags name the files" if there else f"run {flag} first") + ")")
     if loaded:
         saved = next(iter(loaded.values()))[2]
         cfg = replace(cfg, **{k: getattr(saved, k) for k in ARCH_KEYS + MERGED_KEYS if k not in swept})

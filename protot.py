@@ -1489,6 +1489,9 @@ def prompt_batch(tok, prompts: list[str], target: str, device):
             prefix, piece = prefix[:-1], " " + piece
         ids = tok.encode(prefix)
         tid = tok.encode(piece)[0]
+        if tok.decode([tid]).isspace():  # a byte-level tokenizer spells the space alone: the word's first token
+            prefix, piece = prefix + piece[0], piece[1:]  # is then its first letter, after the space
+            ids, tid = tok.encode(prefix), tok.encode(piece)[0]
         if ids and tid != tok.unk:
             seqs.append(ids)
             tids.append(tid)
@@ -2052,6 +2055,10 @@ def run(cfg: Config, explicit) -> int:
     if cfg.labels and "proto" in mixers and len(data.tokens("val")) <= LABEL_WIDTH:  # and not after training
         raise RunError(f"prototype labelling reads val windows of {LABEL_WIDTH} tokens; the val split has "
                        f"{len(data.tokens('val'))} (a larger corpus, or --no-labels)")
+    if "proto" in mixers:  # the typed targets' prompts, before training rather than after it
+        for word in [cfg.target] * bool(cfg.intervene) + [cfg.find_prototype] * (cfg.find_prototype not in
+                                                                                 ("auto", "off")):
+            prompt_batch(data.tokenizer, load_prompts(cfg, data, word), word, "cpu")
     results = {"preset": preset, "device": str(device)}
     histories, models = {}, {}
     for mixer in mixers:
@@ -2119,12 +2126,14 @@ def run(cfg: Config, explicit) -> int:
         other = "attention" if "attention" not in rob_models else "proto"
         oc = replace(cfg, mixer=other)
         if len(rob_models) == 1 and ckpt_path(oc).exists():  # the other mixer's checkpoint, when not in memory
-            try:
-                ck, oc = load_checkpoint(ckpt_path(oc), oc)
+            try:  # trained on the same data, or no comparison (a token map alone does not tell the corpus)
+                ck, oc = load_checkpoint(ckpt_path(oc), oc, ("dataset", "tokenizer", "compact", "max_tokens"))
                 rob_models[other] = load_model(ck, oc, data, device, ckpt_path(oc))
             except RunError as e:
                 log(f"robustness: not comparing with {other} ({e})")
         results["robustness"] = robustness(rob_models, data, seed=cfg.seed)
+        if not results["robustness"]:
+            log("robustness: skipped, no val line of 6+ words that a perturbation changes")
         for name, r in results["robustness"].items():
             log(f"robustness {name:12s} " + "  ".join(f"{k}: JS {v['js']:.4f} top1 {v['top1']:.2f}"
                                                      for k, v in r.items() if k != "pairs"))

@@ -333,6 +333,8 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     (["--fidelity-sentences", "-1"], 1, "--fidelity-sentences must be >= 0"),
     (["--device", "tpu"], 1, "--device tpu: expected auto, cpu, cuda, cuda:N or mps"),
     (["--kernels", "triton"], 1, "--kernels triton needs a CUDA device"),
+    (["--min-count", "1000"], 1, "no word of the 24 training sentences survives the frequency filter"),
+    (["--dev-per-class", "1"], 1, "the probe needs >= 2 classes with >= 2 sentences each, here [1, 1]"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tmp_path, tiny_bert, cache_dir, args, code, needle, capsys,
                                            monkeypatch):
@@ -462,3 +464,9 @@ def test_a_checkpoint_is_tied_to_the_values_of_its_activations(acts):
     with pytest.raises(cv.RunError, match="was trained on other activations"):
         cv.check_data({"data": cv.acts_signature(train_acts)}, moved, Path("ckpt.pt"))
     cv.check_data({"data": cv.acts_signature(train_acts)}, train_acts, Path("ckpt.pt"))
+
+
+def test_missing_checkpoint_names_the_ones_that_are_there(tmp_path):
+    (tmp_path / "ckpt-clvq-l1-h2.pt").write_bytes(b"x")
+    with pytest.raises(cv.RunError, match=r"holds ckpt-clvq-l1-h2.pt: --layer-l and --layer-h name the file"):
+        cv.load_checkpoint(tmp_path / "ckpt-clvq-l4-h6.pt", cv.Config(out_dir=str(tmp_path)))

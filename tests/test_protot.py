@@ -227,6 +227,8 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     (["--prompts", "tests"], 1, "--prompts tests: a folder, not a file"),
     (["--intervene=-1:0"], 1, "--intervene -1:0: layer must be in 0.."),
     (["--d-model", "4"], 1, "--d-model must be >= 6"),
+    (["--intervene", "0:3", "--target", "zzzzqqq"], 1, "no prompt contains the word 'zzzzqqq'"),  # before training
+    (["--find-prototype", "zzzzqqq"], 1, "no prompt contains the word 'zzzzqqq'"),
     (["--compare", "--heads", "3", "--d-model", "32"], 1, "must split into --heads 3 heads"),
     (["--heads", "0"], 1, "--heads must be >= 1"),
     (["--device", "tpu"], 1, "--device tpu: expected auto, cpu, cuda, cuda:N or mps"),
@@ -293,6 +295,11 @@ def test_labelling_needs_a_val_window_and_says_so_before_training(tmp_path, cach
                                       "--cache-dir", str(cache_dir)], capsys, monkeypatch)
     assert rc == 1 and "prototype labelling reads val windows of 32 tokens; the val split has" in err, err
     assert not (tmp_path / "out" / "ckpt-proto.pt").exists()
+
+
+def test_byte_tokenizer_targets_the_words_first_letter_not_the_space():
+    x, last, tid = protot.prompt_batch(common.Tokenizer("bytes", None), ["The old woman spoke."], "woman", "cpu")
+    assert tid.tolist() == [ord("w")] and x[0, last[0]].item() == ord(" ")
 
 
 def test_crossover_is_where_protot_stays_ahead():
