@@ -481,6 +481,8 @@ def test_nearest_at_eval_and_without_sampling_sampled_in_training():
         idx = vq(z)[1]
         nearest = torch.cdist(z, e_before).argmin(1)
         assert torch.equal(idx, nearest) == expect_nearest, (cfg, train)
+        top = torch.cdist(z, e_before).topk(vq.cfg.top_k, largest=False).indices  # a sample is one of the k nearest
+        assert (top == idx[:, None]).any(1).all(), (cfg, train)
 
 
 @pytest.mark.parametrize("dead_code", ["off", "restart"])

@@ -234,9 +234,23 @@ def test_triton_returns_free_statistics():
     check_close("max_weight", ref[2], maxw)
 
 
-def test_poison_fills_nan():
-    assert torch.isnan(op._amp_empty((3,), torch.float32, "cpu")).all() == (os.environ["GLASSBOX_POISON"] == "1")
-    assert math.isnan(op._amp_empty((1,), torch.bfloat16, "cpu").item()) == (os.environ["GLASSBOX_POISON"] == "1")
+@needs_triton
+def test_nan_poisoning_catches_a_skipped_block(monkeypatch):
+    """Kernel outputs start as NaN in tests: launching every query block but the last leaves them there (the
+    poisoning forced on here, whatever the environment says)."""
+    monkeypatch.setenv("GLASSBOX_POISON", "1")
+    q, k, v, _ = _inputs(1, 2, 40, 16)
+    cfg = op._amp_launch_config(q)
+    B, H, T, d_h = q.shape
+    o = op._amp_empty(q.shape, q.dtype, q.device)
+    lse, ent, maxw = (op._amp_empty((B, H, T), torch.float32, q.device) for _ in range(3))
+    blocks = -(-T // cfg["BLOCK_M"])
+    assert blocks >= 2
+    op._amp_attn_fwd[(blocks - 1, B * H)](q, k, v, o, lse, ent, maxw, op.LOG2E / math.sqrt(d_h), T, d_h, **cfg)
+    done = (blocks - 1) * cfg["BLOCK_M"]
+    for t in (o, lse, ent, maxw):
+        assert not t[:, :, :done].isnan().any() and t[:, :, done:].isnan().all()
+    torch.testing.assert_close(o[:, :, :done], op.amp_attention_reference(q, k, v)[0][:, :, :done])
 
 
 @pytest.mark.gpu

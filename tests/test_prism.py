@@ -150,6 +150,16 @@ def test_losses_follow_their_definitions():
     assert torch.autograd.grad(md.aux_losses(zz, md.head(zz))["r1"], zz, allow_unused=True)[0] is None
 
 
+def test_training_loss_is_ce_plus_the_weighted_terms():
+    """The loss the optimizer sees is CE + λ_rec·REC + λ1·R1 + λ2·R2, each weight its own (distinct values, so a
+    dropped or swapped term shows)."""
+    m = tiny_model(lambda_rec=0.3, lambda_r1=0.7, lambda_r2=1.9).eval()
+    assert m.ready
+    loss, s = m(*batch())
+    torch.testing.assert_close(loss.detach(), s["ce"] + 0.3 * s["rec"] + 0.7 * s["r1"] + 1.9 * s["r2"])
+    assert min(s["rec"], s["r1"], s["r2"]) > 0
+
+
 def test_aux_loss_gradients_are_bitwise_reproducible_on_cpu():
     """R1/R2 gather the nearest rows many times over (here 8192 tokens onto 4 prototypes); a gather whose backward
     adds duplicate rows in thread order (index_put_ with accumulate, what P[idx] and z[idx] do) made training

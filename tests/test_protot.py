@@ -41,6 +41,30 @@ def test_cached_generation_matches_parallel_forward(mixer):
         assert "conv" not in caches[2]
 
 
+@pytest.mark.parametrize("layer_id", [0, 1, 2])
+def test_mixer_forward_follows_the_equations(layer_id):
+    """The mixer written out from the spec, apart from the model's code: write gate softmax(x Pᵀ/|τ_w|) (1); V x
+    blended half and half with the causal depthwise conv in layers 0-1 (2); the prefix mean by the recurrence;
+    read gate softmax(W_r x Pᵀ/|τ_r|), or the write gate in layer 0 (5); output α U(Σ ρ PM) (6)."""
+    cfg = Config(layers=3, d_model=16, n_protos=5, kernels="torch")
+    torch.manual_seed(layer_id)
+    m = protot.ProtoMixer(cfg, layer_id).double()
+    with torch.no_grad():  # move every parameter off its initial value, so a term at its init cannot hide
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+    w = torch.softmax(x @ m.P.t() / (m.tau_w.abs() + 1e-6), -1)  # |τ| + 1e-6: the code's guard against τ = 0
+    rho = w if layer_id == 0 else torch.softmax((x @ m.W_r.weight.t()) @ m.P.t() / (m.tau_r.abs() + 1e-6), -1)
+    v = x @ m.V.weight.t()
+    if layer_id < 2:
+        pad = torch.cat([torch.zeros(2, 4, v.shape[-1], dtype=v.dtype), v], 1)
+        conv = torch.stack([sum(pad[:, t + j] * m.conv.weight[:, 0, j] for j in range(5)) for t in range(11)], 1)
+        v = 0.5 * v + 0.5 * conv
+    y = protot.prefix_mean_read_recurrent(w, v, rho, torch.sigmoid(m.gamma.float()))  # β in fp32, as trained
+    # the mixer runs the prefix mean in fp32 (spec §3.2) whatever its inputs: fp32 tolerances
+    torch.testing.assert_close(m(x), m.alpha * (y @ m.U.weight.t()), rtol=1e-4, atol=1e-6)
+
+
 def test_prefill_then_steps_match_parallel_forward():
     cfg = Config(layers=2, d_model=32, n_protos=4, dropout=0.0, kernels="torch")
     model = ProtoT(cfg, 40).double().eval()
