@@ -3247,7 +3247,7 @@ def load_activations(cfg: Config, device, dist_info, log) -> tuple[SourceModel, 
 
 
 def run(cfg: Config, explicit) -> int:
-    from common import preset_banner
+    from common import preset_banner, to_json
 
     preset = apply_preset(cfg, explicit)
     validate(cfg, explicit)
@@ -3310,7 +3310,7 @@ def run(cfg: Config, explicit) -> int:
             log("  " + line)
     tag = "results" if cfg.train else "analysis"  # an analysis-only run never overwrites the training run's report
     json_safe = {k: v for k, v in results.items() if k not in ("cards_html", "models")}
-    (out_dir / f"{tag}.json").write_text(json.dumps(json_safe, default=str))
+    (out_dir / f"{tag}.json").write_text(to_json(json_safe))
     if results.get("cards_html"):
         (out_dir / f"{'cards' if cfg.train else 'analysis-cards'}.html").write_text("<!doctype html><meta charset=utf-8><title>CLVQ-VAE concept cards</title>"
                                             + results["cards_html"])

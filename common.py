@@ -735,6 +735,20 @@ def config_errors(cfg) -> list[str]:
             if not _fits(getattr(cfg, f.name), hints[f.name])]
 
 
+def to_json(obj) -> str:
+    """json.dumps for a results file: strict JSON (a NaN or infinity, an undefined figure, becomes null, which
+    every JSON reader accepts, where json.dumps would write a bare NaN), anything else unknown as its str()."""
+    def finite(o):
+        if isinstance(o, float):
+            return o if o == o and abs(o) != float("inf") else None
+        if isinstance(o, dict):
+            return {k: finite(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [finite(v) for v in o]
+        return o
+    return json.dumps(finite(obj), default=str, allow_nan=False)
+
+
 def stored_config_error(cfg, validate) -> str | None:
     """Why a config read back from a checkpoint cannot be used (a value that does not fit its field, or one that
     the script's `validate` refuses), or None. The scripts raise it as one line naming the file."""

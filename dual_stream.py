@@ -1855,7 +1855,7 @@ def load_model(ck: dict, c: Config, data, device, path: Path) -> DualStream:
 
 
 def run(cfg: Config, explicit) -> int:
-    from common import DataError, load_data, preset_banner, unknown_note
+    from common import DataError, load_data, preset_banner, to_json, unknown_note
 
     preset = apply_preset(cfg, explicit)
     validate(cfg, explicit)
@@ -2026,7 +2026,7 @@ def run(cfg: Config, explicit) -> int:
     strip = {k: v for k, v in results.items() if k != "specialization"}
     strip["specialization"] = {m: {k: v for k, v in s.items() if k != "figure"}
                                for m, s in results.get("specialization", {}).items()}
-    (out_dir / f"{tag}.json").write_text(json.dumps(strip, default=str))
+    (out_dir / f"{tag}.json").write_text(to_json(strip))
     if cfg.report:
         log(f"report: {write_report(out_dir, cfg, results, histories, 'report' if cfg.train else 'analysis')}")
     return 0

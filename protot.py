@@ -1995,7 +1995,7 @@ def load_model(ck: dict, c: Config, data, device, path: Path) -> ProtoT:
 
 
 def run(cfg: Config, explicit) -> int:
-    from common import DataError, load_data, preset_banner, unknown_note
+    from common import DataError, load_data, preset_banner, to_json, unknown_note
 
     preset = apply_preset(cfg, explicit)
     validate(cfg)
@@ -2148,7 +2148,7 @@ def run(cfg: Config, explicit) -> int:
         for s in results["samples"]:
             log("sample: " + s.replace("\n", "\n        "))
     tag = "results" if cfg.train else "analysis"  # an analysis-only run never overwrites the training run's report
-    (out_dir / f"{tag}.json").write_text(json.dumps(results, default=str))
+    (out_dir / f"{tag}.json").write_text(to_json(results))
     if cfg.report:
         log(f"report: {write_report(out_dir, cfg, results, histories, 'report' if cfg.train else 'analysis')}")
     return 0

@@ -537,3 +537,10 @@ def test_unknown_note_flags_a_prompt_the_vocabulary_cannot_spell(shakespeare_cac
     note = common.unknown_note(tok, "ROMEO: 東京 𝔘")
     assert note.startswith("note: ") and "outside this run's vocabulary and read as <unk>" in note
     assert common.unknown_note(common.Tokenizer("bytes", None), "東京") is None  # nothing is unknown to bytes
+
+
+def test_results_json_is_strict():
+    """An undefined figure (NaN, inf) is null in a results file, which strict JSON readers accept."""
+    text = common.to_json({"gap": float("nan"), "rows": [1.5, float("-inf")], "pair": (2, "x"), "path": Path("a")})
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c}")) == \
+        {"gap": None, "rows": [1.5, None], "pair": [2, "x"], "path": "a"}
