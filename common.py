@@ -321,7 +321,9 @@ class _ByteEncoding:
 
 def unknown_note(tok: "Tokenizer", prompt: str) -> str | None:
     """A line to log when a typed prompt holds ids outside the compacted vocabulary: each is read as the one
-    reserved unk id (and decodes as U+FFFD), so the model never sees the prompt as typed. None when it does."""
+    reserved unk id (and decodes as U+FFFD), so the model never sees the prompt as typed. None when it does.
+    The prompt is read as the scripts' sample_text reads it: "\\n" and "\\t" typed in a shell are escapes."""
+    prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
     n = tok.encode(prompt).count(tok.unk) if tok.unk is not None else 0
     return (f"note: {n} token(s) of the prompt are outside this run's vocabulary and read as <unk> (shown as "
             "\ufffd); the model sees them as one unknown token") if n else None

@@ -2012,7 +2012,7 @@ def run(cfg: Config, explicit) -> int:
                 f"(per layer {r['per layer']})  {coref}")
     if cfg.sample is not None or cfg.train:
         prompts = [cfg.sample] if cfg.sample is not None else ["HAMLET:\n"]
-        note = unknown_note(data.tokenizer, cfg.sample.replace("\\n", "\n")) if cfg.sample is not None else None
+        note = unknown_note(data.tokenizer, cfg.sample) if cfg.sample is not None else None
         if note:  # a typed prompt the compacted vocabulary cannot spell: say so beside the sample
             log(note)
         results["samples"] = {}

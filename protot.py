@@ -2139,7 +2139,7 @@ def run(cfg: Config, explicit) -> int:
                                                      for k, v in r.items() if k != "pairs"))
     if cfg.sample is not None or cfg.train:
         prompts = [cfg.sample] if cfg.sample is not None else ["HAMLET:\n", "KING:\nMy lords,"]
-        note = unknown_note(data.tokenizer, cfg.sample.replace("\\n", "\n")) if cfg.sample is not None else None
+        note = unknown_note(data.tokenizer, cfg.sample) if cfg.sample is not None else None
         if note:  # a typed prompt the compacted vocabulary cannot spell: say so beside the sample
             log(note)
         m = next(iter(models.values()))
