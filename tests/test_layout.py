@@ -1,6 +1,7 @@
 """The repository's layout: the shared modules are the repo's own files (PyPI has unrelated packages named
 `common` and `kernels`), the files the README promises exist, CI and the GPU check run the README's commands;
-and rules the scripts share (the MFU's peak per GPU, the Triton kernels' k limit as a one-line error)."""
+and rules the scripts share (one shape: sections, flags, log line, checkpoint envelope; the MFU's peak per GPU;
+the Triton kernels' k limit as a one-line error; damaged checkpoints as one-line errors)."""
 import os
 import re
 import shutil
@@ -230,3 +231,49 @@ def test_damaged_checkpoints_are_one_line_errors(name, tmp_path, cache_dir):
     with pytest.raises(mod.RunError, match=r"cannot be resumed \(TypeError"):
         mod.train(c, data, torch.device("cpu"), contextlib.nullcontext(),
                   dict(ddp=False, rank=0, local_rank=0, world=1), log=lambda *a: None, ck=ck)
+
+
+PAPERS = ("protot", "prism", "dual_stream", "clvq_vae")
+# The section banners every script has, in this order (a script may add its own between them: clvq_vae's Data)
+SECTIONS = ("Config", "Core op:", "Model", "Training", "Analyses", "main")
+SHARED_FLAGS = ("dataset", "cache_dir", "d_model", "dropout", "batch_size", "lr", "min_lr_ratio", "warmup_frac",
+                "weight_decay", "grad_clip", "max_iters", "eval_interval", "log_interval", "seed", "device", "dtype",
+                "compile", "kernels", "out_dir", "resume", "train", "preset", "report", "bench")
+
+
+def test_the_four_scripts_share_one_shape():
+    """Knowing one file means knowing all: the same sections in the same order (the core op's reference before its
+    Triton kernel, both before the model), the same flags for the same things, the same log line, the same
+    checkpoint envelope and the same entry points."""
+    import dataclasses
+    import importlib
+    import inspect
+
+    import torch
+
+    for name in PAPERS:
+        src = (ROOT / f"{name}.py").read_text()
+        mod = importlib.import_module(name)
+        doc = mod.__doc__
+        assert doc.startswith(f"{name}.py — ") and re.search(r"arXiv \d{4}\.\d{5}", doc), name
+        assert f"python {name}.py" in doc, name
+        banners = re.findall(r"^# -{20,}\n# (.+)$", src, flags=re.M)
+        at = [next((i for i, b in enumerate(banners) if b.startswith(s)), -1) for s in SECTIONS]
+        assert -1 not in at and at == sorted(at), (name, banners)
+        line = {b: src.index(f"# {b}\n") for b in banners}
+        core, model = line[banners[at[1]]], line[banners[at[2]]]
+        kernel = src.index("@triton.jit")
+        assert core < kernel < model, name
+        functions = [f for f in vars(mod).values()
+                     if isinstance(f, type) and issubclass(f, torch.autograd.Function) and f.__module__ == name]
+        for fn in functions:
+            assert kernel < src.index(f"class {fn.__name__}(") < model, (name, fn.__name__)
+        flags = {f.name for f in dataclasses.fields(mod.Config)}
+        assert set(SHARED_FLAGS) <= flags, (name, set(SHARED_FLAGS) - flags)
+        assert mod.log_line(3, 10, 2.5, 1e-3, 12.0, 4567.0, 0.25) == \
+            "step 3/10 | loss 2.5000 | lr 1.00e-03 | 12.0 ms | 4.6k tok/s | mfu 25.0%"
+        assert {"config", "model", "optimizer", "step", "history", "rng"} <= set(mod.CKPT_KEYS), name
+        assert mod.RNG_KEYS == ("torch", "data", "cuda"), name
+        for fn in ("main", "train", "save_checkpoint", "load_checkpoint", "peak_flops"):
+            assert inspect.isfunction(getattr(mod, fn)), (name, fn)
+        assert issubclass(mod.RunError, Exception)
