@@ -2071,11 +2071,14 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
         out = model(x_l, x_h, mask)
         n_local = mask.sum()
         loss = out["loss"]
+        n_global = n_local
         if world > 1:  # weight each rank's mean by its share of the global rows: DDP's gradient average is then
             n_global = n_local.float().clone()  # the gradient of the mean over the whole global batch
             torch.distributed.all_reduce(n_global)
             loss = loss * (n_local * world / n_global)
-        rows_seen = rows_seen + n_local * world  # a device tensor: float() here would sync every step
+        # the global rows, not this rank's times the world: ranks' batches differ (the sampler sorts each window by
+        # length, so rank 0 gets the shortest sentences); a device tensor, as float() here would sync every step
+        rows_seen = rows_seen + n_global
         sampler_state = sampler.state()
         x_l, x_h, mask = next_batch()  # prefetch while the backward runs (async on CUDA)
         loss.backward()
@@ -2928,14 +2931,18 @@ def run_analyses(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
 # ---- --bench: the search kernel ---------------------------------------------------------------------------------
 
 def bench_time(fn, device, reps=3) -> float:
-    """Median seconds of fn() after one warm-up call; triton.testing.do_bench on CUDA."""
+    """Median seconds of fn() after one warm-up call; triton.testing.do_bench on CUDA, else the clock between
+    synchronisations (a CUDA or MPS call returns before its work is done)."""
     if device.type == "cuda" and HAS_TRITON:
         return triton.testing.do_bench(fn, quantiles=[0.5]) / 1e3
+    sync = {"cuda": torch.cuda.synchronize, "mps": torch.mps.synchronize}.get(device.type, lambda: None)
     fn()
     times = []
     for _ in range(reps):
+        sync()
         t = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
 

@@ -917,9 +917,16 @@ def make_optimizer(model: nn.Module, cfg: Config, device_type: str):
 
 
 def flops_per_token(model: PRISM, cfg: Config, ctx: int) -> float:
-    """Training FLOPs per token: 6·N for the matmuls (PaLM appendix B; the tied head once, P once: the cosine
-    GEMM), plus attention's 12·L·d·T."""
-    return 6 * model.n_params() + 12 * cfg.layers * cfg.d_model * ctx
+    """Training FLOPs per token: 6·N for the backbone's matmuls (PaLM appendix B; the tied head once), plus
+    attention's 12·L·d·T. P is no dense layer, so it is counted apart: the head scores all K prototypes and R1/R2
+    look for nearest pairs (two K·d GEMMs, forward only: 4·K·d), and only the k winners carry gradients (their
+    cosines and the reconstruction: 2·k·d each forward, twice that backward, 12·k·d)."""
+    n, prototypes = model.n_params(), 0
+    if cfg.head == "prism":
+        K, d = model.P.shape
+        n -= K * d
+        prototypes = 4 * K * d + 12 * cfg.topk * d
+    return 6 * n + prototypes + 12 * cfg.layers * cfg.d_model * ctx
 
 
 # Dense peak FLOP/s of each GPU's bf16 tensor cores (spec sheets, without sparsity). The first name the device's
@@ -1313,11 +1320,13 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
             seed_from_batch(raw, x, cfg, dist_info)
             optimizer.state.pop(raw.P, None)  # Adam's moments of the warm-up's zero gradients would damp P's start
             log(f"step {step}: prototypes seeded by k-means++ from {cfg.batch_size * cfg.ctx:,} hidden states after the dense warm-up")
+            t0, t0_step = time.time(), step  # one-off work, like evaluation, is not training time
         elif prism and raw.ready and cfg.push_interval and step > 0 and step % cfg.push_interval == 0:
             # before this step's forward, on the batch it trains on, after the evaluation's checkpoint: a run
             # resumed from that checkpoint redoes the same push at its first step
             cos = push_prototypes(raw, optimizer, x, dist_info)
             log(f"step {step}: prototypes pushed onto their nearest tokens (mean cosine before {cos:.3f})")
+            t0, t0_step = time.time(), step
         lr = get_lr(cfg, step)
         for g in optimizer.param_groups:
             g["lr"] = lr
@@ -2570,14 +2579,18 @@ BENCH_VOCAB = 50304  # GPT-2's vocabulary padded to a multiple of 64 (nanoGPT)
 
 
 def bench_time(fn, device, reps=3) -> float:
-    """Median seconds of fn() after one warm-up call; triton.testing.do_bench on CUDA."""
+    """Median seconds of fn() after one warm-up call; triton.testing.do_bench on CUDA, else the clock between
+    synchronisations (a CUDA or MPS call returns before its work is done)."""
     if device.type == "cuda" and HAS_TRITON:
         return triton.testing.do_bench(fn, quantiles=[0.5]) / 1e3
+    sync = {"cuda": torch.cuda.synchronize, "mps": torch.mps.synchronize}.get(device.type, lambda: None)
     fn()
     times = []
     for _ in range(reps):
+        sync()
         t = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
 
@@ -2660,7 +2673,7 @@ def bench_kernel(device, log=print) -> dict:
             row[name] = {"ms": 1e3 * bench_time(fb, device), "peak_mb": peak / 2**20}
         row["speedup"] = row["torch"]["ms"] / row["triton"]["ms"]
         out[f"K{K}"] = row
-        log(f"kernel K={K}: triton {row['triton']['ms']:.2f} ms ({row['speedup']:.2f}x torch), peak "
+        log(f"kernel K={K}: triton {row['triton']['ms']:.2f} ms ({row['speedup']:.2f}x faster than torch), peak "
             f"{row['triton']['peak_mb']:.0f} MB vs {row['torch']['peak_mb']:.0f} MB (both fp32 IEEE)")
     return out
 
