@@ -2037,7 +2037,12 @@ def run(cfg: Config, explicit) -> int:
 
 
 def main(argv=None) -> int:
-    from common import DataError, parse_config
+    try:  # the model and its core op run alone; training and the analyses read their data through common.py
+        from common import DataError, parse_config
+    except ImportError as e:
+        print(f"error: {Path(__file__).name} trains and analyses with glassbox's common.py beside it ({e})",
+              file=sys.stderr)
+        return 1
 
     cfg, args = parse_config(Config, argv, "The Dual-Stream Transformer: channelized mixing and its diagnostics "
                                            "(arXiv 2603.07461).")

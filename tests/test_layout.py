@@ -216,6 +216,18 @@ def test_bench_time_waits_for_the_device_without_triton(script, monkeypatch):
     assert events == ["call"] + ["sync", "call", "sync"] * 2
 
 
+@pytest.mark.parametrize("script", ["protot", "prism", "dual_stream", "clvq_vae"])
+def test_script_copied_alone_says_main_needs_common(script, tmp_path):
+    """Copied alone, a script's model runs (each script's own test); its main(), which trains on data read through
+    common.py, says so in one line instead of a ModuleNotFoundError traceback."""
+    from conftest import run_script
+
+    shutil.copy(ROOT / f"{script}.py", tmp_path / f"{script}.py")
+    r = run_script(f"{script}.py", "--max-iters", "1", cwd=tmp_path, env={"PYTHONPATH": ""}, timeout=300)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: {script}.py trains and analyses with glassbox's common.py beside it"), r.stderr
+
+
 @pytest.mark.parametrize("script,flag,limit,kernel", [("prism", "--topk", "PROTO_TOPK_MAX_K", "top-k kernel"),
                                                       ("clvq_vae", "--top-k", "VQ_MAX_K", "search kernel")])
 def test_triton_k_above_the_kernel_list_is_one_line(script, flag, limit, kernel, tmp_path, capsys, monkeypatch):
