@@ -6,6 +6,7 @@
   to write a tile fails the comparison instead of passing on lucky zeros (fla's conftest does the same).
 * fp32 matmuls stay IEEE (no TF32), so fp32 comparisons measure the kernel, not the tensor cores.
 * Every test starts from the same seeds.
+* Every cache a test writes (tokens, activations, fine-tuned models) goes to one session folder (GLASSBOX_CACHE).
 * `check_close` is the one relative-error helper of the suite (thresholds in its docstring), given to tests
   as the `assert_close` fixture, or imported (`from conftest import check_close`) where a helper needs it.
 """
@@ -118,6 +119,15 @@ SMALL_CORPUS = ["--max-tokens", "200000"]
 def cache_dir(tmp_path_factory):
     """One token cache folder for the whole session: each (corpus, tokenizer, budget) is tokenised once."""
     return tmp_path_factory.mktemp("token-cache")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(cache_dir):
+    """What a test runs without --cache-dir (in-process or as a subprocess) caches into the session's folder too,
+    never into the user's ~/.cache/glassbox or a GLASSBOX_CACHE of theirs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GLASSBOX_CACHE", str(cache_dir))
+        yield
 
 
 def run_script(*args, cwd=ROOT, env=None, timeout=600):

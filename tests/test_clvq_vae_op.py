@@ -550,7 +550,7 @@ def test_training_reduces_the_loss():
         out["loss"].backward()
         opt.step()
         losses.append(out["loss"].item())
-    assert losses[-1] < 0.5 * losses[0], losses
+    assert losses[-1] < 0.6 * losses[0], losses  # 0.40 here; 0.37-0.49 over seeds 1-11 (a frozen model: 1.0)
     assert not torch.equal(model.vq.embed, e0)
 
 

@@ -332,16 +332,21 @@ def test_experiment_table(curvature):
     assert names == [f"PRISM cached ({curvature})", "prototype-space exact", "dense TracIn (all parameters)",
                      "dense TracIn, batch of 4 queries", "dense TracIn, CountSketch cache at matched memory"]
     sk = res["table"][4]
-    assert sk["memory MB"] <= res["table"][0]["memory MB"] and "faster than dense TracIn, CountSketch" in res["summary"]
-    one, batch = res["table"][2], res["table"][3]
-    assert one["ms/query"] > batch["ms/query"]  # one query alone pays all M training gradients
+    assert sk["memory MB"] <= res["table"][0]["memory MB"]
+    # The summary's speed phrases follow the table's measured times, each in its own direction; which way the
+    # times go is the benchmark's business (timing on a busy 2-core runner is noise), not this test's
+    cached = res["table"][0]["ms/query"]
+    for r in res["table"][1:]:
+        x = r["ms/query"] / cached
+        phrase = f"{x:.3g}x faster than {r['method']}" if x >= 1 else f"{1 / x:.3g}x slower than {r['method']}"
+        assert phrase in res["summary"], (phrase, res["summary"])
     for r in res["table"]:
         assert set(r) >= {"method", "ms/query", "memory MB", "top-10 overlap", "top-100 overlap", "sequences scored"}
         assert 0 <= r["top-10 overlap"] <= 1 and 0 <= r["top-100 overlap"] <= 1
         assert r["ms/query"] > 0 and r["memory MB"] > 0 and 0 < r["sequences scored"] <= 30
     exact = res["table"][1]
     assert exact["top-10 overlap"] == 1 and exact["top-100 overlap"] == 1  # n capped at M = 30: all of them
-    assert len(lines) == 8 and lines[-3] == res["summary"] and "faster than dense TracIn" in res["summary"]
+    assert len(lines) == 8 and lines[-3] == res["summary"]
     # the diagnostics: gradients alone (no curvature; the cache's curvature in both) and curvature alone
     for key in ("gradients_only", "same_curvature", "curvature_only"):
         g = res[key]
