@@ -118,15 +118,21 @@ SMALL_CORPUS = ["--max-tokens", "200000"]
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """One token cache folder for the whole session: each (corpus, tokenizer, budget) is tokenised once."""
-    return tmp_path_factory.mktemp("token-cache")
+    return _session_cache_dir(tmp_path_factory)
+
+
+def _session_cache_dir(tmp_path_factory):
+    path = tmp_path_factory.getbasetemp() / "token-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _session_cache(cache_dir):
+def _session_cache(tmp_path_factory):
     """What a test runs without --cache-dir (in-process or as a subprocess) caches into the session's folder too,
-    never into the user's ~/.cache/glassbox or a GLASSBOX_CACHE of theirs."""
+    never into the user's ~/.cache/glassbox or a GLASSBOX_CACHE of theirs (a test module may override cache_dir)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GLASSBOX_CACHE", str(cache_dir))
+        mp.setenv("GLASSBOX_CACHE", str(_session_cache_dir(tmp_path_factory)))
         yield
 
 
