@@ -423,3 +423,25 @@ def test_cuda_tiny_run_and_resume(tmp_path, cache_dir):
     """The tiny run on a GPU (the scan and RMSNorm kernels compiled, bf16 autocast), then --resume."""
     check_cuda_run("protot.py", [*TINY, "--cache-dir", str(cache_dir)], tmp_path, ["ckpt-proto.pt"], 30,
                    protot.peak_flops(torch.device("cuda")))
+
+
+def test_each_prompt_gets_its_own_seed(data):
+    """The same prompt twice gives two samples: prompt i draws with seed + i (one seed for all made the default
+    run's two samples the same text after a few tokens, the prefix mean having forgotten the prompts)."""
+    model = ProtoT(Config(layers=1, d_model=16, n_protos=4, dropout=0.0), data.vocab_size).eval()
+    a, b = protot.sample_texts(model, data.tokenizer, ["KING:", "KING:"], 24, torch.device("cpu"), seed=5)
+    assert a != b and a.startswith("KING:") and b.startswith("KING:")
+    assert a == protot.sample_text(model, data.tokenizer, "KING:", 24, torch.device("cpu"), 5)
+
+
+def test_report_says_how_to_read_its_tables(tmp_path):
+    """The configuration shows what "auto" became; robustness and the prototype search say their units, direction,
+    the paper's figures and where a column is measured."""
+    fp = {"target": "woman", "prompts": 8, "ranking": [{"unit": "L1 P3", "mean": -0.1, "max_drop": -0.2}]}
+    rob = {"typo": {"pairs": 3, "proto": {"js": 0.01, "top10": 0.9, "top1": 1.0, "route_js_per_layer": [0.1]}}}
+    path = protot.write_report(tmp_path, Config(), {"preset": "cpu", "device": "cpu", "find_prototype": fp,
+                                                    "robustness": rob}, {})
+    report = path.read_text()
+    assert "<td>auto → cpu</td>" in report
+    assert "in nats (0 to ln 2 = 0.693), lower = more robust" in report and "typo .207 / .227" in report
+    assert f"change on {protot.PPL_WINDOWS} val windows, measured for the top three only" in report
