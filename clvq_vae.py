@@ -75,6 +75,7 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     kept in the checkpoint and are what the analyses use, as the official loop keeps its best checkpoint).
   * k-means codebook init on the training x_l before step 0 (on at most --init-rows rows), rank 0 computes and
     broadcasts; the quantiser's `initialised` buffer makes --resume and --no-train skip it.
+  * The step lines keep every glassbox script's format; their "tok/s" counts word rows (a token here is one row).
   * Fidelity projection: --fidelity-projection paper (default, §6.1: r' = r - (r·ê)ê) | centred
     (r' = r - ((r - μ)·ê)ê, μ = the mean r of the scored sentences). MiniLM's [CLS] has a large shared mean, so
     the paper's projection of a random direction already moves every r far off the data and takes the probe to
@@ -2020,7 +2021,8 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
     fpr, peak = flops_per_row(raw, cfg, mean_T), peak_flops(device, decoder_dtype(cfg, device) is not None)
     log(f"{variant or variant_name(cfg)}: {n_params(raw) / 1e6:.2f}M parameters, K = {cfg.codebook_size} codes of "
         f"d = {cfg.d_model}, {len(sentences):,} training sentences ({int(b[-1]):,} rows, {mean_T:.1f} per sentence), "
-        f"{sampler.batch_size} sentences per step, {cfg.max_iters} steps, {cfg.schedule} schedule")
+        f"{sampler.batch_size} sentences per step, {cfg.max_iters} steps, {cfg.schedule} schedule; a token in the "
+        "step lines' tok/s is one word row")
     data = acts_signature(train_acts)
 
     def next_batch():
@@ -2297,8 +2299,9 @@ def sae_method(cfg, sae: TopKTranscoderSAE, device, info: dict) -> ConceptMethod
         with torch.no_grad():
             top = _chunked(lambda xb: sae.encode(xb.float())[1][:, :m], x, device)
         return W_enc[top]
+    settings = {k: v for k, v in info.items() if k != "seconds"}  # the time is the method's fit_seconds
     return ConceptMethod("top-k SAE", sae.enc.out_features, assign, ablation,
-                         dict(info, ablation=how, ablate_k=m if how != "decoder" else 1), info["seconds"])
+                         dict(settings, ablation=how, ablate_k=m if how != "decoder" else 1), info["seconds"])
 
 
 def build_methods(cfg, train_acts: Activations, dev_acts: Activations, model: CLVQVAE, fit_fn, device,
@@ -2684,14 +2687,17 @@ def probe_fidelity(r: torch.Tensor, labels, ablations: dict, folds: int = 20, se
 
 
 def fidelity_table(rows: list[dict]) -> str:
-    """The fidelity rows as a fixed-width text table (log and report)."""
-    lines = [f"{'method':<24} {'original':>14} {'concept-ablated':>16} {'random-ablated':>15} {'rel. drop':>10} "
-             f"{'rand. drop':>10}"]
-    for w in rows:
-        lines.append(f"{w['method']:<24} {w['acc_orig']:.3f} ± {w['acc_orig_std']:.3f} "
-                     f"{w['acc_concept']:>8.3f} ± {w['acc_concept_std']:.3f} {w['acc_random']:>7.3f} ± "
-                     f"{w['acc_random_std']:.3f} {w['drop_concept']:>9.1%} {w['drop_random']:>10.1%}")
-    return "\n".join(lines)
+    """The fidelity rows as a fixed-width text table (log and report): each column as wide as its header or its
+    widest value, two spaces apart, the header aligned like the values (left for the method, right otherwise)."""
+    head = ["method", "original", "concept-ablated", "random-ablated", "concept drop", "random drop"]
+    cells = [[w["method"], f"{w['acc_orig']:.3f} ± {w['acc_orig_std']:.3f}",
+              f"{w['acc_concept']:.3f} ± {w['acc_concept_std']:.3f}",
+              f"{w['acc_random']:.3f} ± {w['acc_random_std']:.3f}",
+              f"{w['drop_concept']:.1%}", f"{w['drop_random']:.1%}"] for w in rows]
+    width = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(head)]
+    line = lambda cs: "  ".join(c.ljust(width[i]) if i == 0 else c.rjust(width[i])  # noqa: E731
+                                for i, c in enumerate(cs)).rstrip()
+    return "\n".join([line(head)] + [line(c) for c in cells])
 
 
 def _first_sentences(acts: Activations, n: int) -> Activations:
@@ -2758,7 +2764,9 @@ def run_fidelity(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
     freq: dict[str, int] = {}
     for w in salient:
         freq[w] = freq.get(w, 0) + 1
-    info = dict(projection=cfg.fidelity_projection, head_dev_accuracy=head_acc, sentences=len(keep), ig_seconds=sal["seconds"],
+    scored = Counter(dev_acts.labels[int(s)] for s in keep)  # the probe's chance: always the majority class
+    info = dict(projection=cfg.fidelity_projection, head_dev_accuracy=head_acc, sentences=len(keep),
+                probe_chance=max(scored.values()) / len(keep), ig_seconds=sal["seconds"],
                 salient_special=int((~word).sum()), fidelity_words_only=words_only,
                 salient_rows=rows.tolist(),
                 top_salient_words=sorted(freq.items(), key=lambda kv: -kv[1])[:20],
@@ -2806,28 +2814,38 @@ def concept_cards(method: ConceptMethod, acts: Activations, codes: torch.Tensor,
     return cards
 
 
+# The cards' own style: cards.html carries it in its <head>, and the report adds it to its own (the cards are a
+# fragment there, under the report's "Concept cards" heading).
+CARDS_CSS = ".card{border:1px solid #ccc;margin:8px;padding:6px}.ctx{font-family:monospace;margin:2px 0}" \
+            "mark{background:#ffb347}"
+
+
 def cards_html(cards: dict, coherence: dict | None = None) -> str:
-    """One HTML page: per method, its cards (top words with counts, sentence lists for sentence-level codes, two
-    examples with the member word in <mark>); every text html-escaped."""
+    """The cards as an HTML fragment (no <html>/<head>, headings from <h3>: the report embeds it under its own
+    <h2>; cards_page makes it a document): per method, its cards (top words with counts, sentence lists for
+    sentence-level codes, two examples with the member word in <mark>); every text html-escaped."""
     e = html.escape
     parts = []
     for name, cs in cards.items():
         coh = (coherence or {}).get(name)
         sub = (f" <small>coherence proxy {coh['score']:.3f} (chance {coh['chance']:.3f})</small>" if coh and
                coh.get("score") is not None else "")
-        parts.append(f"<h2>{e(name)}{sub}</h2>")
+        parts.append(f"<h3>{e(name)}{sub}</h3>")
         for c in cs:
             words = ", ".join(f"<code>{e(w)}</code>&nbsp;{n}" for w, n in c["top_words"])
             sents = "".join(f"<li>{e(s)}</li>" for s in c["sentences"])
             ex = "".join(f'<div class="ctx">{e(x["before"])} <mark>{e(x["word"])}</mark> {e(x["after"])}</div>'
                          for x in c["examples"])
-            parts.append(f'<div class="card"><h3>code {c["code"]} <small>{c["uses"]} uses, '
-                         f'{c["special_fraction"]:.0%} sentence tokens</small></h3><div>{words}</div>'
+            parts.append(f'<div class="card"><h4>code {c["code"]} <small>{c["uses"]} uses, '
+                         f'{c["special_fraction"]:.0%} sentence tokens</small></h4><div>{words}</div>'
                          + (f"<ol>{sents}</ol>" if sents else "") + ex + "</div>")
+    return "".join(parts)
+
+
+def cards_page(fragment: str) -> str:
+    """cards_html's fragment as a standalone document (cards.html, analysis-cards.html)."""
     return ("<!doctype html><meta charset=utf-8><title>CLVQ-VAE concept cards</title><style>body{font-family:"
-            "sans-serif}.card{border:1px solid #ccc;margin:8px;padding:6px}.ctx{font-family:monospace;margin:2px 0}"
-            "mark{background:#ffb347}</style><h1>Concept cards (most used codes on train first)</h1>"
-            + "".join(parts))
+            f"sans-serif}}{CARDS_CSS}</style><h1>Concept cards (most used codes on train first)</h1>" + fragment)
 
 
 def type_vectors(src: SourceModel, types: list[str], how: str = "last") -> dict:
@@ -2899,11 +2917,13 @@ def run_analyses(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
     """Baselines (§6.4), concept-ablation fidelity (§6.1) and concept cards with the coherence proxy (§7, §6.2),
     every method on the same activations. fit_fn(cfg, train_acts, dev_acts, device, log, variant) -> CLVQVAE trains
     (or loads) the l = h VQ-VAE baseline. -> JSON-able dict: baselines, fidelity (rows), fidelity_table (text),
-    fidelity_info, coherence, cards_html; and models, the baselines' trained models (not JSON: their histories
-    go into the report's loss figure)."""
+    fidelity_info, coherence, cards_html (an HTML fragment); and models, the baselines' trained models (not JSON:
+    their histories go into the report's loss figure)."""
     device = torch.device(device)
     methods = build_methods(cfg, train_acts, dev_acts, model, fit_fn, device, log)
-    res = dict(baselines={m.name: dict(settings=m.settings, fit_seconds=m.fit_seconds) for m in methods},
+    # methods[0] is CLVQ-VAE itself, not a baseline: its settings are the run's configuration, its training
+    # time is logged by fit
+    res = dict(baselines={m.name: dict(settings=m.settings, fit_seconds=m.fit_seconds) for m in methods[1:]},
                models={m.name: m.model for m in methods[1:] if m.model is not None})
     if cfg.fidelity:
         res["fidelity"], res["fidelity_info"] = run_fidelity(cfg, src, train_acts, dev_acts, methods, log)
@@ -3052,9 +3072,16 @@ def loss_figure(histories: dict) -> str:
     return figure(draw, (10, 3.5))
 
 
+def _cell(v) -> str:
+    """A table value as text: floats to 4 significant digits, a dict (a method's settings) as key=value pairs."""
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={_cell(x)}" for k, x in v.items())
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
 def table_html(rows: list[dict], cols: list[str]) -> str:
     def fmt(v):
-        return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+        return html.escape(_cell(v))
     head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
     body = "".join("<tr>" + "".join(f"<td>{fmt(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
@@ -3076,20 +3103,41 @@ def table_text(rows: list[dict]) -> list[str]:
 
 def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, name: str = "report") -> Path:
     img = '<img src="data:image/png;base64,{}">'.format
+    preset, device = results.get("preset", ""), results.get("device", "")
+    config = asdict(cfg)
+    for k, used in (("preset", preset), ("device", device)):  # what was asked, and what the run resolved it to
+        if used and str(config[k]) != used:
+            config[k] = f"{config[k]} → {used}"
     parts = [f"<h1>CLVQ-VAE report</h1><p>{html.escape(time.strftime('%Y-%m-%d %H:%M'))}, preset "
-             f"{html.escape(results.get('preset', ''))}, device {html.escape(results.get('device', ''))}</p>",
-             "<h2>Configuration</h2>" + table_html([asdict(cfg)], list(asdict(cfg)))]
+             f"{html.escape(preset)}, device {html.escape(device)}</p>",
+             "<h2>Configuration</h2>" + table_html([config], list(config))]
     if histories:
         parts.append("<h2>Training</h2>" + img(loss_figure(histories)))
     if results.get("eval"):
         rows = [{"model": m, **ev} for m, ev in results["eval"].items()]
         parts.append("<h2>Validation (every dev row, nearest codes)</h2>" + table_html(rows, list(rows[0])))
     if results.get("fidelity"):
-        rows = results["fidelity"]
-        projection = (results.get("fidelity_info") or {}).get("projection", "paper")
+        rows = [{k: f"{v:.1%}" if k in ("drop_concept", "drop_random") else v for k, v in r.items()}
+                for r in results["fidelity"]]
+        info = results.get("fidelity_info") or {}
+        projection = info.get("projection", "paper")
+        facts = []
+        if info.get("probe_chance") is not None:
+            facts.append(f"chance level of the probe {info['probe_chance']:.3f} (the share of the majority class among "
+                         f"the {info.get('sentences', '')} scored dev sentences)")
+        if info.get("head_dev_accuracy") is not None:
+            facts.append(f"dev accuracy of the classifier whose prediction IG explains {info['head_dev_accuracy']:.3f}")
         parts.append(f"<h2>Concept-ablation fidelity (spec §6.1), {html.escape(projection)} projection</h2><p>paper "
                      "(RoBERTa, ERASER-Movie): probe accuracy 0.895 original, 0.058 concept-ablated, 0.831 "
                      "random-ablated (relative drop 93%)</p>"
+                     + (f"<p>{html.escape('; '.join(facts))}.</p>" if facts else "")
+                     + "<p>Accuracies are the probe's, mean (and std) over the folds. drop_concept and drop_random "
+                     "are relative drops, (original − ablated) / original: a higher drop means the removed concept "
+                     "carried more of what the probe uses, i.e. a more faithful concept, and a faithful method's "
+                     "concept drop exceeds the random-direction drop. rank: the dimension of the subspace "
+                     "projected out of each sentence's representation (1 for a codebook method's concept vector, "
+                     "the top encoder rows for the SAE); the random control removes as many random "
+                     "directions.</p>"
                      + table_html(rows, list(dict.fromkeys(k for r in rows for k in r))))
     if results.get("baselines"):
         b = results["baselines"]
@@ -3107,7 +3155,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
     path = out_dir / f"{name}.html"
     path.write_text("<!doctype html><meta charset=utf-8><title>CLVQ-VAE report</title><style>body{font-family:"
                     "sans-serif;max-width:1100px}table{border-collapse:collapse;font-size:12px}td,th{border:1px "
-                    "solid #ccc;padding:2px 6px}pre{background:#f6f6f6;padding:6px;white-space:pre-wrap}</style>"
+                    "solid #ccc;padding:2px 6px}pre{background:#f6f6f6;padding:6px;white-space:pre-wrap}"
+                    + CARDS_CSS + "</style>"
                     + "".join(parts))
     return path
 
@@ -3273,7 +3322,8 @@ def run(cfg: Config, explicit) -> int:
     log = Logger(None if cfg.bench else out_dir / f"log-{variant_name(cfg)}.txt", rank)
     if preset == "cpu" and not cfg.bench and cfg.train and not cfg.resume:  # a resumed run keeps its own settings
         log(preset_banner(cfg, explicit, device, "about 4 minutes on 2 CPU cores", CPU_PRESET, RUNTIME_KEYS))
-    log("config: " + json.dumps(asdict(cfg)))
+    if cfg.bench:  # the benchmark never loads a source model: its config is final here
+        log("config: " + json.dumps(asdict(cfg)))
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
@@ -3287,9 +3337,8 @@ def run(cfg: Config, explicit) -> int:
     if "d_model" in explicit and cfg.d_model != src.d_model:
         raise RunError(f"--d-model {cfg.d_model}: the codes live in the source model's space, d = {src.d_model} "
                        f"for {cfg.model} (spec §2.1); drop the flag")
-    if cfg.d_model != src.d_model:  # the config line above shows the flag's default; the checkpoint stores this
-        log(f"config: d_model {cfg.d_model} -> {src.d_model}, the source model's width")
-    cfg = replace(cfg, d_model=src.d_model)
+    cfg = replace(cfg, d_model=src.d_model)  # d is the source model's width, known once it is loaded
+    log("config: " + json.dumps(asdict(cfg)))  # only now: the settings this run uses, d_model included
     log(f"source model {cfg.model}: {src.kind}, {src.n_layers} layers, d = {src.d_model}; codes in R^{src.d_model}, "
         f"layer {cfg.layer_l} -> layer {cfg.layer_h}")
     if cfg.d_model % cfg.dec_heads:
@@ -3309,9 +3358,16 @@ def run(cfg: Config, explicit) -> int:
     results.update(analyses)
     for name, m in analyses.get("models", {}).items():  # the l = h VQ-VAE's curves beside CLVQ-VAE's
         histories[name] = m.history
+        v, lo = variant_name(m.cfg), m.cfg.layer_l  # its validation beside CLVQ-VAE's, on its own target x_h := x_l
+        ev[v] = evaluate(m, replace(dev_acts, x_h=dev_acts.x_l, layers=(lo, lo)), m.cfg, device)
+        log(f"{v} on dev: " + eval_line(m.cfg.max_iters, ev[v], m.cfg.codebook_size).split(": ", 1)[1])
     if results.get("fidelity"):
+        chance = (results.get("fidelity_info") or {}).get("probe_chance")
         log("concept-ablation fidelity (probe accuracy on the layer-l sentence representation, mean ± std over folds, "
-            f"{cfg.fidelity_projection} projection; paper: 0.895 original -> 0.058 concept-ablated, 0.831 random):")
+            f"{cfg.fidelity_projection} projection"
+            + (f"; chance {chance:.3f}, the majority class" if chance is not None else "")
+            + "; drops relative to the original, higher = more faithful, a concept's should exceed the random one's; "
+            "paper: 0.895 original -> 0.058 concept-ablated, 0.831 random):")
         table = results.get("fidelity_table") or "\n".join(table_text(results["fidelity"]))
         for line in table.splitlines():
             log("  " + line)
@@ -3319,8 +3375,7 @@ def run(cfg: Config, explicit) -> int:
     json_safe = {k: v for k, v in results.items() if k not in ("cards_html", "models")}
     (out_dir / f"{tag}.json").write_text(to_json(json_safe))
     if results.get("cards_html"):
-        (out_dir / f"{'cards' if cfg.train else 'analysis-cards'}.html").write_text("<!doctype html><meta charset=utf-8><title>CLVQ-VAE concept cards</title>"
-                                            + results["cards_html"])
+        (out_dir / f"{'cards' if cfg.train else 'analysis-cards'}.html").write_text(cards_page(results["cards_html"]))
     if cfg.report:
         log(f"report: {write_report(out_dir, cfg, results, histories, 'report' if cfg.train else 'analysis')}")
     return 0

@@ -248,6 +248,18 @@ def test_l_equal_h_does_not_retrain_its_own_model_as_the_vq_baseline():
     assert any("skipped, the model of this run has l = h already" in ln for ln in lines)
 
 
+def test_fidelity_table_header_lines_up_with_its_values():
+    row = dict(method="CLVQ-VAE l4->h6", acc_orig=0.674, acc_orig_std=0.171, acc_concept=0.569, acc_concept_std=0.2,
+               acc_random=0.503, acc_random_std=0.1, drop_concept=0.156, drop_random=0.254)
+    head, line = cv.fidelity_table([row, dict(row, method="SAE", drop_random=1.0)]).splitlines()[:2]
+    assert "15.6%" in line and "25.4%" in line
+    labels = ["original", "concept-ablated", "random-ablated", "concept drop", "random drop"]
+    values = ["0.674 ± 0.171", "0.569 ± 0.200", "0.503 ± 0.100", "15.6%", "25.4%"]
+    for label, value in zip(labels, values):  # right-aligned: each label ends where its column's values end
+        assert head.index(label) + len(label) == line.index(value) + len(value), label
+        assert head[head.index(label) - 2:head.index(label)] == "  "  # two spaces from the column before
+
+
 def test_stratified_folds_balance_classes():
     y = torch.tensor([0] * 30 + [1] * 10)
     f = cv.stratified_folds(y, 5, seed=42)
@@ -283,6 +295,11 @@ def test_cards_escape_and_highlight():
     assert "<mark>&lt;b&gt;</mark>" in page and "toy &lt;i&gt;" in page
     assert "<b>" not in page and "<i>" not in page and "&amp;" in page
     assert page.count('class="card"') == 3
+    # a fragment for the report (no document of its own, no <h1>/<h2> above the report's heading) ...
+    assert not any(t in page.lower() for t in ("<!doctype", "<title>", "<style>", "<h1>", "<h2>"))
+    # ... and a document for cards.html
+    doc = cv.cards_page(page)
+    assert doc.lower().startswith("<!doctype") and doc.count("<title>") == 1 and doc.endswith(page)
 
 
 def test_coherence_proxy_beats_chance_only_for_coherent_codes():
@@ -344,6 +361,8 @@ def test_run_analyses_end_to_end_on_a_tiny_bert(bert):
     texts, labels = _texts(40)
     train = cv.extract_activations(bert, texts, labels, layers=(1, 3), min_count=0, max_per_type=None)
     dtexts, dlabels = _texts(24, seed=1)
+    order = sorted(range(24), key=lambda i: -dlabels[i])  # class 1 first: the 20 scored are 12 + 8, chance 0.6
+    dtexts, dlabels = [dtexts[i] for i in order], [dlabels[i] for i in order]
     dev = cv.extract_activations(bert, dtexts, dlabels, layers=(1, 3), min_count=0, max_per_type=None)
     cfg = cv.Config(d_model=32, codebook_size=6, dec_layers=1, dec_heads=2, dec_ffn=32, init_iters=5,
                     init_restarts=1, kernels="torch")
@@ -361,7 +380,9 @@ def test_run_analyses_end_to_end_on_a_tiny_bert(bert):
     assert list(res["models"]) == ["VQ-VAE l1->h1"] and res["models"]["VQ-VAE l1->h1"] is not model
     names = [w["method"] for w in res["fidelity"]]
     assert names == ["CLVQ-VAE l1->h3", "k-means", "VQ-VAE l1->h1", "top-k SAE"]
-    assert set(res["baselines"]) == set(names) == set(res["coherence"])
+    assert set(res["coherence"]) == set(names) and list(res["baselines"]) == names[1:]  # CLVQ-VAE is no baseline
+    for b in res["baselines"].values():
+        assert isinstance(b["fit_seconds"], float) and "seconds" not in b["settings"]  # the time once
     orig = {w["acc_orig"] for w in res["fidelity"]}
     assert len(orig) == 1  # one probe per fold, shared by every method
     for w in res["fidelity"]:
@@ -371,6 +392,7 @@ def test_run_analyses_end_to_end_on_a_tiny_bert(bert):
     for n in names:
         assert cv.html.escape(n) in res["cards_html"]
     assert res["fidelity_info"]["sentences"] == 20
+    assert res["fidelity_info"]["probe_chance"] == pytest.approx(0.6)  # from the class balance, not 1 / classes
     assert len(res["fidelity_info"]["salient_codes"]["k-means"]) == 20
 
 

@@ -246,8 +246,12 @@ def stub_analyses(calls):
         base = fit_fn(cfg, replace(train_acts, x_h=train_acts.x_l, layers=(lo, lo)),
                       replace(dev_acts, x_h=dev_acts.x_l, layers=(lo, lo)), device, log, f"vq-l{lo}-h{lo}")
         calls.append(dict(model=model, base=base, src=src))
-        return {"fidelity": [{"method": "CLVQ-VAE", "original": 0.9, "ablated": 0.1}], "cards_html": "<p>CARDS</p>",
-                "coherence": {"CLVQ-VAE": {"mean": 2.0}}, "baselines": {"vq": {"mse": 0.1}}}
+        return {"fidelity": [{"method": "CLVQ-VAE", "original": 0.9, "ablated": 0.1, "drop_concept": 0.1563,
+                              "drop_random": 0.254, "rank": 1}],
+                "fidelity_info": {"probe_chance": 0.625, "head_dev_accuracy": 0.7125, "sentences": 8},
+                "cards_html": "<p>CARDS</p>", "coherence": {"CLVQ-VAE": {"mean": 2.0}},
+                "baselines": {"VQ-VAE l1->h1": {"settings": {"K": 8, "l": 1, "h": 1}, "fit_seconds": 1.5}},
+                "models": {"VQ-VAE l1->h1": base}}
     return run_analyses
 
 
@@ -262,12 +266,26 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     model, base = calls[0]["model"], calls[0]["base"]
     assert not model.training and not base.training and model.history["step"] == [3, 6]
     log = (tmp_path / "log-clvq-l1-h2.txt").read_text()
-    assert "no GPU: running the CPU preset" in log and "config: {" in log and "d = 32" in log
-    assert "concept-ablation fidelity" in log and "CLVQ-VAE  0.9" in log
+    assert "no GPU: running the CPU preset" in log and "d = 32" in log
+    # one config line, with the width the run uses (the source model's, not the flag's default 768)
+    config = [ln for ln in log.splitlines() if ln.startswith("config:")]
+    assert len(config) == 1 and json.loads(config[0].split(": ", 1)[1])["d_model"] == 32
+    assert "concept-ablation fidelity" in log and "CLVQ-VAE  0.9" in log and "chance 0.625" in log
+    assert "vq-l1-h1 on dev: val loss" in log  # the baseline's validation, beside the model's
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["fidelity"][0]["ablated"] == 0.1 and "cards_html" not in res and res["variant"] == "clvq-l1-h2"
+    assert list(res["eval"]) == ["clvq-l1-h2", "vq-l1-h1"] and res["eval"]["vq-l1-h1"]["rows"] > 0
     report = (tmp_path / "report.html").read_text()
     assert "<p>CARDS</p>" in report and "Concept-ablation fidelity" in report and "data:image/png;base64" in report
+    assert report.lower().count("<!doctype") == 1 and report.count("<title>") == 1  # the cards are a fragment
+    cards = (tmp_path / "cards.html").read_text()
+    assert cards.lower().count("<!doctype") == 1 and "<p>CARDS</p>" in cards  # and a document of their own
+    assert "<td>auto → cpu</td>" in report and report.count("auto → cpu") == 2  # preset and device, resolved
+    assert "<td>vq-l1-h1</td>" in report  # the baseline's row in the validation table
+    assert "<td>K=8, l=1, h=1</td>" in report and "{&#x27;" not in report  # settings as key=value text
+    assert "<td>15.6%</td>" in report and "<td>25.4%</td>" in report and "0.1563" not in report
+    assert "chance level of the probe 0.625" in report and "IG explains 0.713" in report  # fidelity_info, stated
+    assert "higher drop means" in report and "rank: the dimension" in report
     ck = torch.load(tmp_path / "ckpt-clvq-l1-h2.pt", weights_only=True)
     assert ck["config"]["codebook_size"] == 8 and ck["config"]["d_model"] == 32 and ck["step"] == 6
     assert ck["config"]["batch_size"] == 8 and ck["config"]["max_iters"] == 6
@@ -364,6 +382,7 @@ def test_tiny_run_end_to_end(tmp_path, tiny_bert, cache_dir):
     assert losses[-1] < losses[0]
     assert sum(ln.startswith("step ") and ": val loss" in ln for ln in main) == 2
     assert "vq-l1-h1: trained in" in r.stdout
+    assert r.stdout.count("a token in the step lines' tok/s is one word row") >= 1
     for f in ("ckpt-clvq-l1-h2.pt", "ckpt-vq-l1-h1.pt", "report.html", "results.json"):
         assert (tmp_path / f).is_file(), f
     res = json.loads((tmp_path / "results.json").read_text())
@@ -375,6 +394,9 @@ def test_tiny_run_end_to_end(tmp_path, tiny_bert, cache_dir):
     assert "fine-tuning" in r.stdout and "fidelity: classifier = the fine-tuned model and its head" in r.stdout
     report = (tmp_path / "report.html").read_text()
     assert "Concept-ablation fidelity (spec §6.1), paper projection" in report and "Concept cards" in report and "VQ-VAE l1-&gt;h1" in report
+    assert report.lower().count("<!doctype") == 1 and "<td>vq-l1-h1</td>" in report
+    baselines = report.split("<h2>Baselines")[1].split("<h2>")[0]  # the methods the model is compared with
+    assert set(res["eval"]) == {"clvq-l1-h2", "vq-l1-h1"} and "CLVQ-VAE" not in baselines and "k-means" in baselines
 
 
 @pytest.mark.slow
