@@ -981,9 +981,10 @@ def estimate_loss(model, data, cfg: Config, autocast, batch_size) -> float:
 def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windows: Optional[int] = None,
                  **forward_kw) -> dict:
     """Exact token-weighted perplexity over the val split: every token predicted once (common.iter_eval), or over
-    its first max_windows windows. forward_kw (ablate, at) evaluates an ablated model."""
+    its first max_windows windows (fewer where the split holds fewer). forward_kw (ablate, at) evaluates an ablated
+    model. -> loss, ppl, and the tokens and windows it read (a report names what a loss was measured on)."""
     model.eval()
-    total, count = 0.0, 0
+    total, count, windows = 0.0, 0, 0
     for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):
         if max_windows is not None:
             if i * batch_size >= max_windows:
@@ -993,13 +994,20 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
             logits = model(x, **forward_kw)
         total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
         count += y.numel()
+        windows += y.shape[0]
     if dist_ready():
         import torch.distributed as dist
 
-        t = torch.tensor([total, count], dtype=torch.float64, device=data.device)
+        t = torch.tensor([total, count, windows], dtype=torch.float64, device=data.device)
         dist.all_reduce(t)
-        total, count = t.tolist()
-    return {"loss": total / count, "ppl": math.exp(total / count), "tokens": int(count)}
+        total, count, windows = t.tolist()
+    return {"loss": total / count, "ppl": math.exp(total / count), "tokens": int(count), "windows": int(windows)}
+
+
+def on_windows(windows: int, tokens: int) -> str:
+    """What an analysis loss was measured on, as the report and the log say it: the first --analysis-windows val
+    windows, not the whole split of the validation figures (so the loss at α = 1 need not match those)."""
+    return f"{windows} val window{'s' if windows != 1 else ''} ({tokens:,} tokens)"
 
 
 def dist_ready() -> bool:
@@ -1297,14 +1305,15 @@ def parse_alphas(spec: str) -> list[float]:
 def amplification(model: DualStream, data, cfg: Config, alphas: list[float], autocast) -> dict:
     """Attention amplification (spec §5): every head of every layer uses softmax(α·qkᵀ/√d_h) at inference. For each
     α: val loss over analysis_windows windows and its relative increase over α = 1 (always measured), the
-    mean attention entropy (nats) and max weight per layer, from the kernel's statistics, and a greedy sample."""
+    mean attention entropy (nats) and max weight per layer, from the kernel's statistics, and a greedy sample.
+    windows and tokens say what the losses were measured on (fewer windows where the split holds fewer)."""
     model.eval()
     rows, samples = [], {}
     prompt = (cfg.sample or "HAMLET:\n").replace("\\n", "\n")
     ids = torch.tensor([data.tokenizer.encode(prompt) or [data.tokenizer.eot]], device=data.device)
     L = len(model.blocks)
     for alpha in [1.0] + [a for a in alphas if a != 1.0]:  # α = 1 first: the base of every increase
-        total, count = 0.0, 0
+        total, count, windows = 0.0, 0, 0
         ent, maxw, batches = torch.zeros(L), torch.zeros(L), 0
         with model.probe(alpha=alpha, record=True):
             for i, (x, y) in enumerate(data.iter_eval("val", 8, cfg.ctx)):
@@ -1315,6 +1324,7 @@ def amplification(model: DualStream, data, cfg: Config, alphas: list[float], aut
                     logits = model(x)
                 total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
                 count += y.numel()
+                windows += y.shape[0]
                 ent += torch.stack([a.last["entropy"].mean().cpu() for a in model.attentions()])
                 maxw += torch.stack([a.last["max_weight"].mean().cpu() for a in model.attentions()])
                 batches += 1
@@ -1325,7 +1335,7 @@ def amplification(model: DualStream, data, cfg: Config, alphas: list[float], aut
     base = rows[0]["loss"]
     for r in rows:
         r["degradation"] = r["loss"] / base - 1
-    return {"rows": rows, "samples": samples}
+    return {"rows": rows, "samples": samples, "windows": windows, "tokens": count}
 
 
 # Each row of the stream ablation, (stream, at) -> exactly what it removes (token-factor: attention writes x_t and
@@ -1347,8 +1357,10 @@ FTS_ALL_NOTE = ("--ablate-at all skipped in fts mode: x_t has no writes to drop 
 def ablation(model: DualStream, data, cfg: Config, autocast) -> list[dict]:
     """Stream ablation (spec §6): remove x_t or x_e at the readout (and, with --ablate-at all, the ABLATIONS rows
     that drop a stream's writes in every block, see DualStream.streams), no retraining; relative change of the val
-    loss (paper, at the readout: +36% without x_t, +9.5% without x_e)."""
-    full = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=cfg.analysis_windows)["loss"]
+    loss (paper, at the readout: +36% without x_t, +9.5% without x_e). Each row keeps the windows and tokens the
+    losses were measured on (the first analysis_windows val windows, as the amplification's)."""
+    base = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=cfg.analysis_windows)
+    full = base["loss"]
     keys = [("x_t", "readout"), ("x_e", "readout")]
     if cfg.ablate_at == "all" and model.cfg.mode == "token-factor":
         keys += [("x_t", "writes"), ("x_t", "all"), ("x_e", "all")]
@@ -1357,7 +1369,7 @@ def ablation(model: DualStream, data, cfg: Config, autocast) -> list[dict]:
         loss = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=cfg.analysis_windows, ablate=stream,
                             at=at)["loss"]
         rows.append({"removed": ABLATIONS[stream, at], "stream": stream, "at": at, "loss": loss, "full": full,
-                     "change": loss / full - 1})
+                     "change": loss / full - 1, "windows": base["windows"], "tokens": base["tokens"]})
     return rows
 
 
@@ -1433,8 +1445,8 @@ def hubs(model: DualStream) -> Optional[list[dict]]:
 
 
 def kronecker_figure(model: DualStream) -> Optional[str]:
-    """Heatmaps of every layer's A_V and A_O (those that are Kronecker; signed, one colour scale per matrix) as a
-    base64 PNG: one row per matrix kind, one column per layer."""
+    """Heatmaps of every layer's A_V and A_O (those that are Kronecker; signed, one colour scale and colorbar per
+    matrix) as a base64 PNG: one row per matrix kind, one column per layer."""
     maps = kronecker_maps(model)
     if not maps:
         return None
@@ -1449,7 +1461,10 @@ def kronecker_figure(model: DualStream) -> Optional[str]:
     for i, name, A in maps:
         lim = A.abs().max().item() or 1.0
         ax = axes[kinds.index(name)][i]
-        ax.imshow(A.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim)
+        im = ax.imshow(A.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim)
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=6)  # each map has its own scale
+        ax.set_xticks(range(A.shape[1]))  # heads are whole: matplotlib's default ticks fall at 0.5 for H = 3
+        ax.set_yticks(range(A.shape[0]))
         ax.set_title(f"layer {i} A_{name}", fontsize=8)
         ax.set_xlabel("from head h", fontsize=7)
         ax.set_ylabel("to head g", fontsize=7)
@@ -1679,11 +1694,13 @@ def amplification_figure(amp: dict) -> str:
             ax1.plot(alphas, [100 * r["degradation"] for r in a["rows"]], "o-", label=name)
         ax1.set_xscale("log", base=2)
         ax1.set_xlabel("α")
-        ax1.set_ylabel("val loss increase (%)")
+        windows = next(iter(amp.values())).get("windows")  # the same first windows for every model
+        ax1.set_ylabel("loss increase (%)" + (f", {windows} val windows" if windows else ""))
         ax1.legend(fontsize=7)
         name, a = next(iter(amp.items()))
         for r in a["rows"]:
             ax2.plot(range(len(r["entropy"])), r["entropy"], "o-", label=f"α={r['alpha']:g}")
+        ax2.set_xticks(range(len(a["rows"][0]["entropy"])))  # layers are whole: matplotlib would put ticks at 0.5
         ax2.set_xlabel("layer")
         ax2.set_ylabel(f"mean attention entropy (nats), {name}")
         ax2.legend(fontsize=7)
@@ -1698,32 +1715,64 @@ def table_html(rows: list[dict], cols: list[str]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def resolved_config(cfg: Config, results: dict) -> dict:
+    """The configuration as the report shows it: a setting left at auto says what it resolved to (auto → cpu), as
+    the report's header line does."""
+    row = asdict(cfg)
+    for k in ("preset", "device", "dtype"):
+        if row[k] == "auto" and results.get(k):
+            row[k] = f"auto → {results[k]}"
+    return row
+
+
+def greedy_samples(samples: dict) -> list[tuple[str, Optional[str]]]:
+    """-> (α as printed, sample, or None where it is byte-identical to α = 1's): greedy decoding of a weak model
+    often gives the same text at several α, which the report and the log then name instead of repeating."""
+    base = samples.get("1.0")
+    return [(f"{float(k):g}", None if k != "1.0" and s == base else s) for k, s in samples.items()]
+
+
 def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, name: str = "report") -> Path:
     img = '<img src="data:image/png;base64,{}">'.format
     parts = [f"<h1>Dual-Stream Transformer report</h1><p>{html.escape(time.strftime('%Y-%m-%d %H:%M'))}, preset "
              f"{html.escape(results.get('preset', ''))}, device {html.escape(results.get('device', ''))}</p>",
-             "<h2>Configuration</h2>" + table_html([asdict(cfg)], list(asdict(cfg)))]
+             "<h2>Configuration</h2>" + table_html([resolved_config(cfg, results)], list(asdict(cfg)))]
     if histories:
         parts.append("<h2>Training</h2>" + img(loss_figure(histories)))
     if results.get("models"):
         parts.append("<h2>Validation (every token once)</h2>" + table_html(results["models"], list(results["models"][0])))
     if results.get("amplification"):
         amp = results["amplification"]
-        rows = [{"model": m, "alpha": r["alpha"], "val loss": r["loss"], "increase": f"{r['degradation']:+.1%}",
-                 "entropy per layer": " ".join(f"{e:.2f}" for e in r["entropy"]),
+        # every model reads the same first windows of the same split: one count for the whole table
+        first = next(iter(amp.values()))
+        where = on_windows(first["windows"], first["tokens"])
+        loss_col = f"loss on {first['windows']} val windows"
+        rows = [{"model": m, "alpha": r["alpha"], loss_col: r["loss"], "increase": f"{r['degradation']:+.1%}",
+                 "mean entropy (nats)": sum(r["entropy"]) / len(r["entropy"]),
+                 "entropy per layer (nats)": " ".join(f"{e:.2f}" for e in r["entropy"]),
                  "max weight per layer": " ".join(f"{e:.2f}" for e in r["max_weight"])}
                 for m, a in amp.items() for r in a["rows"]]
-        parts.append("<h2>Attention amplification</h2><p>paper: 16% (Kronecker) to 27% (independent) at α = 16</p>"
-                     + img(amplification_figure(amp)) + table_html(rows, list(rows[0])))
+        parts.append("<h2>Attention amplification</h2><p>paper: 16% (Kronecker) to 27% (independent) at α = 16. "
+                     f"Losses on the first {where}, set by --analysis-windows, not on the whole split of the validation "
+                     "table above, so the loss at α = 1 need not match it. Attention entropy in nats, the mean over "
+                     "each layer's heads and queries.</p>" + img(amplification_figure(amp))
+                     + table_html(rows, list(rows[0])))
         for m, a in amp.items():
-            parts.append(f"<h3>Greedy samples, {html.escape(m)}</h3>" + "".join(
-                f"<pre>α={html.escape(k)}: {html.escape(s)}</pre>" for k, s in a["samples"].items()))
+            parts.append(f"<h3>Greedy samples, {html.escape(m)}</h3><p>temperature 0, so a weak model repeats "
+                         "itself at any α: compare each sample with α = 1's</p>" + "".join(
+                             f"<pre>α={k}: {html.escape(s) if s is not None else 'same as α=1'}</pre>"
+                             for k, s in greedy_samples(a["samples"])))
     if results.get("ablation"):
-        rows = [{"model": m, **{k: (f"{v:+.1%}" if k == "change" else v) for k, v in r.items()}}
+        first = next(rs[0] for rs in results["ablation"].values() if rs)
+        w = first["windows"]
+        named = {"loss": f"loss on {w} val windows", "full": f"full, {w} val windows"}
+        rows = [{"model": m, **{named.get(k, k): (f"{v:+.1%}" if k == "change" else v) for k, v in r.items()
+                               if k not in ("windows", "tokens")}}  # in the caption
                 for m, rs in results["ablation"].items() for r in rs]
         notes = "".join(f"<p>{html.escape(m)}: {html.escape(n)}</p>" for m, n in results.get("ablation_notes", {}).items())
-        parts.append("<h2>Stream ablation</h2><p>paper, at the readout: +36% without x_t, +9.5% without x_e</p>"
-                     + table_html(rows, list(rows[0])) + notes)
+        parts.append("<h2>Stream ablation</h2><p>paper, at the readout: +36% without x_t, +9.5% without x_e. Losses "
+                     f"on the first {on_windows(w, first['tokens'])}, set by --analysis-windows, as the amplification's; "
+                     "full: both streams kept</p>" + table_html(rows, list(rows[0])) + notes)
     if results.get("head_sweep"):
         rows = results["head_sweep"]
         parts.append("<h2>Head sweep</h2><p>the summary: distinctiveness and coreference rise with the number of "
@@ -1929,7 +1978,9 @@ def run(cfg: Config, explicit) -> int:
     if rank != 0:
         data = get_data()
     data.check_ctx(cfg.ctx)  # before any step: a window longer than a split cannot be drawn from it
-    results = {"preset": preset, "device": str(device)}
+    # what the auto settings resolved to, for the report (its configuration table shows "auto → cpu")
+    results = {"preset": preset, "device": str(device),
+               "dtype": "bfloat16" if isinstance(autocast, torch.autocast) else "float32"}
     histories, models = {}, {}
     start_rng = data.rng_state()
     for name, c in confs.items():
@@ -1967,10 +2018,15 @@ def run(cfg: Config, explicit) -> int:
         results["amplification"] = {}
         for name, m in models.items():
             a = results["amplification"][name] = amplification(m, data, cfg, alphas, autocast)
-            log(f"amplification, {name}: " + ", ".join(
-                f"α={r['alpha']:g} loss {r['loss']:.3f} ({r['degradation']:+.1%}, entropy {sum(r['entropy']) / len(r['entropy']):.2f})"
-                for r in a["rows"]))
-            log(f"  greedy at α={alphas[-1]:g}: " + a["samples"][str(alphas[-1])].replace("\n", " / ")[:160])
+            log(f"amplification, {name} (loss on {on_windows(a['windows'], a['tokens'])}; attention entropy in nats, "
+                "mean over layers): " + ", ".join(
+                    f"α={r['alpha']:g} loss {r['loss']:.3f} ({r['degradation']:+.1%}, entropy "
+                    f"{sum(r['entropy']) / len(r['entropy']):.2f})" for r in a["rows"]))
+            # α = 1's greedy sample beside the last α's: greedy decoding of a weak model loops at any α
+            greedy = dict(greedy_samples(a["samples"]))
+            for k in dict.fromkeys(["1", f"{alphas[-1]:g}"]):
+                log(f"  greedy at α={k}: " + (greedy[k].replace("\n", " / ")[:160] if greedy[k] is not None
+                                             else "same as α=1"))
     if cfg.ablation:
         results["ablation"] = {}
         for name, m in models.items():
@@ -1978,7 +2034,9 @@ def run(cfg: Config, explicit) -> int:
                 log(f"ablation, {name}: one stream, nothing to remove")
                 continue
             rows = results["ablation"][name] = ablation(m, data, cfg, autocast)
-            log(f"ablation, {name} (val loss change; paper, at the readout: without x_t +36%, without x_e +9.5%):")
+            log(f"ablation, {name} (change of the loss on {on_windows(rows[0]['windows'], rows[0]['tokens'])}, "
+                f"{rows[0]['full']:.3f} with both streams; paper, at the readout: without x_t +36%, "
+                "without x_e +9.5%):")
             for r in rows:
                 log(f"  {r['change']:+7.1%}  without {r['removed']}")
             if cfg.ablate_at == "all" and m.cfg.mode == "fts":

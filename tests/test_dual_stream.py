@@ -347,7 +347,7 @@ class FakeData:
 def test_evaluate_ppl_reads_exactly_max_windows():
     """--analysis-windows 3 is 3 windows, not the 8 of a whole batch."""
     res = ds.evaluate_ppl(tiny_model(), FakeData(), 16, torch.autocast("cpu", enabled=False), max_windows=3)
-    assert res["tokens"] == 3 * 16
+    assert res["tokens"] == 3 * 16 and res["windows"] == 3
 
 
 def test_ablation_rows_say_what_they_remove_and_fts_skips_the_repeats():
@@ -360,6 +360,7 @@ def test_ablation_rows_say_what_they_remove_and_fts_skips_the_repeats():
                                                       ("x_t", "all"), ("x_e", "all")]
     assert len({r["removed"] for r in rows}) == 5 and len({round(r["loss"], 9) for r in rows}) == 5
     assert "attention writes" in rows[2]["removed"] and "x_t + x_e" in rows[2]["removed"]
+    assert all(r["windows"] == 8 and r["tokens"] == 8 * 16 for r in rows)  # what the losses were measured on
     m = tiny_model(mode="fts")
     x, _ = tokens()
     for stream in ("x_t", "x_e"):
@@ -368,6 +369,66 @@ def test_ablation_rows_say_what_they_remove_and_fts_skips_the_repeats():
                                        stream == "x_e" else m(x))
     rows = ds.ablation(m, FakeData(), cfg, auto)
     assert [(r["stream"], r["at"]) for r in rows] == [("x_t", "readout"), ("x_e", "readout")]
+
+
+def test_amplification_names_its_windows():
+    """The amplification's losses are on --analysis-windows val windows, not the whole split: it says how many."""
+    data = FakeData()
+    data.tokenizer = types.SimpleNamespace(encode=lambda s: [1, 2], eot=0, decode=lambda ids: " ".join(map(str, ids)))
+    cfg = Config(ctx=16, analysis_windows=3, sample_tokens=4)
+    a = ds.amplification(tiny_model(), data, cfg, [16.0], torch.autocast("cpu", enabled=False))
+    assert a["windows"] == 3 and a["tokens"] == 3 * 16 and set(a["samples"]) == {"1.0", "16.0"}
+    assert ds.on_windows(48, 6144) == "48 val windows (6,144 tokens)" and ds.on_windows(1, 64) == "1 val window (64 tokens)"
+
+
+def drawn_figures(monkeypatch) -> list:
+    """Every matplotlib figure saved from here on (the report's figures are PNGs: their axes are read here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    figs, save = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (figs.append(self), save(self, *a, **k))[1])
+    return figs
+
+
+def test_figures_have_colorbars_and_whole_layer_ticks(monkeypatch):
+    """Each Kronecker heatmap has its own colour scale, so each has a colorbar, and ticks whole heads; the
+    entropy-per-layer panel ticks whole layers only (not 0.5)."""
+    figs = drawn_figures(monkeypatch)
+    ds.kronecker_figure(tiny_model(mixing="kronecker").float())
+    bars = [ax for ax in figs[0].axes if ax.get_label() == "<colorbar>"]
+    assert len(bars) == 4  # 2 layers × (A_V, A_O)
+    maps = [ax for ax in figs[0].axes if ax not in bars]
+    assert all(list(ax.get_xticks()) == list(ax.get_yticks()) == [0, 1, 2] for ax in maps)  # whole heads
+    rows = [{"alpha": a, "degradation": 0.0, "entropy": [1.0, 0.5]} for a in (1.0, 16.0)]
+    ds.amplification_figure({"kronecker": {"rows": rows, "windows": 48}})
+    assert list(figs[1].axes[1].get_xticks()) == [0, 1]
+    assert figs[1].axes[0].get_ylabel() == "loss increase (%), 48 val windows"  # not the whole split's val loss
+
+
+def test_report_says_what_each_figure_measures(tmp_path):
+    """The report's analysis losses name their windows and tokens (they differ from the whole-split validation),
+    entropies are in nats with the mean over layers shown, greedy samples equal to α = 1's are named rather than
+    repeated, and settings left at auto show what they resolved to."""
+    rows = [{"alpha": a, "loss": 5.6 + a / 100, "degradation": a / 1000, "entropy": [1.5, 1.25],
+             "max_weight": [0.5, 0.6]} for a in (1.0, 2.0, 16.0)]
+    amp = {"rows": rows, "windows": 48, "tokens": 6144,
+           "samples": {"1.0": "To be a man, To be a man", "2.0": "To be a man, To be a man", "16.0": "I, I, I"}}
+    ablation = [{"removed": "x_t", "stream": "x_t", "at": "readout", "loss": 6.0, "full": 5.61, "change": 0.07,
+                 "windows": 48, "tokens": 6144}]
+    results = {"preset": "cpu", "device": "cpu", "dtype": "float32", "amplification": {"kronecker": amp},
+               "ablation": {"kronecker": ablation}}
+    report = ds.write_report(tmp_path, Config(), results, {}).read_text()
+    assert report.count("48 val windows (6,144 tokens)") == 2 and "<th>loss on 48 val windows</th>" in report
+    assert "<th>full, 48 val windows</th>" in report and "<th>windows</th>" not in report
+    assert "<th>entropy per layer (nats)</th>" in report and "<th>mean entropy (nats)</th>" in report
+    assert "<td>1.375</td>" in report  # the mean over the layers, as the log prints it
+    assert "α=1: To be a man" in report and "α=2: same as α=1" in report and "α=16: I, I, I" in report
+    assert report.count("<td>auto → ") == 3 and "auto → cpu" in report and "auto → float32" in report
+    explicit = ds.write_report(tmp_path, Config(preset="cpu", device="cpu"), results, {}).read_text()
+    assert "auto → cpu" not in explicit and "auto → float32" in explicit
 
 
 def test_variant_names_every_architecture_setting():
@@ -552,8 +613,15 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert [(r["stream"], r["at"]) for r in res["ablation"]["kronecker"]] == [("x_t", "readout"), ("x_e", "readout")]
     spec = res["specialization"]["kronecker"]
     assert len(spec["distinctiveness"]) == 2 and len(spec["hubs"]) == 4 and spec["coreference"]["prompts"] > 0
+    assert amp["windows"] == 4 and amp["tokens"] == 4 * 64 and res["ablation"]["kronecker"][0]["windows"] == 4
+    # the analysis losses say what they were measured on; the greedy samples at α = 1 and the last α side by side
+    assert "amplification, kronecker (loss on 4 val windows (256 tokens); attention entropy in nats, mean over " \
+           "layers): α=1 loss" in out
+    assert "ablation, kronecker (change of the loss on 4 val windows (256 tokens), " in out
+    assert "\n  greedy at α=1: " in out and "\n  greedy at α=16: " in out
     report = (tmp_path / "report.html").read_text()
-    for needle in ("Attention amplification", "Stream ablation", "Head specialisation", "data:image/png;base64"):
+    for needle in ("Attention amplification", "Stream ablation", "Head specialisation", "data:image/png;base64",
+                   "<td>auto → cpu</td>"):
         assert needle in report, needle
 
     arch = ["--layers", "2", "--d-model", "24", "--heads", "3"]
