@@ -1028,25 +1028,35 @@ def estimate_loss(model, data, cfg: Config, autocast, batch_size) -> dict:
 def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windows: Optional[int] = None,
                  head_kw: Optional[dict] = None) -> dict:
     """Exact token-weighted perplexity over the val split: every token predicted once (common.iter_eval).
-    head_kw (suppress, factor, gain) evaluates an edited prototype head."""
+    head_kw (suppress, factor, gain) evaluates an edited prototype head; with suppress, "fired" counts the
+    (token, suppressed prototype) activations a > 0 it met: 0 means the edit cannot change a logit here."""
     model.eval()
-    total, count = 0.0, 0
+    total, count, fired = 0.0, 0, 0
     for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):
         if max_windows is not None:
             if i * batch_size >= max_windows:
                 break
             x, y = x[:max_windows - i * batch_size], y[:max_windows - i * batch_size]  # exactly max_windows
         with autocast:
-            logits = model.head(model.hidden(x), **head_kw)["logits"] if head_kw else model(x)
+            if head_kw:
+                out = model.head(model.hidden(x), **head_kw)
+                logits = out["logits"]
+                if head_kw.get("suppress") is not None:
+                    fired += int((head_kw["suppress"][out["idx"]] & (out["a"] > 0)).sum())
+            else:
+                logits = model(x)
         total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
         count += y.numel()
     if dist_ready():
         import torch.distributed as dist
 
-        t = torch.tensor([total, count], dtype=torch.float64, device=data.device)
+        t = torch.tensor([total, count, fired], dtype=torch.float64, device=data.device)
         dist.all_reduce(t)
-        total, count = t.tolist()
-    return {"loss": total / count, "ppl": math.exp(total / count), "tokens": int(count)}
+        total, count, fired = t.tolist()
+    res = {"loss": total / count, "ppl": math.exp(total / count), "tokens": int(count)}
+    if head_kw and head_kw.get("suppress") is not None:
+        res["fired"] = int(fired)
+    return res
 
 
 def dist_ready() -> bool:
@@ -1445,9 +1455,10 @@ def cards_html(cards: list[dict], limit: int = 300) -> str:
 
 
 @torch.no_grad()
-def logit_decomposition(model: PRISM, ids: torch.Tensor, tok) -> dict:
+def logit_decomposition(model: PRISM, ids: torch.Tensor, tok, prompt_len: int = 0) -> dict:
     """Spec §1, §5.4: every token's logit as prototype slices a_{t,i} (w_y · p_i) plus the residual slice
-    w_y · r_t; they sum to the logit w_y · z_t (exactly, up to float rounding: reported)."""
+    w_y · r_t; they sum to the logit w_y · z_t (exactly, up to float rounding: reported). The first prompt_len
+    tokens of ids are the prompt: their rows say so ("prompt"), the rest are the generated continuation."""
     model.eval()
     x, y = ids[:, :-1], ids[0, 1:]
     z = model.hidden(x)[0].float()
@@ -1461,7 +1472,8 @@ def logit_decomposition(model: PRISM, ids: torch.Tensor, tok) -> dict:
     rows = []
     for t in range(len(y)):
         order = slices[t].abs().argsort(descending=True)[:4]
-        rows.append({"token": tok.decode([int(y[t])]), "logit": logit[t].item(), "residual": resid[t].item(),
+        rows.append({"token": tok.decode([int(y[t])]), "prompt": t + 1 < prompt_len, "logit": logit[t].item(),
+                     "residual": resid[t].item(),
                      "prototypes": [(int(out["idx"][t, j]), slices[t, j].item()) for j in order.tolist()
                                     if out["a"][t, j] > 0]})
     return {"rows": rows, "max_abs_error": err, "max_abs_logit": logit.abs().max().item()}
@@ -1566,12 +1578,25 @@ def suppression(model: PRISM, data, cfg: Config, ids: list[int], keywords: list[
                                                                                  samples_per_prompt),
              "after": suppression_generations(model, data, cfg, kw, samples_per_prompt)}
     ev0 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows)
-    ppl0, ppl1 = ev0["ppl"], evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows, head_kw=kw)["ppl"]
+    ev1 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows, head_kw=kw)
+    ppl0, ppl1 = ev0["ppl"], ev1["ppl"]
+    # why an unchanged before/after is a no-op rather than a null result: how often the suppressed prototypes
+    # fired in the val windows, and how many generations the edit changed at all
+    changed = sum(b != a for b, a in zip(texts["before"], texts["after"]))
     return {"prototypes": ids, "fraction": len(ids) / model.P.shape[0], "keywords": keywords,
-            "factor": cfg.suppress_factor, "generations": len(texts["before"]),
+            "factor": cfg.suppress_factor, "generations": len(texts["before"]), "generations_changed": changed,
             "rate_before": keyword_rate(texts["before"], keywords), "rate_after": keyword_rate(texts["after"], keywords),
             "ppl_before": ppl0, "ppl_after": ppl1, "ppl_change": ppl1 / ppl0 - 1, "ppl_tokens": ev0["tokens"],
+            "fired_val": ev1["fired"], "no_effect": changed == 0 and ppl1 == ppl0,
             "example": {"before": texts["before"][0], "after": texts["after"][0]}}
+
+
+def suppression_effect(r: dict) -> str:
+    """How much a suppression touched, from suppression()'s counts: an unchanged before/after then reads as a no-op
+    (prototypes that never fired) rather than as a measured null effect."""
+    s = (f"the suppressed prototypes fired {r['fired_val']:,} times over the {r['ppl_tokens']:,} val tokens and "
+         f"changed {r['generations_changed']} of the {r['generations']} generations")
+    return ("no effect: " + s) if r["no_effect"] else s
 
 
 # --- Training-data attribution (spec §5.3; the paper's algorithm is not public, this is the reconstruction) ---
@@ -2130,8 +2155,11 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
         return {f"top-{n} overlap": topn_overlap(s, ref, n) for n in (10, 100)}
 
     def add_row(name, scores, ms, mem, scored, setup, batched=False):
+        """scored: the sequences each query scored, one count per query (an int: every query scores them all)."""
         ranked[name] = scores
-        rows.append({"method": name, "ms/query": ms, "memory MB": mem / 2**20, "scored": scored, "setup s": setup,
+        per_query = scored if isinstance(scored, list) else [scored]
+        rows.append({"method": name, "ms/query": ms, "memory MB": mem / 2**20,
+                     "scored": sum(per_query) / len(per_query), "scored min": min(per_query), "setup s": setup,
                      "batched": batched})
 
     # 1-2. the cache, then one forward and a few postings per query
@@ -2149,7 +2177,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
         touched.append(int(scored.sum()))
         states.append((idx[0], a[0], delta[0]))  # for the no-curvature diagnostic below
     cached_name = f"PRISM cached ({cfg.attr_curvature})"
-    add_row(cached_name, torch.stack(scores), 1e3 * sum(times) / Q, cache.nbytes(), sum(touched) / Q, setup)
+    add_row(cached_name, torch.stack(scores), 1e3 * sum(times) / Q, cache.nbytes(), touched, setup)
     # 3. exact prototype-space gradients
     t0 = attr_clock(device)
     ex = build_exact(model, windows, cfg.attr_damping)
@@ -2198,11 +2226,14 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
         table.append({"method": r["method"], "ms/query": r["ms/query"], "memory MB": r["memory MB"],
                       **overlaps(s, ref),
                       "top-10 chance": chance[10], "top-100 chance": chance[100],
-                      "sequences scored": r["scored"], "setup s": r["setup s"]})
+                      "sequences scored": r["scored"], "sequences scored (min)": r["scored min"],
+                      "setup s": r["setup s"]})
+        # a mean over queries: 255.9 printed :.0f would read as "every query scored all 256"
+        scored = (f"{M}/{M} sequences scored by every query" if r["scored min"] == M else
+                  f"{r['scored']:.1f}/{M} sequences scored per query (min {r['scored min']})")
         log(f"attribution {r['method']}: {r['ms/query']:.2f} ms/query, {r['memory MB']:.3g} MB, top-10/top-100 "
             f"overlap with exact {table[-1]['top-10 overlap']:.2f}/{table[-1]['top-100 overlap']:.2f} (chance "
-            f"{chance[10]:.2f}/{chance[100]:.2f}), {r['scored']:.0f}/{M} sequences scored per query, "
-            f"setup {r['setup s']:.1f}s")
+            f"{chance[10]:.2f}/{chance[100]:.2f}), {scored}, setup {r['setup s']:.1f}s")
     by = {r["method"]: r for r in table}
     c = by[cached_name]
     speed = {name: by[name]["ms/query"] / c["ms/query"] for name in by if name != cached_name}
@@ -2709,19 +2740,38 @@ def table_html(rows: list[dict], cols: list[str]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def resolved(asked: str, got: str) -> str:
+    """'auto → cpu': the value asked for and the one the run used, so the configuration and the header agree."""
+    return got if asked == got or not got else f"{asked} → {got}"
+
+
 def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, name: str = "report") -> Path:
+    preset, device = (resolved(getattr(cfg, k), results.get(k, "")) for k in ("preset", "device"))
     parts = [f"<h1>PRISM report</h1><p>{html.escape(time.strftime('%Y-%m-%d %H:%M'))}, preset "
-             f"{html.escape(results.get('preset', ''))}, device {html.escape(results.get('device', ''))}</p>",
-             "<h2>Configuration</h2>" + table_html([asdict(cfg)], list(asdict(cfg)))]
+             f"{html.escape(preset)}, device {html.escape(device)}</p>",
+             "<h2>Configuration</h2>" + table_html([{**asdict(cfg), "preset": preset, "device": device}],
+                                                   list(asdict(cfg)))]
     if histories:
         parts.append(f'<h2>Training</h2><img src="data:image/png;base64,{loss_figure(histories)}">')
         evals = histories.get("prism", {}).get("evals", [])
-        rows = [{"step": e["step"], "CE": e["ce"], "|r|/|z|": e.get("r_over_z", ""), "REC": e.get("rec", ""),
-                 "R1": e.get("r1", ""), "R2": e.get("r2", ""), "non-zero a": e.get("nnz", ""), "used": e.get("used", ""),
+        # the column names carry their definitions: CE is estimate_loss's sample of val batches (the Validation
+        # table below predicts every token), and `used` counts the training activations since the previous
+        # evaluation (train's usage), not the val batches
+        ce = f"val CE ({cfg.eval_iters} batches)"
+        used = f"used (of K={cfg.n_protos}, since the last eval)"
+        rows = [{"step": e["step"], ce: e["ce"], "|r|/|z|": e.get("r_over_z", ""), "REC": e.get("rec", ""),
+                 "R1": e.get("r1", ""), "R2": e.get("r2", ""), "non-zero a": e.get("nnz", ""),
+                 used: "" if e.get("used") is None else e["used"],
                  **{f"R̄1/R2 τ={t}": f"{e['cover_r1'][t]:.2f} / {e['cover_r2'][t]:.2f}" for t in TAUS if "cover_r1" in e}}
                 for e in evals]
         if rows:
-            parts.append("<h3>PRISM evaluations</h3>" + table_html(rows, list(rows[-1])))
+            parts.append("<h3>PRISM evaluations</h3>"
+                         f"<p>{html.escape(ce)}: the mean cross-entropy over {cfg.eval_iters} random val batches of "
+                         f"{cfg.batch_size} × {cfg.ctx} tokens ({cfg.eval_iters * cfg.batch_size * cfg.ctx:,} tokens, "
+                         "not every val token: the Validation table does that); the other figures are over the same "
+                         f"batches. {html.escape(used)}: prototypes active on at least one training token in the "
+                         f"{cfg.eval_interval} training steps since the previous evaluation (blank before the "
+                         "prototypes are seeded); K minus it are dead.</p>" + table_html(rows, list(rows[-1])))
     if "ppl" in results:
         parts.append("<h2>Validation (every token once)</h2>" + table_html(
             [{"model": k, "loss": v["loss"], "ppl": v["ppl"], "tokens": v["tokens"]} for k, v in results["ppl"].items()],
@@ -2734,14 +2784,23 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                      f'{c["tokens"]:,} training tokens: <a href="{c["file"]}">{c["file"]}</a> (and its .json)</p>')
     if "decomposition" in results:
         d = results["decomposition"]
-        rows = [{"token": r["token"], "logit": r["logit"], "residual slice": r["residual"],
+        # repr(): a newline or a space token would otherwise be a blank cell
+        rows = [{"token": repr(r["token"]), "in": "prompt" if r.get("prompt") else "generated", "logit": r["logit"],
+                 "residual slice": r["residual"],
                  "largest prototype slices": ", ".join(f"p{i}: {v:+.2f}" for i, v in r["prototypes"])} for r in d["rows"]]
-        parts.append(f"<h2>Logit decomposition of a generated text</h2><p>slices + residual = logit, max |error| "
+        n_prompt = sum(bool(r.get("prompt")) for r in d["rows"])
+        parts.append(f"<h2>Logit decomposition of a prompt and its generated continuation</h2><p>Each row is the "
+                     f"logit of the token shown (the model's next-token target); the rows marked prompt "
+                     f"({n_prompt} of {len(rows)}, first) are the prompt's tokens, the others generated. slices + "
+                     f"residual = logit, max |error| "
                      f"{d['max_abs_error']:.2e}</p>" + table_html(rows, list(rows[0]) if rows else []))
     if results.get("attribution"):
         a = results["attribution"]
+        # the JSON keeps the plain key; the header says it is a mean over the queries (255.9 of 256, not "all")
+        mean = "sequences scored (mean per query)"
+        rows = [{(mean if k == "sequences scored" else k): v for k, v in r.items()} for r in a["table"]]
         parts.append("<h2>Training-data attribution</h2>" + f"<p>{html.escape(a.get('summary', ''))}</p>"
-                     + table_html(a["table"], list(a["table"][0])))
+                     + table_html(rows, list(rows[0])))
         if a.get("gradients_only"):
             g = a["gradients_only"]
             parts.append(f"<p>Without curvature in either ranking (gradients alone), cached vs exact top-10/top-100 "
@@ -2753,16 +2812,29 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                          f"the exact gradients ranked with the cache's curvature vs the exact ranking "
                          f"{cv['top-10 overlap']:.2f}/{cv['top-100 overlap']:.2f} (the curvature alone).</p>")
     for r in results.get("suppression", []):
-        parts.append(f"<h2>Suppression ({html.escape(', '.join(r['keywords']))})</h2>" + table_html(
-            [r], ["prototypes", "fraction", "factor", "generations", "rate_before", "rate_after", "ppl_before",
-                  "ppl_after", "ppl_change"])
-            + f"<pre>before: {html.escape(r['example']['before'])}\n\nafter: {html.escape(r['example']['after'])}</pre>")
+        row = {"prototypes": r["prototypes"], "share of the bank": f"{r['fraction']:.2%}", "factor": r["factor"],
+               "generations": r["generations"], "keyword rate before (per 1k words)": r["rate_before"],
+               "keyword rate after (per 1k words)": r["rate_after"], "val ppl before": r["ppl_before"],
+               "val ppl after": r["ppl_after"], "ppl change": f"{r['ppl_change']:+.2%}"}
+        effect = f"<p>{html.escape(suppression_effect(r))}.</p>" if "fired_val" in r else ""
+        parts.append(f"<h2>Suppression ({html.escape(', '.join(r['keywords']))})</h2>" + table_html([row], list(row))
+                     + effect + f"<pre>before: {html.escape(r['example']['before'])}\n\n"
+                                f"after: {html.escape(r['example']['after'])}</pre>")
     if results.get("controller"):
         c = results["controller"]
+        # accuracies in %, as the summary prints them beside the gain in points ("40.0% -> 40.2% (+0.17 points)")
+        rows = [{**r, "acc before": f"{r['acc before']:.1%}", "acc after": f"{r['acc after']:.1%}",
+                 "gain (points)": f"{r['gain (points)']:+.2f}"} for r in c["table"]]
         parts.append("<h2>Controllers (4-way cloze)</h2>" + f"<p>{html.escape(c.get('summary', ''))}</p>"
-                     + table_html(c["table"], list(c["table"][0])))
-    for h, samples in results.get("samples", {}).items():
-        parts.append(f"<h2>Samples ({h})</h2>" + "".join(f"<pre>{html.escape(s)}</pre>" for s in samples))
+                     + table_html(rows, list(rows[0])))
+    if results.get("samples"):
+        heads = results["samples"]
+        # run() samples every head from the same prompt with the same generator seed: a paired comparison
+        paired = (f"<p>The same prompt and generator seed ({cfg.seed}) for each head: a paired comparison, the "
+                  "differences come from the head.</p>" if len(heads) > 1 else "")
+        parts.append(f"<h2>Samples ({html.escape(', '.join(heads))})</h2>" + paired
+                     + "".join(f"<h3>{html.escape(h)}</h3>" + "".join(f"<pre>{html.escape(s)}</pre>" for s in samples)
+                               for h, samples in heads.items()))
     path = out_dir / f"{name}.html"
     path.write_text("<!doctype html><meta charset=utf-8><title>PRISM report</title><style>body{font-family:"
                     "sans-serif;max-width:1100px}table{border-collapse:collapse;font-size:12px}td,th{border:1px "
@@ -3029,10 +3101,13 @@ def run(cfg: Config, explicit) -> int:
         if cfg.cards:
             prompt = torch.tensor([data.tokenizer.encode("KING:\nMy lords,")], device=device)
             text = model.generate(prompt, 24, generator=torch.Generator(device=device).manual_seed(cfg.seed))
-            dec = logit_decomposition(model, text[:, -(cfg.ctx + 1):], data.tokenizer)  # positions < ctx
+            window = text[:, -(cfg.ctx + 1):]  # positions < ctx; the prompt's first tokens may fall outside
+            dec = logit_decomposition(model, window, data.tokenizer,
+                                      prompt_len=max(0, prompt.shape[1] - (text.shape[1] - window.shape[1])))
             results["decomposition"] = dec
-            log(f"logit decomposition of {len(dec['rows'])} positions of a prompt and its generated continuation: "
-                "prototype slices + residual = logit, "
+            n_prompt = sum(r["prompt"] for r in dec["rows"])
+            log(f"logit decomposition of {len(dec['rows'])} positions of a prompt and its generated continuation "
+                f"({n_prompt} prompt, {len(dec['rows']) - n_prompt} generated): prototype slices + residual = logit, "
                 f"max |error| {dec['max_abs_error']:.2e} (largest |logit| {dec['max_abs_logit']:.1f})")
         if cfg.attribution and cfg.resid_grad == "full":
             log(f"attribution skipped: {FULL_ROUTING}")
@@ -3072,7 +3147,8 @@ def run(cfg: Config, explicit) -> int:
                         f"words over {r['generations']} generations" if kws else
                         "(no word among their signatures' top tokens: no keyword rate)")
             log(f"suppression of {len(ids)} prototypes ({r['fraction']:.2%} of the bank) {measured}; val perplexity over "
-                f"{r['ppl_tokens']:,} tokens {r['ppl_before']:.2f} -> {r['ppl_after']:.2f} ({r['ppl_change']:+.2%})")
+                f"{r['ppl_tokens']:,} tokens {r['ppl_before']:.2f} -> {r['ppl_after']:.2f} ({r['ppl_change']:+.2%}); "
+                + suppression_effect(r))
         if cfg.controller:
             results["controller"] = controller_experiment(model, models.get("dense"), data, cfg, log)
     if cfg.sample is not None or cfg.train:
@@ -3081,6 +3157,9 @@ def run(cfg: Config, explicit) -> int:
         if note:  # a typed prompt the compacted vocabulary cannot spell: say so beside the sample
             log(note)
         results["samples"] = {}
+        if len(models) > 1:  # one prompt, one seed: the samples differ only where the heads do
+            log(f"samples: the same prompt and generator seed ({cfg.seed}) for each head, a paired comparison: the "
+                "differences come from the head")
         for h, m in models.items():
             m.eval()
             results["samples"][h] = [sample_text(m, data.tokenizer, p, cfg.sample_tokens, device, cfg.seed)

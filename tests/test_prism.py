@@ -1,6 +1,7 @@
 """prism.py beyond the core op: the prototype head's identity and gradient routing, suppression (and the
 recompute-the-residual trap), the losses, seeding, training (resume, NaN, DDP), checkpoints, the command line,
 and that the script works when copied alone."""
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -254,8 +255,94 @@ def test_logit_decomposition_sums_to_the_logit(tmp_path):
     class Tok:
         def decode(self, ids):
             return "".join(chr(97 + i % 26) for i in ids)
-    dec = prism.logit_decomposition(m.float(), torch.randint(0, V, (1, 9)), Tok())
+    dec = prism.logit_decomposition(m.float(), torch.randint(0, V, (1, 9)), Tok(), prompt_len=4)
     assert len(dec["rows"]) == 8 and dec["max_abs_error"] < 1e-4
+    # row t is the logit of token t + 1: the prompt's tokens 1..3, then the five generated ones
+    assert [r["prompt"] for r in dec["rows"]] == [True] * 3 + [False] * 5
+
+
+class SuppressionData:
+    """What suppression() reads from common's data: a tokenizer, the device and iter_eval over the val split."""
+
+    class Tok:
+        def encode(self, s):
+            return [ord(ch) % V for ch in s]
+
+        def decode(self, ids):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    def __init__(self):
+        self.tokenizer, self.device = self.Tok(), torch.device("cpu")
+        self.val = torch.randint(0, V, (4 * 8 + 1,), generator=torch.Generator().manual_seed(2))
+
+    def iter_eval(self, split, batch_size, ctx):
+        starts = range(0, len(self.val) - ctx, ctx)
+        yield (torch.stack([self.val[s:s + ctx] for s in starts]),
+               torch.stack([self.val[s + 1:s + ctx + 1] for s in starts]))
+
+
+def test_suppression_counts_how_often_the_suppressed_prototypes_fired():
+    """An unchanged before/after must read as a no-op when the prototypes never fired (a zero row: cos 0, a = 0),
+    and the count must be the (token, suppressed prototype) activations a > 0 of the val windows."""
+    m = tiny_model().float()
+    cfg = dataclasses.replace(m.cfg, sample_tokens=3)
+    data = SuppressionData()
+    x, _ = next(data.iter_eval("val", 8, 8))
+    out = m.head(m.hidden(x))
+    live = int(out["idx"][0, 0, 0])
+    r = prism.suppression(m, data, cfg, [live], ["abc"], contextlib.nullcontext())
+    assert r["fired_val"] == int(((out["idx"] == live) & (out["a"] > 0)).sum()) > 0 and not r["no_effect"]
+    assert r["ppl_tokens"] == 32 and 0 <= r["generations_changed"] <= r["generations"] == 16
+    assert prism.suppression_effect(r).startswith(f"the suppressed prototypes fired {r['fired_val']:,} times over "
+                                                  "the 32 val tokens and changed ")
+    with torch.no_grad():
+        m.P[live] = 0  # a prototype that cannot fire
+    r = prism.suppression(m, data, cfg, [live], ["abc"], contextlib.nullcontext())
+    assert r["fired_val"] == 0 and r["generations_changed"] == 0 and r["no_effect"]
+    assert r["ppl_before"] == r["ppl_after"] and r["rate_before"] == r["rate_after"]
+    assert prism.suppression_effect(r) == ("no effect: the suppressed prototypes fired 0 times over the 32 val tokens "
+                                           "and changed 0 of the 16 generations")
+
+
+def test_report_says_its_units_and_resolved_settings(tmp_path):
+    """Every figure in the report with its unit and definition: the resolved preset and device, the evaluation
+    columns, the decomposition's prompt rows, the attribution's mean, the suppression's units and no-op, the
+    controllers' accuracies in %, and the samples' pairing."""
+    cfg = Config(n_protos=24, eval_iters=2, batch_size=4, ctx=32, eval_interval=15, seed=7)
+    ev = {"step": 15, "ce": 5.0, "r_over_z": 0.5, "rec": 0.3, "r1": 0.1, "r2": 0.2, "nnz": 3.5, "used": 20,
+          "cover_r1": {t: 0.5 for t in prism.TAUS}, "cover_r2": {t: 0.5 for t in prism.TAUS}}
+    histories = {"prism": {"train": [[10, 6.0]], "val": [5.0, 4.0], "step": [15, 30],
+                           "evals": [{"step": 15, "ce": 5.0, "used": None}, {**ev, "step": 30}]}}
+    row = {"token": "\n", "logit": 1.0, "residual": 0.5, "prototypes": [(3, 0.5)]}
+    results = {
+        "preset": "cpu", "device": "cpu",
+        "decomposition": {"rows": [{**row, "prompt": True}, {**row, "token": " lord", "prompt": False}],
+                          "max_abs_error": 1e-7},
+        "attribution": {"summary": "s", "table": [{"method": "PRISM cached (block)", "sequences scored": 255.9,
+                                                   "sequences scored (min)": 255}]},
+        "suppression": [{"keywords": ["love"], "prototypes": [3], "fraction": 1 / 24, "factor": 0.0,
+                         "generations": 16, "generations_changed": 0, "rate_before": 2.5, "rate_after": 2.5,
+                         "ppl_before": 90.0, "ppl_after": 90.0, "ppl_change": 0.0, "ppl_tokens": 8192, "fired_val": 0,
+                         "no_effect": True, "example": {"before": "a", "after": "a"}}],
+        "controller": {"summary": "40.0% -> 40.2% (+0.17 points)",
+                       "table": [{"model/controller": "PRISM", "acc before": 0.4, "acc after": 0.401667,
+                                  "gain (points)": 0.1667}]},
+        "samples": {"dense": ["HAMLET:\nx"], "prism": ["HAMLET:\ny"]}}
+    html = prism.write_report(tmp_path, cfg, results, histories).read_text()
+    assert "preset auto → cpu, device auto → cpu" in html and html.count("<td>auto → cpu</td>") == 2
+    assert "<th>val CE (2 batches)</th>" in html and "<th>used (of K=24, since the last eval)</th>" in html
+    assert "over 2 random val batches of 4 × 32 tokens (256 tokens" in html and "in the 15 training steps" in html
+    evals = html.split("<h3>PRISM evaluations</h3>")[1].split("</table>")[0]
+    assert "<td>None</td>" not in evals and "<td>20</td>" in evals  # no prototypes yet at the first: a blank cell
+    assert "Logit decomposition of a prompt and its generated continuation" in html
+    assert "the rows marked prompt (1 of 2, first) are the prompt's tokens" in html
+    assert "<td>&#x27;\\n&#x27;</td><td>prompt</td>" in html and "<td>&#x27; lord&#x27;</td><td>generated</td>" in html
+    assert "<th>sequences scored (mean per query)</th>" in html and "<th>sequences scored (min)</th>" in html
+    assert "<th>share of the bank</th>" in html and "<td>4.17%</td>" in html
+    assert "<th>keyword rate before (per 1k words)</th>" in html
+    assert "no effect: the suppressed prototypes fired 0 times over the 8,192 val tokens" in html
+    assert "<td>40.0%</td><td>40.2%</td><td>+0.17</td>" in html and "<td>0.4</td>" not in html
+    assert "same prompt and generator seed (7) for each head: a paired comparison" in html
 
 
 # ---------------------------------------------------------------- training and the command line
@@ -470,6 +557,11 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
         assert "no live prototype card is about a word of 4+ letters" in out
     report = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64" in report and "Suppression" in report
+    assert "preset auto → cpu, device auto → cpu" in report  # the header and the configuration, resolved
+    assert "samples: the same prompt and generator seed (1337) for each head, a paired comparison" in out
+    assert " prompt, " in out.split("logit decomposition of ")[1].split("\n")[0]
+    assert all({"fired_val", "generations_changed", "no_effect"} <= set(s) for s in res["suppression"])
+    assert "the suppressed prototypes fired " in out
 
     # analyses on the saved checkpoints, without training; then a mismatched architecture
     cards = (tmp_path / "prototypes.json").read_text()

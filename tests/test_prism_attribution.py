@@ -344,6 +344,13 @@ def test_experiment_table(curvature):
         assert set(r) >= {"method", "ms/query", "memory MB", "top-10 overlap", "top-100 overlap", "sequences scored"}
         assert 0 <= r["top-10 overlap"] <= 1 and 0 <= r["top-100 overlap"] <= 1
         assert r["ms/query"] > 0 and r["memory MB"] > 0 and 0 < r["sequences scored"] <= 30
+        assert r["sequences scored (min)"] <= r["sequences scored"]  # the mean over queries, beside its minimum
+    # the log never rounds a mean to "all of them": a mean with its minimum, or every query scored every window
+    cached = res["table"][0]
+    low = cached["sequences scored (min)"]
+    scored = ("30/30 sequences scored by every query" if low == 30 else
+              f"{cached['sequences scored']:.1f}/30 sequences scored per query (min {low})")
+    assert scored in lines[0] and all("30/30 sequences scored by every query" in ln for ln in lines[1:5])
     exact = res["table"][1]
     assert exact["top-10 overlap"] == 1 and exact["top-100 overlap"] == 1  # n capped at M = 30: all of them
     assert len(lines) == 8 and lines[-3] == res["summary"]
