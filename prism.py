@@ -86,11 +86,11 @@ Commands
     python prism.py --dataset fineweb-edu --max-tokens 2000000000  # the paper's data (online)
     torchrun --standalone --nproc_per_node=8 prism.py              # DDP
 
-Expected (CPU preset, 2 cores, 2026-12-02): `python prism.py` takes about 4 minutes (3 min 48 s - 4 min 16 s in
-seven runs) for the twin, PRISM and every analysis, with the same figures in every run; PRISM's val loss ends 1.4%
+Expected (CPU preset, 2 cores, 2026-12-02): `python prism.py` takes about 4 minutes (3 min 48 s - 4 min 18 s in
+eight runs) for the twin, PRISM and every analysis, with the same figures in every run; PRISM's val loss ends 1.4%
 above the twin's (6.79 vs 6.70 nats, cl100k compacted to 19,447 ids, 410k training tokens each; +0.55% with
---revive-dead), and a cached attribution query is ~2,000x faster than dense TracIn for one query alone (1.88-1.99
-x 10^3 in two runs; 122-128x per query in a batch of 16, 18-21x against dense TracIn from a gradient sketch of
+--revive-dead), and a cached attribution query is ~2,000x faster than dense TracIn for one query alone (1.80-1.99
+x 10^3 in three runs; 116-128x per query in a batch of 16, 18-23x against dense TracIn from a gradient sketch of
 the cache's size).
 """
 from __future__ import annotations
