@@ -2742,7 +2742,7 @@ def table_html(rows: list[dict], cols: list[str]) -> str:
 
 def resolved(asked: str, got: str) -> str:
     """'auto → cpu': the value asked for and the one the run used, so the configuration and the header agree."""
-    return got if asked == got or not got else f"{asked} → {got}"
+    return asked if not got or asked == got else f"{asked} → {got}"
 
 
 def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, name: str = "report") -> Path:
