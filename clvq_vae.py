@@ -2695,8 +2695,9 @@ def fidelity_table(rows: list[dict]) -> str:
               f"{w['acc_random']:.3f} ± {w['acc_random_std']:.3f}",
               f"{w['drop_concept']:.1%}", f"{w['drop_random']:.1%}"] for w in rows]
     width = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(head)]
-    line = lambda cs: "  ".join(c.ljust(width[i]) if i == 0 else c.rjust(width[i])  # noqa: E731
-                                for i, c in enumerate(cs)).rstrip()
+
+    def line(cs):
+        return "  ".join(c.ljust(width[i]) if i == 0 else c.rjust(width[i]) for i, c in enumerate(cs)).rstrip()
     return "\n".join([line(head)] + [line(c) for c in cells])
 
 

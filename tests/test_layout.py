@@ -16,6 +16,7 @@ import common
 import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
+PAPERS = ("protot", "prism", "dual_stream", "clvq_vae")  # the four paper scripts
 
 
 def test_shared_modules_are_the_repos_own():
@@ -145,7 +146,7 @@ def test_gpu_check_brings_back_at_most_8_files(tmp_path):
     assert r.returncode == 1 and "pytest-gpu: skipped, pytest is not installed" in steps and "protot-bench: exit 0" in steps
 
 
-@pytest.mark.parametrize("script", ["protot", "prism", "dual_stream", "clvq_vae"])
+@pytest.mark.parametrize("script", PAPERS)
 def test_mfu_peak_matches_the_most_specific_gpu_name(script, monkeypatch):
     """Names that contain another's (H100 NVL, L40 against L4) get their own peak; an fp32 run is measured against
     TF32, half the bf16 rate; an unknown GPU and the CPU get none (the log shows mfu -)."""
@@ -200,7 +201,7 @@ def test_flops_per_token_matches_a_count(script, kw, tol):
     assert mod.flops_per_token(model, cfg, T) == pytest.approx(counted, rel=tol)
 
 
-@pytest.mark.parametrize("script", ["protot", "prism", "dual_stream", "clvq_vae"])
+@pytest.mark.parametrize("script", PAPERS)
 def test_bench_time_waits_for_the_device_without_triton(script, monkeypatch):
     """On CUDA without Triton (no do_bench) the benchmark clock must bracket each call with a synchronisation:
     a launch returns before its work is done, so the clock alone would time the launch."""
@@ -216,7 +217,7 @@ def test_bench_time_waits_for_the_device_without_triton(script, monkeypatch):
     assert events == ["call"] + ["sync", "call", "sync"] * 2
 
 
-@pytest.mark.parametrize("script", ["protot", "prism", "dual_stream", "clvq_vae"])
+@pytest.mark.parametrize("script", PAPERS)
 def test_script_copied_alone_says_main_needs_common(script, tmp_path):
     """Copied alone, a script's model runs (each script's own test); its main(), which trains on data read through
     common.py, says so in one line instead of a ModuleNotFoundError traceback."""
@@ -296,7 +297,6 @@ def test_damaged_checkpoints_are_one_line_errors(name, tmp_path, cache_dir):
                   dict(ddp=False, rank=0, local_rank=0, world=1), log=lambda *a: None, ck=ck)
 
 
-PAPERS = ("protot", "prism", "dual_stream", "clvq_vae")
 # The section banners every script has, in this order (a script may add its own between them: clvq_vae's Data)
 SECTIONS = ("Config", "Core op:", "Model", "Training", "Analyses", "main")
 SHARED_FLAGS = ("dataset", "cache_dir", "d_model", "dropout", "batch_size", "lr", "min_lr_ratio", "warmup_frac",
