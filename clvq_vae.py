@@ -1681,6 +1681,46 @@ def make_optimizer(model: nn.Module, cfg: Config, device_type: str):
     return kind(groups, lr=cfg.lr, fused=device_type == "cuda")
 
 
+def restore_optimizer(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict, keeping this run's hyperparameters: load_state_dict would put back the saved
+    groups' settings too, so a --weight-decay (or an --optimizer's decoupled decay) typed with --resume would be
+    silently ignored (the lr is set every step anyway). With nothing typed they are the checkpoint's own values,
+    so the resume stays bit-exact."""
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for g, f in zip(optimizer.param_groups, fresh):
+        g.update(f)
+
+
+# What shapes the weights a resumed run continues to (not the eval and log cadence, nor the codebook's init, which
+# a resumed model never redoes): a value typed with --resume that differs from the checkpoint's means the result
+# is no longer that of one uninterrupted run.
+RESUME_KEYS = ("max_iters", "lr", "schedule", "min_lr_ratio", "warmup_frac", "plateau_factor", "plateau_patience",
+               "early_stop", "batch_size", "optimizer", "weight_decay", "grad_clip", "dropout", "temperature",
+               "sampling", "ema_decay", "ema_eps", "beta", "dead_code", "dead_threshold")
+
+
+def resume_note(saved: dict, cfg: Config, step: int, stopped: bool = False) -> Optional[str]:
+    """The line a resumed run logs when it cannot equal an uninterrupted one: nothing left to train (at
+    --max-iters, or the run had stopped early), or settings changed since the checkpoint (the usual case: a smaller
+    --max-iters first, then --resume with a larger one, whose cosine schedule the first steps did not follow).
+    None when it resumes as if never stopped. A checkpoint past --max-iters is check_steps' error, before it
+    trains."""
+    if stopped:
+        return (f"note: the checkpoint's run stopped early at step {step} (no val improvement in --early-stop "
+                f"{cfg.early_stop} evaluations): nothing left to train (raise --early-stop, or 0 turns it off, to "
+                "continue)")
+    if step >= cfg.max_iters:
+        return (f"note: the checkpoint is at step {step}, --max-iters {cfg.max_iters}: nothing left to train (raise "
+                "--max-iters to continue)")
+    changed = [f"{k} {saved[k]} -> {getattr(cfg, k)}" for k in RESUME_KEYS if k in saved and saved[k] != getattr(cfg, k)]
+    if changed:
+        return (f"note: resuming with {', '.join(changed)}: the first {step} steps followed the checkpoint's "
+                "settings (its learning-rate schedule included), so the result will differ from an uninterrupted "
+                "run with these settings")
+    return None
+
+
 def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -1879,9 +1919,11 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
                        "--layer-h name the file)" if there else "(train first, or point --out-dir at one)"))
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
-        saved = dict(ck["config"])
-        ok = ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "clvq_vae"
-        missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
+        # a saved tensor or list is no checkpoint: ck["config"] on a tensor would print a torch warning first
+        ok = isinstance(ck, dict) and ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "clvq_vae"
+        if ok:
+            saved = dict(ck["config"])
+            missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
     except Exception as e:  # truncated file, not a checkpoint, unpickling refused
         raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None
     if not ok:
@@ -1900,6 +1942,33 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     if why:
         raise RunError(f"{path} stores {why}; delete it or retrain")
     return ck, merged
+
+
+def unused_flags(cfg: Config, explicit) -> list[str]:
+    """Typed analysis flags that this invocation does not use, each with why: notes for the log. A flag left in a
+    command whose analysis is off does no harm, but it should not pass unseen."""
+    wanted = {b.strip() for b in cfg.baselines.split(",") if b.strip()}
+    fidelity = (cfg.fidelity, "the fidelity test is off: --no-fidelity")
+    why = {**{k: ("kmeans" in wanted, "no k-means baseline in --baselines") for k in ("kmeans_iters", "kmeans_restarts")},
+           **{k: ("sae" in wanted, "no SAE baseline in --baselines")
+              for k in ("sae_latents", "sae_k", "sae_l1", "sae_steps", "sae_batch", "sae_lr")},
+           **{k: ("sae" in wanted and cfg.fidelity, "it is the SAE's concept ablation in the fidelity test, and there "
+                  "is no SAE baseline or no fidelity test") for k in ("sae_ablation", "sae_ablate_k")},
+           **{k: fidelity for k in ("fidelity_sentences", "probe_folds", "probe_patience", "probe_epochs",
+                                    "fidelity_projection", "probe_standardise", "ig_steps", "ig_baseline", "ig_batch")},
+           **{k: (cfg.cards, "concept cards are off: --no-cards")
+              for k in ("cards_per_method", "coherence_embed", "coherence_draws")}}
+    return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
+            if k in explicit and not used]
+
+
+def check_steps(loaded: dict) -> None:
+    """--resume: a checkpoint already past its --max-iters (typed lower) would train nothing and report a config
+    that is not the model's: one line instead."""
+    for path, ck, c in loaded.values():
+        if isinstance(ck["step"], int) and ck["step"] > c.max_iters:
+            raise RunError(f"{path} is at step {ck['step']}, past --max-iters {c.max_iters}: --resume continues a run "
+                           "(raise --max-iters), --no-train analyses it as it is")
 
 
 def check_data(ck: dict, acts: Activations, path: Path) -> None:
@@ -1952,8 +2021,9 @@ def init_codebook(model: CLVQVAE, cfg: Config, acts: Activations, device, log=pr
                            "available to initialise it")
         t0 = time.time()
         model.vq.init_codebook(x.to(device))
-        log(f"codebook: {cfg.init} init ({cfg.init_seeding} seeding, {cfg.init_iters} iterations, best of "
-            f"{cfg.init_restarts}) on {len(x):,} layer-{cfg.layer_l} rows, {time.time() - t0:.1f}s")
+        how = (f"{cfg.codebook_size} rows drawn at random" if cfg.init == "random" else  # no k-means: no seeding
+               f"{cfg.init_seeding} seeding, {cfg.init_iters} iterations, best of {cfg.init_restarts}")
+        log(f"codebook: {cfg.init} init ({how}) on {len(x):,} layer-{cfg.layer_l} rows, {time.time() - t0:.1f}s")
     if dist_ready():
         for buf in (model.vq.embed, model.vq.ema_sum, model.vq.ema_count, model.vq.initialised):
             torch.distributed.broadcast(buf, 0)
@@ -1979,6 +2049,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
                         "unused": [], "dead_ema": []}
     sched = dict(scale=1.0, best=float("inf"), bad=0, since_best=0)  # plateau LR scale and early-stop counters
     best = None  # under --schedule plateau: {"step", "model"} of the best evaluation
+    stopped = False  # a resumed run that had already stopped early trains no further
     if rank:  # ranks other than 0 draw their own dropout masks and code samples
         torch.manual_seed(cfg.seed + rank)
     if cfg.resume:
@@ -1987,7 +2058,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
         check_data(ck, train_acts, path)
         load_weights(model, ck["model"], path)
         try:
-            optimizer.load_state_dict(ck["optimizer"])
+            restore_optimizer(optimizer, ck["optimizer"])
             step, history, sched, best = ck["step"], ck["history"], dict(ck["schedule"]), ck.get("best")
             torch.set_rng_state(ck["rng"]["torch"])
             sampler.set_state(ck["rng"]["data"])
@@ -2003,6 +2074,10 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
         if rank:
             torch.manual_seed(cfg.seed + rank + world * step)  # distinct per (rank, step)
         log(f"resumed from {path} at step {step}")
+        stopped = bool(cfg.early_stop) and sched["since_best"] >= cfg.early_stop  # the run had stopped early
+        note = resume_note(ck["config"], cfg, step, stopped)
+        if note:
+            log(note)
     init_codebook(model, cfg, train_acts, device, log)
     raw = model
     if cfg.compile:
@@ -2034,7 +2109,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
     x_l, x_h, mask = next_batch()
     t0, t0_step, mfu_ema, start, rows_seen = time.time(), step, None, step, 0.0
     bad = torch.zeros((), dtype=torch.bool, device=device)  # any non-finite loss since the last check
-    while True:
+    while not stopped:
         if step > start and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
             if any_rank(bad):
                 raise RunError(nan_message(step, path))
@@ -2127,6 +2202,8 @@ def fit(cfg: Config, train_acts: Activations, dev_acts: Activations, device, log
         return model.eval()
     c = replace(cfg, resume=cfg.resume and path.exists())
     ck = load_checkpoint(path, cfg, ARCH_KEYS)[0] if c.resume else None
+    if ck is not None:
+        check_steps({name: (path, ck, c)})
     t0 = time.time()
     model, history = train(c, train_acts, dev_acts, device, dist_info_now(), ARCH_KEYS, log, ck, name)
     log(f"{name}: trained in {time.time() - t0:.0f}s; checkpoint {path}")
@@ -3204,6 +3281,7 @@ def validate(cfg: Config, explicit=()) -> None:
     bad = [f.name for f in fields(cfg) if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
     if bad:
         raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number")
+    genres = [g.strip() for g in cfg.genres.split(",") if g.strip()]
     checks = [(cfg.codebook_size >= 1, "--codebook-size must be >= 1"),
               (1 <= cfg.top_k <= cfg.codebook_size, f"--top-k must be in [1, --codebook-size ({cfg.codebook_size})]"),
               (cfg.temperature >= 0, "--temperature must be >= 0"),
@@ -3225,7 +3303,10 @@ def validate(cfg: Config, explicit=()) -> None:
               (cfg.finetune_epochs >= 0 and cfg.finetune_lr > 0 and cfg.finetune_batch >= 1,
                "--finetune-epochs must be >= 0, --finetune-lr > 0 and --finetune-batch >= 1"),
               (cfg.max_per_type is None or cfg.max_per_type >= 1, "--max-per-type must be >= 1 (or none)"),
-              (len([g for g in cfg.genres.split(",") if g.strip()]) >= 2, "--genres needs at least two genres"),
+              (len(genres) >= 2, "--genres needs at least two genres"),
+              (len(set(genres)) == len(genres),
+               f"--genres {cfg.genres}: each genre once (a genre named twice would be two classes of one genre)"),
+              (cfg.train or not cfg.resume, "--resume continues training and --no-train trains nothing; give one"),
               (cfg.batch_size >= 1, "--batch-size must be >= 1"), (cfg.max_iters >= 1, "--max-iters must be >= 1"),
               (cfg.eval_interval >= 1 and cfg.log_interval >= 1, "intervals must be >= 1"),
               (cfg.lr > 0, "--lr must be > 0"), (0 <= cfg.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
@@ -3340,6 +3421,8 @@ def run(cfg: Config, explicit) -> int:
                        f"for {cfg.model} (spec §2.1); drop the flag")
     cfg = replace(cfg, d_model=src.d_model)  # d is the source model's width, known once it is loaded
     log("config: " + json.dumps(asdict(cfg)))  # only now: the settings this run uses, d_model included
+    for note in unused_flags(cfg, explicit):
+        log(note)
     log(f"source model {cfg.model}: {src.kind}, {src.n_layers} layers, d = {src.d_model}; codes in R^{src.d_model}, "
         f"layer {cfg.layer_l} -> layer {cfg.layer_h}")
     if cfg.d_model % cfg.dec_heads:

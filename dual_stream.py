@@ -932,6 +932,38 @@ def make_optimizer(model: nn.Module, cfg: Config, device_type: str):
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device_type == "cuda")
 
 
+def restore_optimizer(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict, keeping this run's hyperparameters: load_state_dict would put back the saved
+    groups' settings too, so a --weight-decay typed with --resume would be silently ignored (the lr is set every
+    step anyway). With nothing typed they are the checkpoint's own values, so the resume stays bit-exact."""
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for g, f in zip(optimizer.param_groups, fresh):
+        g.update(f)
+
+
+# What shapes the weights a resumed run continues to (not the eval and log cadence): a value typed with --resume
+# that differs from the checkpoint's means the result is no longer that of one uninterrupted run.
+RESUME_KEYS = ("max_iters", "lr", "min_lr_ratio", "warmup_frac", "batch_size", "ctx", "weight_decay", "grad_clip",
+               "dropout")
+
+
+def resume_note(saved: dict, cfg: Config, step: int) -> Optional[str]:
+    """The line a resumed run logs when it cannot equal an uninterrupted one: nothing left to train, or settings
+    changed since the checkpoint (the usual case: a smaller --max-iters first, then --resume with a larger one,
+    whose cosine schedule the first steps did not follow). None when it resumes as if never stopped. A
+    checkpoint past --max-iters is check_steps' error, before anything trains."""
+    if step >= cfg.max_iters:
+        return (f"note: the checkpoint is at step {step}, --max-iters {cfg.max_iters}: nothing left to train (raise "
+                "--max-iters to continue)")
+    changed = [f"{k} {saved[k]} -> {getattr(cfg, k)}" for k in RESUME_KEYS if k in saved and saved[k] != getattr(cfg, k)]
+    if changed:
+        return (f"note: resuming with {', '.join(changed)}: the first {step} steps followed the checkpoint's "
+                "settings (its learning-rate schedule included), so the result will differ from an uninterrupted "
+                "run with these settings")
+    return None
+
+
 def flops_per_token(model: DualStream, cfg: Config, ctx: int) -> float:
     """Training FLOPs per token: 6·N for the matmuls (PaLM appendix B; the tied head once) plus attention's
     12·L·d·T. The mixes are counted by their parameters: exact for dense and block-diagonal; a Kronecker mix costs
@@ -1090,9 +1122,11 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
                        "flags name the file)" if there else "(train first, or point --out-dir at one)"))
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
-        saved = dict(ck["config"])
-        ok = ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "dual_stream"
-        missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
+        # a saved tensor or list is no checkpoint: ck["config"] on a tensor would print a torch warning first
+        ok = isinstance(ck, dict) and ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "dual_stream"
+        if ok:
+            saved = dict(ck["config"])
+            missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
     except Exception as e:  # truncated file, not a checkpoint, unpickling refused
         raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None
     if not ok:
@@ -1141,7 +1175,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
             ck, _ = load_checkpoint(path, cfg, explicit)
         load_weights(model, ck["model"], path)
         try:
-            optimizer.load_state_dict(ck["optimizer"])
+            restore_optimizer(optimizer, ck["optimizer"])
             step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
             torch.set_rng_state(ck["rng"]["torch"])
             data.set_rng_state(ck["rng"]["data"])
@@ -1157,6 +1191,9 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         if rank:  # the checkpoint holds rank 0's generator: the other ranks keep dropout masks of their own
             torch.manual_seed(cfg.seed + rank + world * step)  # distinct per (rank, step)
         log(f"resumed from {path} at step {step}")
+        note = resume_note(ck["config"], cfg, step)
+        if note:
+            log(note)
     raw = model
     if cfg.compile:
         model = torch.compile(model)
@@ -1672,13 +1709,19 @@ def figure(draw, size=(6, 3.5)) -> str:
 
 
 def loss_figure(histories: dict) -> str:
+    """Train (faint) and val (markers) loss per model, one colour per model: a colour per line would repeat after
+    matplotlib's ten, and the sweep's 7 models draw 14 lines."""
+    from matplotlib.ticker import MaxNLocator
+
     def draw(fig):
         ax = fig.add_subplot()
-        for name, h in histories.items():
+        for i, (name, h) in enumerate(histories.items()):
+            color = f"C{i % 10}"
             if h["train"]:
-                ax.plot(*zip(*h["train"]), label=f"{name} train", alpha=0.6)
+                ax.plot(*zip(*h["train"]), color=color, label=f"{name} train", alpha=0.45)
             if h["val"]:
-                ax.plot(h["step"], h["val"], "o-", ms=3, label=f"{name} val")
+                ax.plot(h["step"], h["val"], "o--", color=color, ms=3, label=f"{name} val")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.legend(fontsize=7)
@@ -1855,6 +1898,7 @@ def validate(cfg: Config, explicit=()) -> None:
               (cfg.weight_decay >= 0, "--weight-decay must be >= 0"), (cfg.grad_clip >= 0, "--grad-clip must be >= 0"),
               (cfg.analysis_windows >= 1, "--analysis-windows must be >= 1"),
               (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"),
+              (cfg.train or not cfg.resume, "--resume continues training and --no-train trains nothing; give one"),
               # a standard LayerNorm has one group: a gain per head would be silently a gain per element
               (cfg.norm == "cln" or cfg.cln_gain == "element", "--cln-gain head needs --norm cln (a LayerNorm has no "
                "heads)"),
@@ -1878,6 +1922,27 @@ def validate(cfg: Config, explicit=()) -> None:
                          f"--head-sweep needs --d-model {cfg.d_model} to split into even heads for H = {hs}")):
             if not ok:
                 raise RunError(msg)
+
+
+def unused_flags(cfg: Config, explicit) -> list[str]:
+    """Typed analysis flags that this invocation does not use, each with why: notes for the log. A flag left in a
+    command whose analysis is off does no harm, but it should not pass unseen."""
+    amplify = bool(parse_alphas(cfg.amplify))
+    why = {"ablate_at": (cfg.ablation, "stream ablation is off"),
+           "analysis_windows": (amplify or cfg.ablation, "it sizes amplification and stream ablation, and both are off"),
+           "sample_tokens": (cfg.train or cfg.sample is not None or amplify, "no samples: a --no-train run samples "
+                             "only with --sample, or in amplification's greedy texts")}
+    return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
+            if k in explicit and not used]
+
+
+def check_steps(loaded: dict) -> None:
+    """--resume: a checkpoint already past its --max-iters (typed lower) would train nothing and report a config
+    that is not the model's: one line instead."""
+    for path, ck, c in loaded.values():
+        if isinstance(ck["step"], int) and ck["step"] > c.max_iters:
+            raise RunError(f"{path} is at step {ck['step']}, past --max-iters {c.max_iters}: --resume continues a run "
+                           "(raise --max-iters), --no-train analyses it as it is")
 
 
 def check_tokenizer(ck: dict, data, path: Path) -> None:
@@ -1938,6 +2003,8 @@ def run(cfg: Config, explicit) -> int:
             there = sorted(p.name for p in Path(cfg.out_dir).glob("ckpt-*.pt"))
             raise RunError(f"no {flag} checkpoints in {cfg.out_dir} (" + (f"it holds {', '.join(there)}: the "
                            "architecture flags name the files" if there else f"run {flag} first") + ")")
+    if cfg.train:
+        check_steps(loaded)
     if loaded:
         saved = next(iter(loaded.values()))[2]
         cfg = replace(cfg, **{k: getattr(saved, k) for k in ARCH_KEYS + MERGED_KEYS if k not in swept})
@@ -1952,6 +2019,8 @@ def run(cfg: Config, explicit) -> int:
         log(preset_banner(cfg, explicit, device, f"about {5 * len(confs)} minutes on 2 CPU cores", CPU_PRESET,
                           RUNTIME_KEYS))
     log("config: " + json.dumps(asdict(cfg)))
+    for note in [] if cfg.bench else unused_flags(cfg, explicit):
+        log(note)
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))

@@ -246,6 +246,8 @@ MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS
 # The recipe a dense twin must share with PRISM for the CE gap at equal steps to mean anything.
 TWIN_KEYS = ("layers", "d_model", "heads", "dropout", "dataset", "tokenizer", "compact", "max_tokens", "batch_size", "ctx",
              "lr", "min_lr_ratio", "warmup_frac", "max_iters", "weight_decay", "grad_clip", "eval_interval", "seed")
+# The same for the final val loss gap, with the steps trained (the evaluation points do not matter there).
+GAP_KEYS = tuple(k for k in TWIN_KEYS if k != "eval_interval") + ("step",)
 # -----------------------------------------------------------------------------
 # Core op: proto_topk(z, P, k) -> (idx, a),   a_{n,j} = relu(cos(z_n, P_{idx_{n,j}})) for the k best prototypes
 
@@ -916,6 +918,39 @@ def make_optimizer(model: nn.Module, cfg: Config, device_type: str):
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device_type == "cuda")
 
 
+def restore_optimizer(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict, keeping this run's hyperparameters: load_state_dict would put back the saved
+    groups' settings too, so a --weight-decay typed with --resume would be silently ignored (the lr is set every
+    step anyway). With nothing typed they are the checkpoint's own values, so the resume stays bit-exact."""
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for g, f in zip(optimizer.param_groups, fresh):
+        g.update(f)
+
+
+# What shapes the weights a resumed run continues to (not the eval and log cadence): a value typed with --resume
+# that differs from the checkpoint's means the result is no longer that of one uninterrupted run.
+RESUME_KEYS = ("max_iters", "lr", "min_lr_ratio", "warmup_frac", "batch_size", "ctx", "weight_decay", "grad_clip",
+               "dropout", "lambda_rec", "lambda_r1", "lambda_r2", "rec", "dist", "r1_detach_z", "revive_dead",
+               "push_interval")
+
+
+def resume_note(saved: dict, cfg: Config, step: int) -> Optional[str]:
+    """The line a resumed run logs when it cannot equal an uninterrupted one: nothing left to train, or settings
+    changed since the checkpoint (the usual case: a smaller --max-iters first, then --resume with a larger one,
+    whose cosine schedule the first steps did not follow). None when it resumes as if never stopped. A checkpoint
+    past --max-iters is check_steps' error, before anything trains."""
+    if step >= cfg.max_iters:
+        return (f"note: the checkpoint is at step {step}, --max-iters {cfg.max_iters}: nothing left to train (raise "
+                "--max-iters to continue)")
+    changed = [f"{k} {saved[k]} -> {getattr(cfg, k)}" for k in RESUME_KEYS if k in saved and saved[k] != getattr(cfg, k)]
+    if changed:
+        return (f"note: resuming with {', '.join(changed)}: the first {step} steps followed the checkpoint's "
+                "settings (its learning-rate schedule included), so the result will differ from an uninterrupted "
+                "run with these settings")
+    return None
+
+
 def flops_per_token(model: PRISM, cfg: Config, ctx: int) -> float:
     """Training FLOPs per token: 6·N for the backbone's matmuls (PaLM appendix B; the tied head once), plus
     attention's 12·L·d·T. P is no dense layer, so it is counted apart: the head scores all K prototypes and R1/R2
@@ -1107,9 +1142,11 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         raise RunError(f"no checkpoint at {path} (train first, or point --out-dir at one)")
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
-        saved = dict(ck["config"])
-        ok = ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "prism"
-        missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
+        # a saved tensor or list is no checkpoint: ck["config"] on a tensor would print a torch warning first
+        ok = isinstance(ck, dict) and ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "prism"
+        if ok:
+            saved = dict(ck["config"])
+            missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
     except Exception as e:  # truncated file, not a checkpoint, unpickling refused
         raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None
     if not ok:
@@ -1262,7 +1299,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         load_weights(model, ck["model"], path)
         model.sync_ready()
         try:
-            optimizer.load_state_dict(ck["optimizer"])
+            restore_optimizer(optimizer, ck["optimizer"])
             step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
             torch.set_rng_state(ck["rng"]["torch"])
             data.set_rng_state(ck["rng"]["data"])
@@ -1278,6 +1315,9 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         if rank:  # the checkpoint holds rank 0's generator: the other ranks keep dropout masks of their own
             torch.manual_seed(cfg.seed + rank + world * step)  # distinct per (rank, step)
         log(f"resumed from {path} at step {step}")
+        note = resume_note(ck["config"], cfg, step)
+        if note:
+            log(note)
     raw = model
     if cfg.compile:
         model = torch.compile(model)
@@ -2778,6 +2818,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
             ["model", "loss", "ppl", "tokens"]))
         if "gap" in results:
             parts.append(f"<p>PRISM val loss vs the dense twin: {results['gap']:+.2%} (paper: within 5%)</p>")
+        elif "gap_skipped" in results:
+            parts.append(f"<p>PRISM val loss vs the dense twin not computed: {html.escape(results['gap_skipped'])}</p>")
     if "cards" in results:
         c = results["cards"]
         parts.append(f'<h2>Prototype cards</h2><p>{c["used"]} prototypes active, {c["dead"]} never, over '
@@ -2890,6 +2932,7 @@ def validate(cfg: Config) -> None:
               (1 <= cfg.topk <= cfg.n_protos, "--topk must be in [1, --n-protos]"),
               (cfg.ctx >= 1, "--ctx must be >= 1"), (cfg.batch_size >= 1, "--batch-size must be >= 1"),
               (cfg.max_iters >= 1, "--max-iters must be >= 1"),
+              (cfg.train or not cfg.resume, "--resume continues training and --no-train trains nothing; give one"),
               (cfg.eval_interval >= 1 and cfg.log_interval >= 1 and cfg.eval_iters >= 1, "intervals must be >= 1"),
               (cfg.lr > 0, "--lr must be > 0"), (0 <= cfg.dropout < 1, "--dropout must be in [0, 1)"),
               (0 <= cfg.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
@@ -2926,6 +2969,34 @@ def check_seeding(cfg: Config) -> None:
     if tokens < cfg.n_protos:
         raise RunError(f"k-means++ seeding draws K={cfg.n_protos} prototypes from one batch of {tokens} tokens; "
                        "raise --batch-size/--ctx or use --init random")
+
+
+def unused_flags(cfg: Config, explicit) -> list[str]:
+    """Typed analysis flags that this invocation does not use, each with why: notes for the log. A flag left in a
+    command whose analysis is off does no harm, but it should not pass unseen."""
+    prism = cfg.head == "prism"
+    attribution = (prism and cfg.attribution, "attribution is off: --no-attribution, or --head dense")
+    why = {"suppress_factor": (prism and bool(cfg.suppress or cfg.suppress_keywords), "no suppression runs: "
+                               "--suppress and --suppress-keywords are empty, or --head dense"),
+           **{k: attribution for k in ("attr_seqs", "attr_queries", "attr_ctx", "attr_damping", "attr_curvature",
+                                         "ekfac")},
+           "controller_l1": (prism and cfg.controller, "the controllers are off: --no-controller, or --head dense"),
+           "card_windows": (prism and bool(cfg.cards or cfg.suppress_keywords), "no cards are built: --no-cards and "
+                            "no --suppress-keywords, or --head dense"),
+           "twin": (prism, "--head dense trains the twin alone"),
+           "sample_tokens": (cfg.train or cfg.sample is not None, "no samples: a --no-train run samples only with "
+                             "--sample")}
+    return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
+            if k in explicit and not used and getattr(cfg, k) is not False]  # --no-X of an idle analysis: nothing to say
+
+
+def check_steps(loaded: dict) -> None:
+    """--resume: a checkpoint already past its --max-iters (typed lower) would train nothing and report a config
+    that is not the model's: one line instead."""
+    for path, ck, c in loaded.values():
+        if isinstance(ck["step"], int) and ck["step"] > c.max_iters:
+            raise RunError(f"{path} is at step {ck['step']}, past --max-iters {c.max_iters}: --resume continues a run "
+                           "(raise --max-iters), --no-train analyses it as it is")
 
 
 def check_tokenizer(ck: dict, data, path: Path) -> None:
@@ -2997,13 +3068,15 @@ def run(cfg: Config, explicit) -> int:
     loaded = {}  # --no-train / --resume: the architecture and the data come from the checkpoints
     if not cfg.train or cfg.resume:
         present = {h: ckpt_path(replace(cfg, head=h)).exists() for h in heads}
-        for h in heads:
+        for h in sorted(heads, key=lambda h: h != cfg.head):  # the asked head first: an error names its file
             # a missing twin: --resume trains it from scratch, --no-train goes without it; a missing PRISM beside
             # its twin (a run stopped while the twin trained): --resume resumes the twin, then trains PRISM
             if not present[h] and (h != cfg.head or (cfg.resume and any(present.values()))):
                 continue
             path = ckpt_path(replace(cfg, head=h))
             loaded[h] = (path, *load_checkpoint(path, replace(cfg, head=h), explicit))
+        if cfg.train:
+            check_steps(loaded)
         saved = loaded.get(cfg.head, next(iter(loaded.values())))[2]
         cfg = replace(cfg, **{k: getattr(saved, k) for k in ARCH_KEYS + MERGED_KEYS if k != "head"})
         heads = tuple(h for h in heads if h in loaded) if not cfg.train else heads
@@ -3021,6 +3094,8 @@ def run(cfg: Config, explicit) -> int:
     if preset == "cpu" and not cfg.bench and cfg.train and not cfg.resume:  # a resumed run keeps its own settings
         log(preset_banner(cfg, explicit, device, "about 4 minutes on 2 CPU cores", CPU_PRESET, RUNTIME_KEYS))
     log("config: " + json.dumps(asdict(cfg)))
+    for note in [] if cfg.bench else unused_flags(cfg, explicit):
+        log(note)
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
@@ -3048,7 +3123,7 @@ def run(cfg: Config, explicit) -> int:
         data = get_data()
     data.check_ctx(cfg.ctx)  # before any step: a window longer than a split cannot be drawn from it
     results = {"preset": preset, "device": str(device)}
-    histories, models = {}, {}
+    histories, models, recipes = {}, {}, {}  # recipes: what each model was trained with, for the final gap
     start_rng = data.rng_state()
     for h in heads:  # the dense twin first, so PRISM's evaluations can print the gap to it
         c = replace(cfg, head=h, resume=cfg.resume and h in loaded)
@@ -3064,9 +3139,11 @@ def run(cfg: Config, explicit) -> int:
                                             twin=twin_history(c, histories, log) if h == "prism" else None,
                                             start_rng=start_rng)
             log(f"{h}: trained in {time.time() - t0:.0f}s; checkpoint {ckpt_path(c)}")
+            recipes[h] = {**asdict(c), "step": c.max_iters}
         else:
             path, ck, c = loaded[h]
             models[h], histories[h] = load_model(ck, c, data, device, path), ck["history"]
+            recipes[h] = {**ck["config"], "step": ck["step"]}  # as trained, whatever this command typed
     if dist_info["ddp"]:  # the analyses run on rank 0 alone, over the whole val split
         torch.distributed.destroy_process_group()
         data.rank, data.world_size = 0, 1
@@ -3077,7 +3154,12 @@ def run(cfg: Config, explicit) -> int:
         results["ppl"][h] = evaluate_ppl(m, data, cfg.ctx, autocast)
         log(f"{h}: val loss {results['ppl'][h]['loss']:.4f}, perplexity {results['ppl'][h]['ppl']:.2f} over "
             f"{results['ppl'][h]['tokens']:,} tokens")
-    if len(results["ppl"]) == 2:
+    differ = [k for k in GAP_KEYS if len(recipes) == 2 and recipes["prism"].get(k) != recipes["dense"].get(k)]
+    if differ:  # --no-train beside a twin trained apart: the gap would not be the prototype head's cost
+        results["gap_skipped"] = ("PRISM and the dense twin were trained with other recipes (" + ", ".join(
+            f"{k} {recipes['prism'].get(k)!r} vs {recipes['dense'].get(k)!r}" for k in differ) + ")")
+        log(f"val loss gap to the dense twin not computed: {results['gap_skipped']}")
+    elif len(results["ppl"]) == 2:
         d, p = results["ppl"]["dense"]["loss"], results["ppl"]["prism"]["loss"]
         results["gap"] = p / d - 1
         log(f"val loss PRISM {p:.4f} vs dense twin {d:.4f}: {results['gap']:+.2%} (paper: within 5%)")

@@ -184,6 +184,9 @@ ANALYSIS_KEYS = ("labels", "label_windows", "intervene", "mode", "target", "prom
 RUNTIME_KEYS = ("mixer", "preset", "device", "dtype", "compile", "kernels", "out_dir", "cache_dir", "resume", "train",
                 "compare", "bench", "report") + ANALYSIS_KEYS
 MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS)
+# What --compare's two models must share for their perplexity ratio to compare the mixers: the data and the
+# tokens seen (steps of batch × ctx). The learning rate may differ: the paper tunes it per model.
+BUDGET_KEYS = ("dataset", "tokenizer", "compact", "max_tokens", "batch_size", "ctx", "step")
 
 
 def value_width(cfg: Config) -> int:
@@ -1094,6 +1097,38 @@ def make_optimizer(model: nn.Module, cfg: Config, device_type: str):
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, fused=device_type == "cuda")
 
 
+def restore_optimizer(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict, keeping this run's hyperparameters: load_state_dict would put back the saved
+    groups' settings too, so a --weight-decay typed with --resume would be silently ignored (the lr is set every
+    step anyway). With nothing typed they are the checkpoint's own values, so the resume stays bit-exact."""
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for g, f in zip(optimizer.param_groups, fresh):
+        g.update(f)
+
+
+# What shapes the weights a resumed run continues to (not the eval and log cadence): a value typed with --resume
+# that differs from the checkpoint's means the result is no longer that of one uninterrupted run.
+RESUME_KEYS = ("max_iters", "lr", "min_lr_ratio", "warmup_frac", "batch_size", "ctx", "weight_decay", "grad_clip",
+               "dropout")
+
+
+def resume_note(saved: dict, cfg: Config, step: int) -> Optional[str]:
+    """The line a resumed run logs when it cannot equal an uninterrupted one: nothing left to train, or settings
+    changed since the checkpoint (the usual case: a smaller --max-iters first, then --resume with a larger one,
+    whose cosine schedule the first steps did not follow). None when it resumes as if never stopped. A checkpoint
+    past --max-iters is check_steps' error, before anything trains."""
+    if step >= cfg.max_iters:
+        return (f"note: the checkpoint is at step {step}, --max-iters {cfg.max_iters}: nothing left to train (raise "
+                "--max-iters to continue)")
+    changed = [f"{k} {saved[k]} -> {getattr(cfg, k)}" for k in RESUME_KEYS if k in saved and saved[k] != getattr(cfg, k)]
+    if changed:
+        return (f"note: resuming with {', '.join(changed)}: the first {step} steps followed the checkpoint's "
+                "settings (its learning-rate schedule included), so the result will differ from an uninterrupted "
+                "run with these settings")
+    return None
+
+
 def flops_per_token(model: ProtoT, cfg: Config, ctx: int) -> float:
     """Training FLOPs per token: 6·N for the matmuls (PaLM appendix B; the tied head counted once as a matmul),
     plus the mixer's non-parameter work: attention 12·L·d·T; the prototype scan ~6·L·3·R·d_v, and P's second
@@ -1215,15 +1250,19 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         raise RunError(f"no checkpoint at {path} (train first, or point --out-dir at one)")
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
-        saved = dict(ck["config"])
-        ok = ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "protot"
-        missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
+        # a saved tensor or list is no checkpoint: ck["config"] on a tensor would print a torch warning first
+        ok = isinstance(ck, dict) and ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "protot"
+        if ok:
+            saved = dict(ck["config"])
+            missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
     except Exception as e:  # truncated file, not a checkpoint, unpickling refused
         raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None
     if not ok:
         raise RunError(f"{path} is not a protot.py checkpoint")
     if missing:
         raise RunError(f"{path} is an incomplete checkpoint (no {', '.join(missing)}); delete it or retrain")
+    if saved.get("mixer") != cfg.mixer:  # a file renamed by hand: the name says one mixer, the contents another
+        raise RunError(f"{path} holds a --mixer {saved.get('mixer')} model, not {cfg.mixer}")
     bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k)]
     if bad:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
@@ -1261,7 +1300,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
             ck, _ = load_checkpoint(path, cfg, explicit)
         load_weights(model, ck["model"], path)
         try:
-            optimizer.load_state_dict(ck["optimizer"])
+            restore_optimizer(optimizer, ck["optimizer"])
             step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
             torch.set_rng_state(ck["rng"]["torch"])
             data.set_rng_state(ck["rng"]["data"])
@@ -1277,6 +1316,9 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         if rank:  # the checkpoint holds rank 0's generator: the other ranks keep dropout masks of their own
             torch.manual_seed(cfg.seed + rank + world * step)  # distinct per (rank, step)
         log(f"resumed from {path} at step {step}")
+        note = resume_note(ck["config"], cfg, step)
+        if note:
+            log(note)
     raw = model
     if cfg.compile:
         model = torch.compile(model)
@@ -1460,7 +1502,8 @@ def load_prompts(cfg: Config, data, target: str) -> list[str]:
         lines = [ln for ln in text.splitlines() if "\ufffd" not in ln and find_word(ln, target) > 0][:16]
     lines = [ln for ln in lines if find_word(ln, target) > 0]
     if not lines:
-        raise RunError(f"no prompt contains the word {target!r} after some context; pass --prompts FILE")
+        raise RunError(f"no line of --prompts {cfg.prompts} contains the word {target!r} after some context" if cfg.prompts
+                       else f"no prompt contains the word {target!r} after some context; pass --prompts FILE")
     return lines
 
 
@@ -1648,7 +1691,9 @@ PERTURBATIONS = {
 def js_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     m = 0.5 * (p + q)
     kl = lambda a, b: (a * (a.clamp_min(1e-12).log() - b.clamp_min(1e-12).log())).sum(-1)
-    return 0.5 * kl(p, m) + 0.5 * kl(q, m)
+    # clamped at 0: for nearly equal p and q the two sums cancel to a rounding error either side of 0 (the log
+    # printed "JS -0.0000"), and a divergence is never negative
+    return (0.5 * kl(p, m) + 0.5 * kl(q, m)).clamp_min(0)
 
 
 @torch.no_grad()
@@ -1882,6 +1927,9 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, ste
             ["model", "ppl", "tokens"]))
         if "ratio" in results:
             parts.append(f"<p>ProtoT / attention perplexity ratio: {results['ratio']:.3f} (paper: 90.5 / 78.7 = 1.150)</p>")
+        elif "ratio_skipped" in results:
+            parts.append(f"<p>ProtoT / attention perplexity ratio not computed: {html.escape(results['ratio_skipped'])}"
+                         "</p>")
     if "labels" in results:
         hl = [c["half_life"] for c in results["labels"]["cards"]]
         parts.append(f'<h2>Prototypes</h2><p>{len(hl)} prototypes labelled from {results["labels"]["windows"]} '
@@ -1898,8 +1946,11 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, ste
                      f"change on {PPL_WINDOWS} val windows, measured for the top three only</p>"
                      + table_html(fp["ranking"], ["unit", "mean", "max_drop", "ppl_change"]))
     if "intervention" in results:
-        parts.append("<h2>Intervention</h2>" + table_html([results["intervention"]],
-                     ["units", "mode", "target", "prompts", "max_drop", "mean", "ppl_change"]))
+        iv = {**results["intervention"], "units": ", ".join(results["intervention"]["units"])}  # not a list's repr
+        parts.append(f"<h2>Intervention</h2><p>{html.escape(iv['mode'])} of {html.escape(iv['units'])} together. "
+                     "max_drop and mean: the most negative and the mean relative change of the target's probability "
+                     f"over the prompts; ppl_change: the perplexity change on {PPL_WINDOWS} val windows</p>"
+                     + table_html([iv], ["units", "mode", "target", "prompts", "max_drop", "mean", "ppl_change"]))
     if "robustness" in results:
         rows = []
         for name, r in results["robustness"].items():
@@ -1913,8 +1964,13 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, ste
                      "punctuation .398 / .174, contraction .082 (ProtoT).</p>" + table_html(
             rows, ["perturbation", "model", "pairs", "JS", "top-10 overlap", "top-1 agreement", "routing JS per layer"]))
     if "samples" in results:
-        parts.append("<h2>Samples (O(1) cached generation)</h2>" + "".join(
-            f"<pre>{html.escape(s)}</pre>" for s in results["samples"]))
+        # how each model generates: ProtoT's recurrent state is O(1) per token, the baseline's KV cache grows
+        how = {"proto": "ProtoT, O(1) recurrent cache", "attention": "attention baseline, KV cache (grows with the position)"}
+        parts.append("<h2>Samples</h2>" + (f"<p>The same prompts and generator seeds ({cfg.seed} + i for prompt i) for "
+                                           "each model: a paired comparison, the differences come from the mixer.</p>"
+                                           if len(results["samples"]) > 1 else "")
+                     + "".join(f"<h3>{html.escape(how.get(k, k))}</h3>" + "".join(f"<pre>{html.escape(s)}</pre>" for s in v)
+                               for k, v in results["samples"].items()))
     path = out_dir / f"{stem}.html"
     path.write_text("<!doctype html><meta charset=utf-8><title>ProtoT report</title><style>body{font-family:"
                     "sans-serif;max-width:1100px}table{border-collapse:collapse;font-size:12px}td,th{border:1px "
@@ -1967,6 +2023,7 @@ def validate(cfg: Config) -> None:
               (cfg.d_model >= 6, "--d-model must be >= 6 (below, the SwiGLU width floor(2.7·d/16)·16 is 0)"),
               (cfg.n_protos >= 1, "--n-protos must be >= 1"), (cfg.ctx >= 1, "--ctx must be >= 1"),
               (cfg.batch_size >= 1, "--batch-size must be >= 1"), (cfg.max_iters >= 1, "--max-iters must be >= 1"),
+              (cfg.train or not cfg.resume, "--resume continues training and --no-train trains nothing; give one"),
               (cfg.eval_interval >= 1 and cfg.log_interval >= 1 and cfg.eval_iters >= 1, "intervals must be >= 1"),
               (cfg.lr > 0, "--lr must be > 0"), (0 <= cfg.dropout < 1, "--dropout must be in [0, 1)"),
               (0 <= cfg.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
@@ -1989,6 +2046,39 @@ def validate(cfg: Config) -> None:
         raise RunError("the target word is empty (--target, --find-prototype WORD; --find-prototype off skips it)")
     if cfg.prompts and not Path(cfg.prompts).is_file():
         raise RunError(f"--prompts {cfg.prompts}: " + ("a folder, not a file" if Path(cfg.prompts).is_dir() else "no such file"))
+
+
+def budget_diff(a: dict, b: dict) -> str:
+    """'' when two models' settings (config dicts with the steps trained, "step") share BUDGET_KEYS; else what
+    differs, 'step 20 vs 5'."""
+    return ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in BUDGET_KEYS if a.get(k) != b.get(k))
+
+
+def unused_flags(cfg: Config, explicit, mixers) -> list[str]:
+    """Typed analysis flags that this invocation does not use, each with why: notes for the log. A flag left in a
+    command whose analysis is off does no harm, but it should not pass unseen."""
+    proto = "proto" in mixers
+    auto = cfg.find_prototype == "auto" and cfg.train and not cfg.intervene  # ranks --target after training
+    rank = proto and (auto or cfg.find_prototype not in ("auto", "off"))  # find-prototype runs
+    why = {"mode": (proto and cfg.intervene, "it is the edit of --intervene, and there is none"),
+           "target": (proto and (cfg.intervene or auto), "it is the word of --intervene, and of --find-prototype auto "
+                      "after training, and neither runs here; --find-prototype WORD ranks a word without training"),
+           "prompts": (proto and (cfg.intervene or rank), "it feeds --intervene and --find-prototype, and neither runs "
+                       "here"),
+           "label_windows": (proto and cfg.labels, "prototype labelling is off"),
+           "sample_tokens": (cfg.train or cfg.sample is not None, "no samples: a --no-train run samples only with "
+                             "--sample")}
+    return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
+            if k in explicit and not used]
+
+
+def check_steps(loaded: dict) -> None:
+    """--resume: a checkpoint already past its --max-iters (typed lower) would train nothing and report a config
+    that is not the model's: one line instead."""
+    for path, ck, c in loaded.values():
+        if isinstance(ck["step"], int) and ck["step"] > c.max_iters:
+            raise RunError(f"{path} is at step {ck['step']}, past --max-iters {c.max_iters}: --resume continues a run "
+                           "(raise --max-iters), --no-train analyses it as it is")
 
 
 def check_tokenizer(ck: dict, data, path: Path) -> None:
@@ -2039,6 +2129,8 @@ def run(cfg: Config, explicit) -> int:
             loaded[mixer] = (path, *load_checkpoint(path, replace(cfg, mixer=mixer), explicit))
         saved = loaded[mixers[0]][2]
         cfg = replace(cfg, **{k: getattr(saved, k) for k in MERGED_KEYS})
+        if cfg.train:
+            check_steps(loaded)
     dv = value_width(cfg)  # after the merge: --resume / --no-train take n_protos and d_model from the checkpoint
     if cfg.kernels == "triton" and (cfg.mixer == "proto" or cfg.compare) and not _prefix_mean_fits(cfg.n_protos, dv):
         raise RunError(f"--kernels triton: the scan kernel supports --n-protos × d_v up to {_PREFIX_MEAN_MAX_TILE} "
@@ -2050,6 +2142,8 @@ def run(cfg: Config, explicit) -> int:
     if preset == "cpu" and not cfg.bench and cfg.train and not cfg.resume:  # a resumed run keeps its own settings
         log(preset_banner(cfg, explicit, device, "about 5 minutes on 2 CPU cores", CPU_PRESET, RUNTIME_KEYS))
     log("config: " + json.dumps(asdict(cfg)))
+    for note in [] if cfg.bench else unused_flags(cfg, explicit, mixers):
+        log(note)
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
@@ -2079,12 +2173,15 @@ def run(cfg: Config, explicit) -> int:
     if cfg.labels and "proto" in mixers and len(data.tokens("val")) <= LABEL_WIDTH:  # and not after training
         raise RunError(f"prototype labelling reads val windows of {LABEL_WIDTH} tokens; the val split has "
                        f"{len(data.tokens('val'))} (a larger corpus, or --no-labels)")
+    # a typed --target or --prompts that the default find-prototype will use after training
+    auto_typed = cfg.find_prototype == "auto" and cfg.train and not cfg.intervene and \
+        bool({"target", "prompts"} & set(explicit))
     if "proto" in mixers:  # the typed targets' prompts, before training rather than after it
-        for word in [cfg.target] * bool(cfg.intervene) + [cfg.find_prototype] * (cfg.find_prototype not in
-                                                                                 ("auto", "off")):
+        for word in [cfg.target] * bool(cfg.intervene or auto_typed) + [cfg.find_prototype] * (cfg.find_prototype not in
+                                                                                               ("auto", "off")):
             prompt_batch(data.tokenizer, load_prompts(cfg, data, word), word, "cpu")
     results = {"preset": preset, "device": str(device)}
-    histories, models = {}, {}
+    histories, models, budgets = {}, {}, {}  # budgets: what each model was trained on, for --compare's ratio
     for mixer in mixers:
         c = replace(cfg, mixer=mixer)
         if cfg.train:
@@ -2098,9 +2195,11 @@ def run(cfg: Config, explicit) -> int:
             t0 = time.time()
             models[mixer], histories[mixer] = train(c, data, device, autocast, dist_info, explicit, log, ck)
             log(f"{mixer}: trained in {time.time() - t0:.0f}s; checkpoint {ckpt_path(c)}")
+            budgets[mixer] = {**asdict(c), "step": c.max_iters}
         else:
             path, ck, c = loaded[mixer]
             models[mixer], histories[mixer] = load_model(ck, c, data, device, path), ck["history"]
+            budgets[mixer] = {**ck["config"], "step": ck["step"]}  # as trained, whatever this command typed
     if dist_info["ddp"]:  # the analyses run on rank 0 alone, over the whole val split
         torch.distributed.destroy_process_group()
         data.rank, data.world_size = 0, 1
@@ -2110,7 +2209,11 @@ def run(cfg: Config, explicit) -> int:
     for mixer, m in models.items():
         results["ppl"][mixer] = evaluate_ppl(m, data, cfg.ctx, autocast)
         log(f"{mixer}: val perplexity {results['ppl'][mixer]['ppl']:.2f} over {results['ppl'][mixer]['tokens']:,} tokens")
-    if cfg.compare:
+    differ = budget_diff(budgets["proto"], budgets["attention"]) if cfg.compare else ""
+    if differ:  # e.g. --no-train --compare beside a baseline trained apart: a ratio would not compare the mixers
+        results["ratio_skipped"] = f"ProtoT and attention were trained on different budgets ({differ})"
+        log(f"perplexity ratio not computed: {results['ratio_skipped']}")
+    elif cfg.compare:
         results["ratio"] = results["ppl"]["proto"]["ppl"] / results["ppl"]["attention"]["ppl"]
         log(f"perplexity ProtoT {results['ppl']['proto']['ppl']:.2f} vs attention "
             f"{results['ppl']['attention']['ppl']:.2f}: ratio {results['ratio']:.3f} (paper 90.5 / 78.7 = 1.150)")
@@ -2152,6 +2255,9 @@ def run(cfg: Config, explicit) -> int:
         if len(rob_models) == 1 and ckpt_path(oc).exists():  # the other mixer's checkpoint, when not in memory
             try:  # trained on the same data, or no comparison (a token map alone does not tell the corpus)
                 ck, oc = load_checkpoint(ckpt_path(oc), oc, ("dataset", "tokenizer", "compact", "max_tokens"))
+                differ = budget_diff(next(iter(budgets.values())), {**ck["config"], "step": ck["step"]})
+                if differ:  # side by side, a model trained on other tokens would pass for the other mixer's figure
+                    raise RunError(f"{ckpt_path(oc)} was trained on another budget: {differ}")
                 rob_models[other] = load_model(ck, oc, data, device, ckpt_path(oc))
             except RunError as e:
                 log(f"robustness: not comparing with {other} ({e})")
@@ -2166,11 +2272,15 @@ def run(cfg: Config, explicit) -> int:
         note = unknown_note(data.tokenizer, cfg.sample) if cfg.sample is not None else None
         if note:  # a typed prompt the compacted vocabulary cannot spell: say so beside the sample
             log(note)
-        m = next(iter(models.values()))
-        m.eval()
-        results["samples"] = sample_texts(m, data.tokenizer, prompts, cfg.sample_tokens, device, cfg.seed)
-        for s in results["samples"]:
-            log("sample: " + s.replace("\n", "\n        "))
+        results["samples"] = {}  # per model, as prism.py and dual_stream.py keep theirs
+        if len(models) > 1:  # --compare: both models, one prompt and seed each, so the texts differ by the model
+            log(f"samples: the same prompts and generator seeds ({cfg.seed} + i for prompt i) for each model, a "
+                "paired comparison: the differences come from the mixer")
+        for mixer, m in models.items():
+            m.eval()
+            results["samples"][mixer] = sample_texts(m, data.tokenizer, prompts, cfg.sample_tokens, device, cfg.seed)
+            for s in results["samples"][mixer]:
+                log(f"sample ({mixer}): " + s.replace("\n", "\n        "))
     tag = "results" if cfg.train else "analysis"  # an analysis-only run never overwrites the training run's report
     (out_dir / f"{tag}.json").write_text(to_json(results))
     if cfg.report:

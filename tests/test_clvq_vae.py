@@ -193,9 +193,39 @@ def test_resume_is_bit_exact_on_cpu(tmp_path, acts, monkeypatch):
     resumed, hist = cv.train(tiny_cfg(tmp_path / "b3", resume=True), tr, dv, CPU, DIST, log=lines.append)
     assert any("resumed from" in ln and "at step 3" in ln for ln in lines)
     assert not any(ln.startswith("codebook:") for ln in lines)  # k-means is never redone on resume
+    assert not any(ln.startswith("note:") for ln in lines)  # nothing changed: no warning that it will differ
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert hist["step"] == [3, 6] and hist["val"] == hist_a["val"] and hist["train"] == hist_a["train"]
+
+
+def test_resume_applies_typed_settings_and_says_when_it_cannot_match(tmp_path, acts):
+    """--resume after a shorter run: --weight-decay and --optimizer typed with it are what the optimizer uses
+    (load_state_dict used to put the checkpoint's back, while the config claimed the new ones), and the log says
+    the result cannot equal an uninterrupted run, or that nothing is left to train at --max-iters."""
+    tr, dv = acts
+    cfg = tiny_cfg(tmp_path, max_iters=3)
+    cv.train(cfg, tr, dv, CPU, DIST, log=quiet)
+    lines = []
+    cv.train(replace(cfg, resume=True, max_iters=6, weight_decay=0.5, optimizer="adamw"), tr, dv, CPU, DIST,
+             log=lines.append)
+    assert ("note: resuming with max_iters 3 -> 6, optimizer adam -> adamw, weight_decay 0.0001 -> 0.5: the first "
+            "3 steps followed the checkpoint's settings") in "\n".join(lines)
+    groups = torch.load(cv.ckpt_path(cfg), weights_only=True)["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.5, 0.0] and all(g["decoupled_weight_decay"] for g in groups)
+    lines = []
+    cv.train(replace(cfg, resume=True, max_iters=6, weight_decay=0.5, optimizer="adamw"), tr, dv, CPU, DIST,
+             log=lines.append)
+    assert "note: the checkpoint is at step 6, --max-iters 6: nothing left to train" in "\n".join(lines)
+
+
+def test_random_init_logs_no_kmeans_settings(tmp_path, acts):
+    """--init random draws K rows: its log line names no seeding, iterations or restarts (no k-means runs)."""
+    tr, dv = acts
+    lines = []
+    cv.train(tiny_cfg(tmp_path, init="random", max_iters=1, eval_interval=1), tr, dv, CPU, DIST, log=lines.append)
+    line = next(ln for ln in lines if ln.startswith("codebook:"))
+    assert line.startswith("codebook: random init (8 rows drawn at random) on ") and "seeding" not in line
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, acts, monkeypatch):
@@ -301,12 +331,18 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     assert (tmp_path / "analysis.json").exists() and (tmp_path / "analysis-cards.html").exists()
     assert (tmp_path / "cards.html").stat().st_mtime < (tmp_path / "analysis-cards.html").stat().st_mtime
     # --resume takes the run's settings from the checkpoint (not the preset's) and extends a finished run
-    rc, err = call_main(cv.main, ["--resume", "--max-iters", "9", *named, "--cache-dir", str(cache_dir)], capsys,
-                        monkeypatch)
+    rc, err = call_main(cv.main, ["--resume", "--max-iters", "9", *named, "--cache-dir", str(cache_dir),
+                                  "--no-fidelity", "--ig-steps", "4"], capsys, monkeypatch)
     assert rc == 0, err
     assert "ckpt-clvq-l1-h2.pt at step 6" in (tmp_path / "log-clvq-l1-h2.txt").read_text()
+    assert "note: --ig-steps has no effect in this run (the fidelity test is off: --no-fidelity)" in \
+        (tmp_path / "log-clvq-l1-h2.txt").read_text()  # typed, and the fidelity test is off: said, not dropped
     ck = torch.load(tmp_path / "ckpt-clvq-l1-h2.pt", weights_only=True)
     assert ck["step"] == 9 and ck["config"]["batch_size"] == 8 and ck["history"]["step"] == [3, 6, 9]
+    # a --max-iters below the checkpoint's step would train nothing and report a config not the model's
+    rc, err = call_main(cv.main, ["--resume", "--max-iters", "7", *named, "--cache-dir", str(cache_dir)], capsys,
+                        monkeypatch)
+    assert rc == 1 and err.count("\n") == 1 and "ckpt-clvq-l1-h2.pt is at step 9, past --max-iters 7" in err, err
     # a checkpoint trained with K = 8 cannot be used with K = 16; a damaged one is refused
     rc, err = call_main(cv.main, ["--no-train", "--codebook-size", "16", *named], capsys, monkeypatch)
     assert rc == 1 and err.count("\n") == 1 and "was trained with codebook_size=8 (asked 16)" in err
@@ -344,6 +380,8 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     (["--dec-heads", "5"], 1, "d = 32 must split into --dec-heads 5 heads"),
     (["--d-model", "64"], 1, "the codes live in the source model's space, d = 32"),
     (["--no-train"], 1, "error: no checkpoint at"),
+    (["--no-train", "--resume"], 1, "--resume continues training and --no-train trains nothing; give one"),
+    (["--genres", "comedies,comedies"], 1, "--genres comedies,comedies: each genre once"),
     (["--lr", "nan"], 1, "--lr must be a finite number"),
     (["--init-rows", "4"], 1, "--init-rows must be at least --codebook-size"),
     (["--baselines", "kmeans,pca"], 1, "--baselines: unknown pca; a comma list of kmeans, vq, sae"),
@@ -463,6 +501,13 @@ def test_plateau_halves_lr_stops_early_and_keeps_the_best_weights(tmp_path, acts
     assert not all(torch.equal(v, best[k]) for k, v in ck["model"].items())  # the last state, for --resume
     loaded = cv.load_model(ck, cfg, CPU, cv.ckpt_path(cfg))
     assert all(torch.equal(v, best[k]) for k, v in loaded.state_dict().items())
+    # --resume of the early-stopped run: it had stopped, so it trains no further (it used to run on past step 10)
+    lines = []
+    model, hist = cv.train(replace(cfg, resume=True), tr, dv, CPU, DIST, log=lines.append)
+    assert "note: the checkpoint's run stopped early at step 10 (no val improvement in --early-stop 3 evaluations): " \
+           "nothing left to train" in "\n".join(lines)
+    assert torch.load(cv.ckpt_path(cfg), weights_only=True)["step"] == 10 and hist["step"] == [2, 4, 6, 8, 10]
+    assert all(torch.equal(v, best[k]) for k, v in model.state_dict().items())
 
 
 @pytest.mark.gpu
@@ -492,3 +537,15 @@ def test_missing_checkpoint_names_the_ones_that_are_there(tmp_path):
     (tmp_path / "ckpt-clvq-l1-h2.pt").write_bytes(b"x")
     with pytest.raises(cv.RunError, match=r"holds ckpt-clvq-l1-h2.pt: --layer-l and --layer-h name the file"):
         cv.load_checkpoint(tmp_path / "ckpt-clvq-l4-h6.pt", cv.Config(out_dir=str(tmp_path)))
+
+
+def test_unused_flags_are_noted():
+    """A typed flag whose analysis does not run in this invocation gets a note naming it and why."""
+    def notes(explicit, **kw):
+        return [n.split(" has")[0] for n in cv.unused_flags(cv.Config(**kw), explicit)]
+    every = {"kmeans_iters", "sae_k", "sae_ablate_k", "ig_steps", "probe_folds", "cards_per_method", "lr"}
+    assert notes(every) == []  # the defaults run every baseline, the fidelity test and the cards
+    assert notes(every, baselines="vq") == ["note: --kmeans-iters", "note: --sae-k", "note: --sae-ablate-k"]
+    assert notes(every, fidelity=False) == ["note: --sae-ablate-k", "note: --probe-folds", "note: --ig-steps"]
+    assert notes(every, cards=False) == ["note: --cards-per-method"]
+    assert notes(set(), baselines="", fidelity=False, cards=False) == []  # defaults, not typed: nothing to say

@@ -408,6 +408,20 @@ def test_figures_have_colorbars_and_whole_layer_ticks(monkeypatch):
     assert figs[1].axes[0].get_ylabel() == "loss increase (%), 48 val windows"  # not the whole split's val loss
 
 
+def test_loss_figure_gives_each_model_one_colour(monkeypatch):
+    """The sweep draws 7 models (14 lines): one colour per model for its train and val curves, so no two models
+    share a colour (a colour per line repeats after matplotlib's ten: dense val and fts val were both orange)."""
+    figs = drawn_figures(monkeypatch)
+    hist = {"step": [2, 4], "train": [[1, 3.0], [2, 2.5], [3, 2.4], [4, 2.2]], "val": [2.6, 2.3]}
+    names = list(ds.SWEEP)
+    ds.loss_figure({n: hist for n in names})
+    lines = {ln.get_label(): ln.get_color() for ln in figs[0].axes[0].get_lines()}
+    assert len(lines) == 14
+    assert all(lines[f"{n} train"] == lines[f"{n} val"] for n in names)
+    assert len({lines[f"{n} val"] for n in names}) == 7
+    assert all(t == int(t) for t in figs[0].axes[0].get_xticks())  # whole steps
+
+
 def test_report_says_what_each_figure_measures(tmp_path):
     """The report's analysis losses name their windows and tokens (they differ from the whole-split validation),
     entropies are in nats with the mean over layers shown, greedy samples equal to α = 1's are named rather than
@@ -549,11 +563,34 @@ def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setattr(ds, "save_checkpoint", save_and_keep)
     ds.train(tiny_cfg(tmp_path / "b", cache_dir), fresh_data(), dev, auto, DIST, log=lambda m: None)
     monkeypatch.setattr(ds, "save_checkpoint", real_save)
+    lines = []
     resumed, hist = ds.train(tiny_cfg(tmp_path / "b10", cache_dir, resume=True), fresh_data(), dev, auto, DIST,
-                             log=lambda m: None)
+                             log=lines.append)
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert hist["step"] == [10, 20] and hist["val"] == hist_a["val"]
+    assert not any(ln.startswith("note:") for ln in lines)  # nothing changed: no warning that it will differ
+
+
+def test_resume_applies_typed_settings_and_says_when_it_cannot_match(tmp_path, cache_dir):
+    """--resume after a shorter run: a --weight-decay typed with it is what the optimizer uses (load_state_dict
+    used to put the checkpoint's back, while the config claimed the new one), and the log says the result cannot
+    equal an uninterrupted run (the first steps followed another cosine schedule), or that there is nothing left
+    to train when the checkpoint is already at --max-iters."""
+    dev, auto = torch.device("cpu"), torch.autocast("cpu", enabled=False)
+    cfg = tiny_cfg(tmp_path, cache_dir, max_iters=10)
+    ds.train(cfg, common.load_data(cache_dir=cache_dir), dev, auto, DIST, log=lambda m: None)
+    lines = []
+    ds.train(replace(cfg, resume=True, max_iters=14, weight_decay=0.5), common.load_data(cache_dir=cache_dir), dev,
+             auto, DIST, log=lines.append)
+    assert ("note: resuming with max_iters 10 -> 14, weight_decay 0.1 -> 0.5: the first 10 steps followed the "
+            "checkpoint's settings") in "\n".join(lines)
+    ck = torch.load(ds.ckpt_path(cfg), weights_only=True)
+    assert ck["step"] == 14 and [g["weight_decay"] for g in ck["optimizer"]["param_groups"]] == [0.5, 0.0]
+    lines = []
+    ds.train(replace(cfg, resume=True, max_iters=14, weight_decay=0.5), common.load_data(cache_dir=cache_dir), dev,
+             auto, DIST, log=lines.append)
+    assert "note: the checkpoint is at step 14, --max-iters 14: nothing left to train" in "\n".join(lines)
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache_dir, monkeypatch):
@@ -634,15 +671,21 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert "without attention writes in every block (logits from x_t + x_e" in r.stdout
     assert "specialization" not in res or not res["specialization"]
     png = (tmp_path / f"kronecker-{name}.png").read_bytes()
-    rc, err = call_main(ds.main, ["--no-train", *arch, "--amplify", "", "--no-ablation", "--out-dir", str(tmp_path),
-                                  "--cache-dir", str(cache_dir)], capsys, monkeypatch)
+    rc, err = call_main(ds.main, ["--no-train", *arch, "--amplify", "", "--no-ablation", "--analysis-windows", "4",
+                                  "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys, monkeypatch)
     assert rc == 0, err
+    assert "note: --analysis-windows has no effect in this run" in "".join(
+        p.read_text() for p in tmp_path.glob("log-*.txt"))  # typed, and nothing it sizes runs: said, not dropped
     assert (tmp_path / f"analysis-kronecker-{name}.png").is_file() and (tmp_path / f"kronecker-{name}.png").read_bytes() == png
     # mismatches, in-process (seconds less than a run each)
     rc, err = call_main(ds.main, ["--no-train", *arch, "--max-tokens", "30000", "--out-dir", str(tmp_path),
                                   "--cache-dir", str(cache_dir)], capsys, monkeypatch)
     assert rc == 1 and err.count("\n") == 1
     assert "was trained with max_tokens=40000 (asked 30000); drop those flags or use another --out-dir" in err
+    # a --max-iters below the checkpoint's step would train nothing and report a config not the model's
+    rc, err = call_main(ds.main, ["--resume", *arch, "--max-iters", "1", "--out-dir", str(tmp_path), "--cache-dir",
+                                  str(cache_dir)], capsys, monkeypatch)
+    assert rc == 1 and err.count("\n") == 1 and f"ckpt-{name}.pt is at step" in err and "past --max-iters 1" in err, err
     rc, err = call_main(ds.main, ["--no-train", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys,
                         monkeypatch)
     assert rc == 1 and err.count("\n") == 1 and f"holds ckpt-{name}.pt" in err
@@ -725,6 +768,7 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     (["--no-train"], 1, "error: no checkpoint at"),
     (["--no-train", "--sweep"], 1, "no --sweep checkpoints in"),
     (["--no-train", "--head-sweep"], 1, "(run --head-sweep first)"),
+    (["--no-train", "--resume"], 1, "--resume continues training and --no-train trains nothing; give one"),
     (["--device", "tpu"], 1, "--device tpu: expected auto, cpu, cuda, cuda:N or mps"),
     (["--dataset", "tinystories"], 1, "needs the Hugging Face hub, which is unreachable"),
     (["--kernels", "triton"], 1, "--kernels triton needs a CUDA device"),
@@ -820,3 +864,18 @@ def test_one_head_has_no_distinctiveness():
                                  iter_eval=lambda split, n, w: iter([(torch.arange(2 * w).view(2, w) % 40, None)]))
     assert ds.distinctiveness(model, data, width=12) == [] and ds.per_layer([]) == "n/a (one head)"
     assert ds.per_layer([0.5, 0.25]) == "0.500 0.250"
+
+
+def test_unused_flags_are_noted():
+    """A typed flag whose analysis does not run in this invocation gets a note naming it and why."""
+    def notes(explicit, **kw):
+        return [n.split(" has")[0] for n in ds.unused_flags(Config(**kw), explicit)]
+    every = {"ablate_at", "analysis_windows", "sample_tokens"}
+    assert notes(every) == []
+    assert notes(every, ablation=False) == ["note: --ablate-at"]
+    assert notes(every, ablation=False, amplify="") == ["note: --ablate-at", "note: --analysis-windows"]
+    assert notes(every, ablation=False, amplify="", train=False) == \
+        ["note: --ablate-at", "note: --analysis-windows", "note: --sample-tokens"]
+    assert notes(every, amplify="", train=False) == ["note: --sample-tokens"]  # ablation uses the windows
+    assert notes(every, amplify="", train=False, sample="KING:") == []
+    assert notes(set(), ablation=False, amplify="", train=False) == []  # defaults, not typed: nothing to say

@@ -337,6 +337,34 @@ def test_the_four_scripts_share_one_shape():
             "step 3/10 | loss 2.5000 | lr 1.00e-03 | 12.0 ms | 4.6k tok/s | mfu 25.0%"
         assert {"config", "model", "optimizer", "step", "history", "rng"} <= set(mod.CKPT_KEYS), name
         assert mod.RNG_KEYS == ("torch", "data", "cuda"), name
-        for fn in ("main", "train", "save_checkpoint", "load_checkpoint", "peak_flops"):
+        for fn in ("main", "train", "save_checkpoint", "load_checkpoint", "peak_flops", "restore_optimizer",
+                   "resume_note", "check_steps", "unused_flags", "validate"):
             assert inspect.isfunction(getattr(mod, fn)), (name, fn)
+        cfg = mod.Config()  # --resume says the same things the same way everywhere
+        saved = dataclasses.asdict(cfg)
+        assert mod.resume_note(saved, cfg, 1) is None, name
+        assert mod.resume_note(saved, cfg, cfg.max_iters) == (f"note: the checkpoint is at step {cfg.max_iters}, "
+                                                              f"--max-iters {cfg.max_iters}: nothing left to train "
+                                                              "(raise --max-iters to continue)"), name
+        assert mod.resume_note({**saved, "max_iters": 2}, cfg, 1).startswith(
+            f"note: resuming with max_iters 2 -> {cfg.max_iters}: the first 1 steps followed"), name
+        with pytest.raises(mod.RunError, match="--resume continues training and --no-train trains nothing; give one"):
+            mod.validate(dataclasses.replace(cfg, train=False, resume=True))
         assert issubclass(mod.RunError, Exception)
+
+
+@pytest.mark.parametrize("name", PAPERS)
+def test_a_file_that_holds_no_dict_is_not_a_checkpoint(name, tmp_path, recwarn):
+    """torch.save of a tensor or a list reads back with weights_only: one line saying it is no checkpoint, without
+    the torch warning that indexing a tensor with "config" printed before the error."""
+    import importlib
+
+    import torch
+
+    mod = importlib.import_module(name)
+    path = tmp_path / "ckpt-x.pt"
+    for obj in (torch.zeros(3), [1, 2], {"config": {}}):
+        torch.save(obj, path)
+        with pytest.raises(mod.RunError, match=f"ckpt-x.pt is not a {name}.py checkpoint"):
+            mod.load_checkpoint(path, mod.Config(out_dir=str(tmp_path)))
+    assert not [w for w in recwarn if "indexing" in str(w.message)]

@@ -574,9 +574,12 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
                                      str(cache_dir)], capsys, monkeypatch)  # in-process: seconds less than a run
     assert rc == 1 and err.count("\n") == 1
     assert "was trained with layers=1 (asked 3); drop those flags or use another --out-dir" in err
+    rc, err = call_main(prism.main, ["--no-train", "--n-protos", "48", "--out-dir", str(tmp_path), "--cache-dir",
+                                     str(cache_dir)], capsys, monkeypatch)  # PRISM's file, not the twin's, is named
+    assert rc == 1 and "ckpt-prism.pt was trained with n_protos=24 (asked 48)" in err, err
 
 
-def test_resume_from_the_command_line(tmp_path, cache_dir):
+def test_resume_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     """--resume takes the run's own settings from the checkpoint (not the preset's), continues a run stopped
     while the twin was training, and extends a finished one when --max-iters is raised."""
     args = ["--layers", "1", "--d-model", "32", "--heads", "2", "--n-protos", "16", "--topk", "4", "--ctx", "32",
@@ -598,6 +601,22 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     assert torch.load(tmp_path / "ckpt-prism.pt", weights_only=True)["step"] == 15
     assert "ckpt-prism.pt at step 10" in r.stdout
+    assert "note: resuming with max_iters 10 -> 15: the first 10 steps followed the checkpoint's settings" in r.stdout
+    # a --max-iters below the checkpoints' step would train nothing and report a config not the models'
+    rc, err = call_main(prism.main, ["--resume", "--max-iters", "12", "--out-dir", str(tmp_path), "--cache-dir",
+                                     str(cache_dir)], capsys, monkeypatch)
+    assert rc == 1 and err.count("\n") == 1 and "ckpt-prism.pt is at step 15, past --max-iters 12" in err, err
+    assert "val loss PRISM" in (tmp_path / "log-prism.txt").read_text()  # one recipe: the final gap is given
+    # a twin trained apart with another recipe: --no-train gives no final gap, and says why
+    rc, err = call_main(prism.main, [*args, "--head", "dense", "--max-iters", "5"], capsys, monkeypatch)
+    assert rc == 0, err
+    rc, err = call_main(prism.main, ["--no-train", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir),
+                                     "--no-cards", "--no-attribution", "--no-controller", "--suppress-keywords", "",
+                                     "--no-report"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "gap" not in json.loads((tmp_path / "analysis.json").read_text())
+    assert "gap to the dense twin not computed: PRISM and the dense twin were trained with other recipes (max_iters " \
+        "15 vs 5, step 15 vs 5)" in (tmp_path / "log-prism.txt").read_text()
 
 
 def test_resume_checks_the_seeding_of_a_prism_that_starts_from_step_0(tmp_path, cache_dir, capsys, monkeypatch):
@@ -626,6 +645,7 @@ def test_resume_checks_the_seeding_of_a_prism_that_starts_from_step_0(tmp_path, 
     (["--suppress", "x"], 1, "--suppress 'x': expected prototype ids"),
     (["--suppress", "999999"], 1, "ids must be in [0, 512)"),
     (["--no-train"], 1, "error: no checkpoint at"),
+    (["--no-train", "--resume"], 1, "--resume continues training and --no-train trains nothing; give one"),
     (["--device", "tpu"], 1, "--device tpu: expected auto, cpu, cuda, cuda:N or mps"),
     (["--dataset", "tinystories"], 1, "needs the Hugging Face hub, which is unreachable"),
     (["--kernels", "triton"], 1, "--kernels triton needs a CUDA device"),
@@ -738,3 +758,21 @@ def test_triton_k_limit_applies_to_the_checkpoints_k(tmp_path, cache_dir):
                    "--out-dir", str(tmp_path), env={"TRITON_INTERPRET": "1"})
     assert r.returncode == 1 and r.stderr == ("error: --kernels triton: the top-k kernel takes --topk up to 32, not "
                                               "40; use --kernels auto (the torch form for a larger k)\n"), r.stderr
+
+
+def test_unused_flags_are_noted():
+    """A typed flag whose analysis does not run in this invocation gets a note naming it and why; a --no-X of an
+    analysis that is off anyway gets none."""
+    def notes(explicit, **kw):
+        return [n.split(" has no effect")[0] for n in prism.unused_flags(Config(**kw), set(explicit))]
+    assert notes({"attr_seqs", "attr_curvature", "ekfac"}, attribution=False, ekfac=True) == \
+        ["note: --attr-seqs", "note: --attr-curvature", "note: --ekfac"]
+    assert notes({"ekfac"}, attribution=False, ekfac=False) == []
+    assert notes({"suppress_factor"}, suppress_keywords="") == ["note: --suppress-factor"]
+    assert notes({"suppress_factor"}, suppress_keywords="", suppress="3") == []
+    assert notes({"suppress_factor"}) == []  # the default auto keyword suppresses
+    assert notes({"controller_l1", "card_windows"}, controller=False, cards=False, suppress_keywords="") == \
+        ["note: --controller-l1", "note: --card-windows"]
+    assert notes({"card_windows"}, cards=False) == []  # the auto keyword reads the cards
+    assert notes({"twin", "attr_seqs"}, head="dense") == ["note: --attr-seqs", "note: --twin"]
+    assert notes({"sample_tokens"}, train=False) == ["note: --sample-tokens"]

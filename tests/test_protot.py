@@ -1,5 +1,6 @@
 """protot.py beyond the core op: the model and its O(1) cache, training (resume, NaN, DDP), checkpoints,
 the command line, interventions, and that the script works when copied alone."""
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -219,8 +220,8 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert len(res["labels"]["cards"]) == 2 * 32 and res["ppl"]["proto"]["tokens"] == 10_000 - 1  # all of val
     assert len(res["find_prototype"]["ranking"]) == 10 and "ppl_change" in res["find_prototype"]["ranking"][0]
     assert set(res["robustness"]) == set(protot.PERTURBATIONS)
-    assert res["samples"] == [res["samples"][0]] and res["samples"][0].startswith("ROSALIND:\n")
-    assert len(res["samples"][0]) > 100
+    assert list(res["samples"]) == ["proto"] and len(res["samples"]["proto"]) == 1  # per model, one per prompt
+    assert res["samples"]["proto"][0].startswith("ROSALIND:\n") and len(res["samples"]["proto"][0]) > 100
     report = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64" in report and "Robustness" in report
 
@@ -245,6 +246,7 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     (["--layers", "0"], 1, "error: --layers must be >= 1"),
     (["--mixer", "attention", "--d-model", "30", "--heads", "4"], 1, "must split into --heads 4 heads"),
     (["--no-train", "--intervene", "0:1"], 1, "error: no checkpoint at"),
+    (["--no-train", "--resume"], 1, "--resume continues training and --no-train trains nothing; give one"),
     (["--intervene", "x"], 1, "--intervene expects LAYER:PROTO"),
     (["--intervene", "0:1", "--target", " "], 1, "the target word is empty"),
     (["--prompts", "no/such/file.txt"], 1, "--prompts no/such/file.txt: no such file"),
@@ -253,6 +255,10 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     (["--d-model", "4"], 1, "--d-model must be >= 6"),
     (["--intervene", "0:3", "--target", "zzzzqqq"], 1, "no prompt contains the word 'zzzzqqq'"),  # before training
     (["--find-prototype", "zzzzqqq"], 1, "no prompt contains the word 'zzzzqqq'"),
+    # a typed --target that the default find-prototype ranks after training: checked before it, like the others
+    # (the tiny settings keep the run short where it is not)
+    (["--target", "zzzzqqq", "--layers", "1", "--d-model", "16", "--ctx", "16", "--max-iters", "2", "--no-labels",
+      "--no-robustness", *SMALL_CORPUS], 1, "no prompt contains the word 'zzzzqqq'"),
     (["--compare", "--heads", "3", "--d-model", "32"], 1, "must split into --heads 3 heads"),
     (["--heads", "0"], 1, "--heads must be >= 1"),
     (["--device", "tpu"], 1, "--device tpu: expected auto, cpu, cuda, cuda:N or mps"),
@@ -297,10 +303,27 @@ def test_resume_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
         assert c["step"] == 10 and c["config"]["mixer"] == mixer, mixer
         assert (c["config"]["batch_size"], c["config"]["lr"], c["config"]["max_iters"], c["config"]["d_model"]) == \
             (4, 1e-3, 10, 32), mixer
-    rc, err = call_main(protot.main, ["--resume", "--max-iters", "15", *quiet], capsys, monkeypatch)
+    samples = json.loads((tmp_path / "results.json").read_text())["samples"]  # --compare samples both models
+    assert set(samples) == {"proto", "attention"} and all(len(v) == 2 for v in samples.values())
+    rc, err = call_main(protot.main, ["--resume", "--max-iters", "15", "--weight-decay", "0.5", *quiet], capsys,
+                        monkeypatch)
     assert rc == 0, err
     c = torch.load(tmp_path / "ckpt-proto.pt", weights_only=True)
     assert c["step"] == 15 and c["config"]["lr"] == 1e-3 and c["config"]["batch_size"] == 4
+    # the typed decay reaches the optimizer (load_state_dict would put the checkpoint's 0.1 back), and the log says
+    # the result is not an uninterrupted run's
+    assert [g["weight_decay"] for g in c["optimizer"]["param_groups"]] == [0.5, 0.0]
+    assert "note: resuming with max_iters 10 -> 15, weight_decay 0.1 -> 0.5: the first 10 steps followed the " \
+        "checkpoint's settings" in (tmp_path / "log-proto.txt").read_text()
+    # a --max-iters below the checkpoint's step would train nothing and report a config not the model's
+    rc, err = call_main(protot.main, ["--resume", "--max-iters", "12", *quiet], capsys, monkeypatch)
+    assert rc == 1 and err.count("\n") == 1 and "ckpt-proto.pt is at step 15, past --max-iters 12" in err, err
+    # typed analysis flags this run does not use are said in the log, not dropped unseen
+    rc, err = call_main(protot.main, ["--no-train", "--target", "queen", "--mode", "reinit", *quiet], capsys,
+                        monkeypatch)
+    assert rc == 0, err
+    log = (tmp_path / "log-proto.txt").read_text()
+    assert "note: --target has no effect in this run" in log and "note: --mode has no effect in this run" in log
     # --compare --resume resumes each model with its own checkpoint's settings, not ProtoT's for both
     rc, err = call_main(protot.main, [*small, *quiet, "--mixer", "attention", "--lr", "5e-3", "--max-iters", "15"],
                         capsys, monkeypatch)
@@ -309,6 +332,20 @@ def test_resume_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     assert rc == 0, err
     lrs = {m: torch.load(tmp_path / f"ckpt-{m}.pt", weights_only=True)["config"]["lr"] for m in ("proto", "attention")}
     assert lrs == {"proto": 1e-3, "attention": 5e-3}
+    assert "ratio" in json.loads((tmp_path / "results.json").read_text())  # one budget, lrs of their own
+    # a baseline trained apart on another budget: --no-train --compare gives no ratio, and says why
+    rc, err = call_main(protot.main, [*small, *quiet, "--mixer", "attention", "--max-iters", "5"], capsys, monkeypatch)
+    assert rc == 0, err
+    rc, err = call_main(protot.main, ["--no-train", "--compare", *quiet], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "ratio" not in json.loads((tmp_path / "analysis.json").read_text())
+    assert "perplexity ratio not computed: ProtoT and attention were trained on different budgets (step 20 vs 5)" \
+        in (tmp_path / "log-proto-attention.txt").read_text()
+    # nor does robustness set the two side by side (it loads the other mixer's checkpoint when it finds one)
+    rc, err = call_main(protot.main, ["--no-train", *quiet, "--robustness"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert set(json.loads((tmp_path / "analysis.json").read_text())["robustness"]["typo"]) == {"pairs", "proto"}
+    assert "ckpt-attention.pt was trained on another budget: step 20 vs 5)" in (tmp_path / "log-proto.txt").read_text()
 
 
 def test_labelling_needs_a_val_window_and_says_so_before_training(tmp_path, cache_dir, capsys, monkeypatch):
@@ -392,7 +429,7 @@ def test_prompts_from_a_user_file(tmp_path, data):
     f.write_text("Mermaid, sing\n\nno target here\nI saw a mermaid on a dolphin's back\n")
     cfg = Config(prompts=str(f))
     assert protot.load_prompts(cfg, data, "mermaid") == ["I saw a mermaid on a dolphin's back"]  # needs context
-    with pytest.raises(protot.RunError, match="no prompt contains the word 'kraken'"):
+    with pytest.raises(protot.RunError, match="no line of --prompts .*prompts.txt contains the word 'kraken'"):
         protot.load_prompts(cfg, data, "kraken")
     with pytest.raises(protot.RunError, match="--prompts .*missing.txt"):
         protot.load_prompts(Config(prompts=str(tmp_path / "missing.txt")), data, "mermaid")
@@ -445,3 +482,49 @@ def test_report_says_how_to_read_its_tables(tmp_path):
     assert "<td>auto → cpu</td>" in report
     assert "in nats (0 to ln 2 = 0.693), lower = more robust" in report and "typo .207 / .227" in report
     assert f"change on {protot.PPL_WINDOWS} val windows, measured for the top three only" in report
+
+
+def test_js_divergence_is_never_negative():
+    """Nearly equal distributions: the two KL sums cancel to a rounding error, which was below 0 ("JS -0.0000")."""
+    torch.manual_seed(2)
+    p = torch.softmax(0.01 * torch.randn(64), -1)
+    q = torch.softmax(p.log() + 1e-5 * torch.randn(64), -1)
+    assert protot.js_divergence(p, q).item() >= 0 and protot.js_divergence(p, p).item() == 0
+
+
+def test_report_names_each_models_samples_and_the_intervention_units(tmp_path):
+    """--compare samples both models: each under its own heading, saying how it generates (ProtoT's O(1) state,
+    the baseline's growing KV cache); an intervention's units are listed, not shown as a Python list."""
+    iv = {"units": ["L1 P3", "L0 P2"], "mode": "read-mask", "target": "queen", "prompts": 8, "max_drop": -0.1,
+          "mean": -0.05, "ppl": 100.0, "ppl_change": 0.01}
+    samples = {"proto": ["KING: a"], "attention": ["KING: b"]}
+    report = protot.write_report(tmp_path, Config(), {"intervention": iv, "samples": samples}, {}).read_text()
+    assert "<td>L1 P3, L0 P2</td>" in report and "[&#x27;L1 P3&#x27;" not in report
+    assert "<h3>ProtoT, O(1) recurrent cache</h3><pre>KING: a</pre>" in report
+    assert "<h3>attention baseline, KV cache (grows with the position)</h3><pre>KING: b</pre>" in report
+    report = protot.write_report(tmp_path, Config(mixer="attention"), {"samples": {"attention": ["x"]}}, {}).read_text()
+    assert "O(1)" not in report and "paired comparison" not in report
+
+
+def test_a_checkpoint_renamed_to_the_other_mixer_is_refused(tmp_path):
+    cfg = Config(out_dir=str(tmp_path), layers=1, d_model=16, n_protos=4, heads=2)
+    torch.save({"format": "glassbox-checkpoint/1", "script": "protot", "model": {}, "optimizer": {}, "step": 5,
+                "best_val_loss": 6.0, "tokenizer": {}, "history": {}, "rng": {"torch": 0, "data": 0, "cuda": 0},
+                "config": dataclasses.asdict(dataclasses.replace(cfg, mixer="attention"))}, tmp_path / "ckpt-proto.pt")
+    with pytest.raises(protot.RunError, match="holds a --mixer attention model, not proto"):
+        protot.load_checkpoint(tmp_path / "ckpt-proto.pt", cfg)
+
+
+def test_unused_flags_are_noted():
+    """A typed flag whose analysis does not run in this invocation gets a note naming it and why."""
+    def notes(explicit, mixers=("proto",), **kw):
+        return [n.split(" has no effect")[0] for n in protot.unused_flags(Config(**kw), set(explicit), mixers)]
+    assert notes({"target", "mode", "label_windows"}, train=False, labels=False) == \
+        ["note: --mode", "note: --target", "note: --label-windows"]
+    assert notes({"target", "prompts"}) == []  # a training run ranks --target (find-prototype auto), from --prompts
+    assert notes({"target", "prompts"}, find_prototype="queen") == ["note: --target"]
+    assert notes({"target", "prompts"}, train=False, find_prototype="queen") == ["note: --target"]
+    assert notes({"target", "mode"}, train=False, intervene="0:1") == []
+    assert notes({"target"}, ("attention",), mixer="attention") == ["note: --target"]  # no prototypes to rank
+    assert notes({"sample_tokens"}, train=False) == ["note: --sample-tokens"]
+    assert notes({"sample_tokens"}, train=False, sample="KING:") == []
