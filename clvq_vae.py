@@ -2132,7 +2132,8 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
                 sched["since_best"] += 1
                 if cfg.schedule == "plateau" and sched["bad"] > cfg.plateau_patience:
                     sched.update(scale=sched["scale"] * cfg.plateau_factor, bad=0)
-                    log(f"step {step}: val loss has not improved for {cfg.plateau_patience + 1} evaluations; "
+                    n = cfg.plateau_patience + 1
+                    log(f"step {step}: val loss has not improved for {n} evaluation{'s' * (n != 1)}; "
                         f"lr x {cfg.plateau_factor} -> {get_lr(cfg, step, sched['scale']):.2e}")
             if rank == 0:
                 save_checkpoint(path, raw, optimizer, cfg, step, sched, sampler_state, history, data, best)

@@ -1330,7 +1330,7 @@ def parse_alphas(spec: str) -> list[float]:
     """'1,2,4,8,16' -> [1.0, 2.0, ...]; α in (0, 1e6] (a one-line error otherwise): far above that α·q·kᵀ
     overflows fp32 and every figure would be NaN."""
     try:
-        alphas = [float(a) for a in spec.split(",") if a.strip()]
+        alphas = [float(a) for a in spec.split(",")] if spec.strip() else []  # '' is off; 1,,2 an error
     except ValueError:
         raise RunError(f"--amplify {spec!r}: expected comma-separated numbers such as 1,2,4,8,16") from None
     if any(not 0 < a <= 1e6 for a in alphas):
@@ -1765,6 +1765,9 @@ def resolved_config(cfg: Config, results: dict) -> dict:
     for k in ("preset", "device", "dtype"):
         if row[k] == "auto" and results.get(k):
             row[k] = f"auto → {results[k]}"
+    # a sweep's models differ in these: the base value would read as every model's
+    for k in (tuple(SWEEP["dense"]) if cfg.sweep else ()) + (("heads",) if cfg.head_sweep else ()):
+        row[k] = "swept (per model below)"
     return row
 
 

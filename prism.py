@@ -1569,7 +1569,7 @@ def auto_keyword(cards: list[dict], generated: Optional[list[str]] = None, min_l
 
 def parse_ids(spec: str, K: int) -> list[int]:
     try:
-        ids = [int(s) for s in spec.split(",") if s.strip()]
+        ids = [int(s) for s in spec.split(",")]  # an empty item (3,,17, or a trailing comma) is an error
     except ValueError:
         raise RunError(f"--suppress {spec!r}: expected prototype ids like 3,17,42") from None
     bad = [i for i in ids if not 0 <= i < K]
@@ -3089,6 +3089,9 @@ def run(cfg: Config, explicit) -> int:
                        "use --kernels auto (the torch form for a larger k)")
     if cfg.suppress:
         parse_ids(cfg.suppress, cfg.n_protos)
+    clipped = cfg.attr_ctx > cfg.ctx and cfg.head == "prism" and cfg.attribution  # said once the log is open
+    if cfg.attr_ctx > cfg.ctx:  # the attribution set's windows are training windows: at most ctx tokens long
+        cfg, asked = replace(cfg, attr_ctx=cfg.ctx), cfg.attr_ctx
     out_dir = Path(cfg.out_dir)
     log = Logger(None if cfg.bench else out_dir / f"log-{cfg.head}.txt", rank)
     if preset == "cpu" and not cfg.bench and cfg.train and not cfg.resume:  # a resumed run keeps its own settings
@@ -3096,6 +3099,8 @@ def run(cfg: Config, explicit) -> int:
     log("config: " + json.dumps(asdict(cfg)))
     for note in [] if cfg.bench else unused_flags(cfg, explicit):
         log(note)
+    if clipped and not cfg.bench:
+        log(f"note: --attr-ctx {asked} is longer than --ctx {cfg.ctx}: the attribution windows are {cfg.ctx} tokens")
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
@@ -3195,7 +3200,7 @@ def run(cfg: Config, explicit) -> int:
             log(f"attribution skipped: {FULL_ROUTING}")
         elif cfg.attribution:
             results["attribution"] = attribution_experiment(model, models.get("dense"), data,
-                                                            replace(cfg, ctx=min(cfg.attr_ctx, cfg.ctx)), log)
+                                                            replace(cfg, ctx=cfg.attr_ctx), log)
         targets, before = [], None  # before: the unsuppressed generations (the same for every target), once made
         if cfg.suppress:
             targets.append(("ids", parse_ids(cfg.suppress, cfg.n_protos), []))

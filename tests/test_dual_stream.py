@@ -763,6 +763,7 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     (["--d-model", "30", "--heads", "4"], 1, "must split into --heads 4 heads"),
     (["--d-model", "30", "--heads", "6"], 1, "the head size d_model/heads must be even"),
     (["--amplify", "1,x"], 1, "--amplify '1,x': expected comma-separated numbers"),
+    (["--amplify", ",,"], 1, "--amplify ',,': expected comma-separated numbers"),  # '' is off; ,, a typo
     (["--amplify", "1,-2"], 1, "every α must be in (0, 1e6]"),
     (["--amplify", "1,1e300"], 1, "every α must be in (0, 1e6]"),
     (["--no-train"], 1, "error: no checkpoint at"),
@@ -879,3 +880,14 @@ def test_unused_flags_are_noted():
     assert notes(every, amplify="", train=False) == ["note: --sample-tokens"]  # ablation uses the windows
     assert notes(every, amplify="", train=False, sample="KING:") == []
     assert notes(set(), ablation=False, amplify="", train=False) == []  # defaults, not typed: nothing to say
+
+
+def test_report_config_marks_what_a_sweep_varies():
+    """The report's configuration row holds the base settings; under a sweep the swept ones would read as every
+    model's (mixing kronecker beside seven models of which one is Kronecker), so they say they are swept."""
+    row = ds.resolved_config(Config(sweep=True), {"preset": "cpu"})
+    assert row["mode"] == row["mixing"] == row["ffn_mixing"] == "swept (per model below)" and row["heads"] == 6
+    assert row["preset"] == "auto → cpu"
+    row = ds.resolved_config(Config(head_sweep=True), {})
+    assert row["heads"] == "swept (per model below)" and row["mixing"] == "kronecker"
+    assert ds.resolved_config(Config(), {})["mixing"] == "kronecker"

@@ -488,7 +488,7 @@ def test_gap_needs_a_twin_trained_with_the_same_recipe(tmp_path):
     assert prism.twin_history(cfg, {}, lines.append) is None
     assert "gap to dense: not computed" in lines[0] and f"lr=1.0, here {cfg.lr}" in lines[0]
     torch.save({"foo": 1}, tmp_path / "ckpt-dense.pt")  # not a checkpoint: no gap, a line that says why
-    assert prism.twin_history(cfg, {}, lines.append) is None and "is not a readable checkpoint" in lines[1]
+    assert prism.twin_history(cfg, {}, lines.append) is None and "ckpt-dense.pt is not a prism.py checkpoint" in lines[1]
 
 
 def test_twin_and_prism_train_on_the_same_batches(tmp_path, cache_dir):
@@ -534,6 +534,10 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert "no GPU: running the CPU preset" in out
     lines = [ln for ln in out.splitlines() if ln.startswith("step ") and "| loss" in ln]
     assert len(lines) == 6  # 3 log lines for the twin, 3 for PRISM
+    # the preset's attribution windows (128 tokens) are longer than this --ctx: clipped, said, and the config
+    # line shows the length used
+    assert "note: --attr-ctx 128 is longer than --ctx 32: the attribution windows are 32 tokens" in out
+    assert '"attr_ctx": 32' in next(ln for ln in out.splitlines() if ln.startswith("config: "))
     dense_losses = [float(ln.split("| loss ")[1].split()[0]) for ln in lines[:3]]
     assert dense_losses[-1] < dense_losses[0] - 0.5
     assert " ms | " in lines[0] and "tok/s | mfu -" in lines[0]
@@ -644,6 +648,7 @@ def test_resume_checks_the_seeding_of_a_prism_that_starts_from_step_0(tmp_path, 
     (["--init-steps", "400"], 1, "--init-steps 400 leaves no step for the prototypes"),
     (["--suppress", "x"], 1, "--suppress 'x': expected prototype ids"),
     (["--suppress", "999999"], 1, "ids must be in [0, 512)"),
+    (["--suppress", "3,,17"], 1, "--suppress '3,,17': expected prototype ids"),  # as protot's --intervene 1:1,
     (["--no-train"], 1, "error: no checkpoint at"),
     (["--no-train", "--resume"], 1, "--resume continues training and --no-train trains nothing; give one"),
     (["--device", "tpu"], 1, "--device tpu: expected auto, cpu, cuda, cuda:N or mps"),
