@@ -1628,7 +1628,7 @@ def suppression(model: PRISM, data, cfg: Config, ids: list[int], keywords: list[
             "rate_before": keyword_rate(texts["before"], keywords), "rate_after": keyword_rate(texts["after"], keywords),
             "ppl_before": ppl0, "ppl_after": ppl1, "ppl_change": ppl1 / ppl0 - 1, "ppl_tokens": ev0["tokens"],
             "fired_val": ev1["fired"], "no_effect": changed == 0 and ppl1 == ppl0,
-            "example": {"before": texts["before"][0], "after": texts["after"][0]}}
+            "example": {"prompt": SUPPRESS_PROMPTS[0], "before": texts["before"][0], "after": texts["after"][0]}}
 
 
 def suppression_effect(r: dict) -> str:
@@ -2860,8 +2860,11 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                "val ppl after": r["ppl_after"], "ppl change": f"{r['ppl_change']:+.2%}"}
         effect = f"<p>{html.escape(suppression_effect(r))}.</p>" if "fired_val" in r else ""
         parts.append(f"<h2>Suppression ({html.escape(', '.join(r['keywords']))})</h2>" + table_html([row], list(row))
-                     + effect + f"<pre>before: {html.escape(r['example']['before'])}\n\n"
-                                f"after: {html.escape(r['example']['after'])}</pre>")
+                     + effect + (f"<p>The first generation, from the prompt {html.escape(repr(r['example']['prompt']))} "
+                                 "(its continuation only), without and with the suppression:</p>"
+                                 if "prompt" in r["example"] else "")
+                     + f"<pre>before: {html.escape(r['example']['before'])}\n\n"
+                       f"after: {html.escape(r['example']['after'])}</pre>")
     if results.get("controller"):
         c = results["controller"]
         # accuracies in %, as the summary prints them beside the gain in points ("40.0% -> 40.2% (+0.17 points)")

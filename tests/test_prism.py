@@ -323,7 +323,7 @@ def test_report_says_its_units_and_resolved_settings(tmp_path):
         "suppression": [{"keywords": ["love"], "prototypes": [3], "fraction": 1 / 24, "factor": 0.0,
                          "generations": 16, "generations_changed": 0, "rate_before": 2.5, "rate_after": 2.5,
                          "ppl_before": 90.0, "ppl_after": 90.0, "ppl_change": 0.0, "ppl_tokens": 8192, "fired_val": 0,
-                         "no_effect": True, "example": {"before": "a", "after": "a"}}],
+                         "no_effect": True, "example": {"prompt": "ROMEO:\n", "before": "a", "after": "a"}}],
         "controller": {"summary": "40.0% -> 40.2% (+0.17 points)",
                        "table": [{"model/controller": "PRISM", "acc before": 0.4, "acc after": 0.401667,
                                   "gain (points)": 0.1667}]},
@@ -341,6 +341,7 @@ def test_report_says_its_units_and_resolved_settings(tmp_path):
     assert "<th>share of the bank</th>" in html and "<td>4.17%</td>" in html
     assert "<th>keyword rate before (per 1k words)</th>" in html
     assert "no effect: the suppressed prototypes fired 0 times over the 8,192 val tokens" in html
+    assert "The first generation, from the prompt &#x27;ROMEO:\\n&#x27; (its continuation only)" in html
     assert "<td>40.0%</td><td>40.2%</td><td>+0.17</td>" in html and "<td>0.4</td>" not in html
     assert "same prompt and generator seed (7) for each head: a paired comparison" in html
 
