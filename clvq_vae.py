@@ -1706,14 +1706,21 @@ def resume_note(saved: dict, cfg: Config, step: int, stopped: bool = False) -> O
     --max-iters first, then --resume with a larger one, whose cosine schedule the first steps did not follow).
     None when it resumes as if never stopped. A checkpoint past --max-iters is check_steps' error, before it
     trains."""
-    if stopped:
+    if stopped and saved.get("early_stop") == cfg.early_stop:
         return (f"note: the checkpoint's run stopped early at step {step} (no val improvement in --early-stop "
                 f"{cfg.early_stop} evaluations): nothing left to train (raise --early-stop, or 0 turns it off, to "
                 "continue)")
+    if stopped:  # a --early-stop typed now, which the checkpoint's run did not stop by
+        return (f"note: the checkpoint at step {step} has gone --early-stop {cfg.early_stop} evaluations without a val "
+                f"improvement (its run had --early-stop {saved.get('early_stop')}), so it stops at once: nothing left "
+                "to train")
     if step >= cfg.max_iters:
         return (f"note: the checkpoint is at step {step}, --max-iters {cfg.max_iters}: nothing left to train (raise "
                 "--max-iters to continue)")
-    changed = [f"{k} {saved[k]} -> {getattr(cfg, k)}" for k in RESUME_KEYS if k in saved and saved[k] != getattr(cfg, k)]
+    # the other schedule's settings change nothing while the schedule stays
+    idle = {"cosine": ("plateau_factor", "plateau_patience"), "plateau": ("warmup_frac", "min_lr_ratio")}
+    keys = [k for k in RESUME_KEYS if saved.get("schedule") != cfg.schedule or k not in idle[cfg.schedule]]
+    changed = [f"{k} {saved[k]} -> {getattr(cfg, k)}" for k in keys if k in saved and saved[k] != getattr(cfg, k)]
     if changed:
         return (f"note: resuming with {', '.join(changed)}: the first {step} steps followed the checkpoint's "
                 "settings (its learning-rate schedule included), so the result will differ from an uninterrupted "
@@ -3305,6 +3312,9 @@ def validate(cfg: Config, explicit=()) -> None:
                "--finetune-epochs must be >= 0, --finetune-lr > 0 and --finetune-batch >= 1"),
               (cfg.max_per_type is None or cfg.max_per_type >= 1, "--max-per-type must be >= 1 (or none)"),
               (len(genres) >= 2, "--genres needs at least two genres"),
+              *[("" not in [x.strip() for x in spec.split(",")] or not spec.strip(),
+                 f"--{flag} {spec!r}: an empty item in the comma list") for flag, spec in
+                (("genres", cfg.genres), ("baselines", cfg.baselines))],
               (len(set(genres)) == len(genres),
                f"--genres {cfg.genres}: each genre once (a genre named twice would be two classes of one genre)"),
               (cfg.train or not cfg.resume, "--resume continues training and --no-train trains nothing; give one"),

@@ -1295,9 +1295,22 @@ def configurations(cfg: Config) -> dict[str, Config]:
     return {name: cfg}
 
 
-def sweep_table(models: dict, ppl: dict) -> list[dict]:
-    """Parameters, val loss and its relative cost to token-factor dense (spec §10.1)."""
-    base = ppl.get("dense", {}).get("loss")
+# What the sweep's models must share for "vs dense" to be the cost of the mixing: the data and the tokens seen.
+BUDGET_KEYS = ("dataset", "tokenizer", "compact", "max_tokens", "batch_size", "ctx", "step")
+
+
+def budget_diff(budgets: dict) -> str:
+    """'' when every model's settings (config dicts with the steps trained, "step") share BUDGET_KEYS; else what
+    differs, from the first model's view."""
+    first, *rest = budgets.values() if budgets else [{}]
+    return ", ".join(f"{k} {first.get(k)!r} vs {b.get(k)!r} ({name})" for k in BUDGET_KEYS
+                     for name, b in budgets.items() if b.get(k) != first.get(k))
+
+
+def sweep_table(models: dict, ppl: dict, compare: bool = True) -> list[dict]:
+    """Parameters, val loss and its relative cost to token-factor dense (spec §10.1); no cost when the models
+    were not trained on one budget (compare=False)."""
+    base = ppl.get("dense", {}).get("loss") if compare else None
     rows = []
     for name, m in models.items():
         n, emb = m.n_params(), m.wte.weight.numel()
@@ -1786,7 +1799,9 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
     if histories:
         parts.append("<h2>Training</h2>" + img(loss_figure(histories)))
     if results.get("models"):
-        parts.append("<h2>Validation (every token once)</h2>" + table_html(results["models"], list(results["models"][0])))
+        parts.append("<h2>Validation (every token once)</h2>" + table_html(results["models"], list(results["models"][0]))
+                     + (f"<p>Val loss vs dense not computed: {html.escape(results['vs_dense_skipped'])}</p>"
+                        if "vs_dense_skipped" in results else ""))
     if results.get("amplification"):
         amp = results["amplification"]
         # every model reads the same first windows of the same split: one count for the whole table
@@ -1931,7 +1946,8 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
     """Typed analysis flags that this invocation does not use, each with why: notes for the log. A flag left in a
     command whose analysis is off does no harm, but it should not pass unseen."""
     amplify = bool(parse_alphas(cfg.amplify))
-    why = {"ablate_at": (cfg.ablation, "stream ablation is off"),
+    why = {"ablate_at": (cfg.ablation and (cfg.mode != "single" or cfg.sweep),  # a --head-sweep keeps the mode
+                         "stream ablation is off, or --mode single has one stream and nothing to remove"),
            "analysis_windows": (amplify or cfg.ablation, "it sizes amplification and stream ablation, and both are off"),
            "sample_tokens": (cfg.train or cfg.sample is not None or amplify, "no samples: a --no-train run samples "
                              "only with --sample, or in amplification's greedy texts")}
@@ -2053,7 +2069,7 @@ def run(cfg: Config, explicit) -> int:
     # what the auto settings resolved to, for the report (its configuration table shows "auto → cpu")
     results = {"preset": preset, "device": str(device),
                "dtype": "bfloat16" if isinstance(autocast, torch.autocast) else "float32"}
-    histories, models = {}, {}
+    histories, models, budgets = {}, {}, {}  # budgets: the data and tokens each model was trained on
     start_rng = data.rng_state()
     for name, c in confs.items():
         c = replace(c, resume=cfg.resume and name in loaded)
@@ -2067,9 +2083,11 @@ def run(cfg: Config, explicit) -> int:
             t0 = time.time()
             models[name], histories[name] = train(c, data, device, autocast, dist_info, explicit, log, ck, start_rng)
             log(f"{name}: trained in {time.time() - t0:.0f}s; checkpoint {ckpt_path(c)}")
+            budgets[name] = {**asdict(c), "step": c.max_iters}
         else:
             path, ck, c = loaded[name]
             models[name], histories[name] = load_model(ck, c, data, device, path), ck["history"]
+            budgets[name] = {**ck["config"], "step": ck["step"]}  # as trained, whatever this command typed
     if dist_info["ddp"]:  # the analyses run on rank 0 alone, over the whole val split
         torch.distributed.destroy_process_group()
         data.rank, data.world_size = 0, 1
@@ -2080,7 +2098,11 @@ def run(cfg: Config, explicit) -> int:
         ppl[name] = evaluate_ppl(m, data, cfg.ctx, autocast)
         log(f"{name}: val loss {ppl[name]['loss']:.4f}, perplexity {ppl[name]['ppl']:.2f} over "
             f"{ppl[name]['tokens']:,} tokens")
-    results["models"] = sweep_table(models, ppl)
+    differ = budget_diff(budgets) if cfg.sweep else ""
+    if differ:  # checkpoints trained or extended apart: the loss gap would not be the mixing's cost
+        results["vs_dense_skipped"] = f"the models were trained on different budgets ({differ})"
+        log(f"sweep: val loss vs dense not computed: {results['vs_dense_skipped']}")
+    results["models"] = sweep_table(models, ppl, compare=not differ)
     if cfg.sweep:
         log(f"sweep (val loss relative to token-factor dense; {PAPER_COST_LINE}):")
         for r in results["models"]:

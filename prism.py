@@ -930,9 +930,10 @@ def restore_optimizer(optimizer, state: dict) -> None:
 
 # What shapes the weights a resumed run continues to (not the eval and log cadence): a value typed with --resume
 # that differs from the checkpoint's means the result is no longer that of one uninterrupted run.
-RESUME_KEYS = ("max_iters", "lr", "min_lr_ratio", "warmup_frac", "batch_size", "ctx", "weight_decay", "grad_clip",
-               "dropout", "lambda_rec", "lambda_r1", "lambda_r2", "rec", "dist", "r1_detach_z", "revive_dead",
-               "push_interval")
+RESUME_KEYS = ("max_iters", "lr", "min_lr_ratio", "warmup_frac", "batch_size", "weight_decay", "grad_clip", "dropout",
+               "lambda_rec", "lambda_r1", "lambda_r2", "rec", "dist", "r1_detach_z", "revive_dead", "push_interval")
+# ... and, before the prototypes are seeded (step < init_steps), how and when they will be
+SEED_KEYS = ("init", "init_steps")
 
 
 def resume_note(saved: dict, cfg: Config, step: int) -> Optional[str]:
@@ -943,7 +944,8 @@ def resume_note(saved: dict, cfg: Config, step: int) -> Optional[str]:
     if step >= cfg.max_iters:
         return (f"note: the checkpoint is at step {step}, --max-iters {cfg.max_iters}: nothing left to train (raise "
                 "--max-iters to continue)")
-    changed = [f"{k} {saved[k]} -> {getattr(cfg, k)}" for k in RESUME_KEYS if k in saved and saved[k] != getattr(cfg, k)]
+    keys = RESUME_KEYS + SEED_KEYS * (step < saved.get("init_steps", 0))
+    changed = [f"{k} {saved[k]} -> {getattr(cfg, k)}" for k in keys if k in saved and saved[k] != getattr(cfg, k)]
     if changed:
         return (f"note: resuming with {', '.join(changed)}: the first {step} steps followed the checkpoint's "
                 "settings (its learning-rate schedule included), so the result will differ from an uninterrupted "
@@ -1525,7 +1527,7 @@ WORD = re.compile(r"[A-Za-z']+")  # what keyword_rate counts as a word
 def keywords_of(spec: str) -> list[str]:
     """'Love, crown' -> ['love', 'crown']. Each keyword must be a word as keyword_rate counts them (letters and
     apostrophes), else its rate could never move: a one-line error."""
-    kws = [w.strip().lower() for w in spec.split(",") if w.strip()]
+    kws = [w.strip().lower() for w in spec.split(",")]  # an empty item (love,,crown) is an error, as in --suppress
     bad = [w for w in kws if not WORD.fullmatch(w)]
     if bad or not kws:
         raise RunError(f"--suppress-keywords {spec!r}: expected words (letters and apostrophes) such as love,crown, "
@@ -2978,8 +2980,10 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
     """Typed analysis flags that this invocation does not use, each with why: notes for the log. A flag left in a
     command whose analysis is off does no harm, but it should not pass unseen."""
     prism = cfg.head == "prism"
-    attribution = (prism and cfg.attribution, "attribution is off: --no-attribution, or --head dense")
-    why = {"suppress_factor": (prism and bool(cfg.suppress or cfg.suppress_keywords), "no suppression runs: "
+    attribution = (prism and cfg.attribution and cfg.resid_grad != "full", "attribution is off: --no-attribution, "
+                   "--head dense, or --resid-grad full (no cached gradients to rank with)")
+    suppression = prism and bool(cfg.suppress or cfg.suppress_keywords)
+    why = {"suppress_factor": (suppression, "no suppression runs: "
                                "--suppress and --suppress-keywords are empty, or --head dense"),
            **{k: attribution for k in ("attr_seqs", "attr_queries", "attr_ctx", "attr_damping", "attr_curvature",
                                          "ekfac")},
@@ -2987,8 +2991,8 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
            "card_windows": (prism and bool(cfg.cards or cfg.suppress_keywords), "no cards are built: --no-cards and "
                             "no --suppress-keywords, or --head dense"),
            "twin": (prism, "--head dense trains the twin alone"),
-           "sample_tokens": (cfg.train or cfg.sample is not None, "no samples: a --no-train run samples only with "
-                             "--sample")}
+           "sample_tokens": (cfg.train or cfg.sample is not None or suppression, "no samples: a --no-train run "
+                             "samples only with --sample, or in suppression's generations")}
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
             if k in explicit and not used and getattr(cfg, k) is not False]  # --no-X of an idle analysis: nothing to say
 
@@ -3078,10 +3082,10 @@ def run(cfg: Config, explicit) -> int:
                 continue
             path = ckpt_path(replace(cfg, head=h))
             loaded[h] = (path, *load_checkpoint(path, replace(cfg, head=h), explicit))
-        if cfg.train:
-            check_steps(loaded)
         saved = loaded.get(cfg.head, next(iter(loaded.values())))[2]
         cfg = replace(cfg, **{k: getattr(saved, k) for k in ARCH_KEYS + MERGED_KEYS if k != "head"})
+        if cfg.train:  # against the settings both heads train with (the asked head's), not each file's own
+            check_steps({h: (path, ck, replace(cfg, head=h)) for h, (path, ck, _) in loaded.items()})
         heads = tuple(h for h in heads if h in loaded) if not cfg.train else heads
         if cfg.train and "prism" in heads and "prism" not in loaded:  # PRISM starts from step 0 after all
             check_seeding(replace(cfg, head="prism"))
@@ -3092,7 +3096,7 @@ def run(cfg: Config, explicit) -> int:
                        "use --kernels auto (the torch form for a larger k)")
     if cfg.suppress:
         parse_ids(cfg.suppress, cfg.n_protos)
-    clipped = cfg.attr_ctx > cfg.ctx and cfg.head == "prism" and cfg.attribution  # said once the log is open
+    clipped = cfg.attr_ctx > cfg.ctx and cfg.head == "prism" and cfg.attribution and cfg.resid_grad != "full"
     if cfg.attr_ctx > cfg.ctx:  # the attribution set's windows are training windows: at most ctx tokens long
         cfg, asked = replace(cfg, attr_ctx=cfg.ctx), cfg.attr_ctx
     out_dir = Path(cfg.out_dir)

@@ -2065,7 +2065,8 @@ def unused_flags(cfg: Config, explicit, mixers) -> list[str]:
                       "after training, and neither runs here; --find-prototype WORD ranks a word without training"),
            "prompts": (proto and (cfg.intervene or rank), "it feeds --intervene and --find-prototype, and neither runs "
                        "here"),
-           "label_windows": (proto and cfg.labels, "prototype labelling is off"),
+           "label_windows": (proto and cfg.labels, "prototype labelling is off" if proto else "no ProtoT model: "
+                             "--mixer attention has no prototypes to label"),
            "sample_tokens": (cfg.train or cfg.sample is not None, "no samples: a --no-train run samples only with "
                              "--sample")}
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()

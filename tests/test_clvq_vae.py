@@ -5,7 +5,7 @@ the script copied alone. Everything runs offline on a tiny random BERT saved in 
 import json
 import shutil
 from collections import Counter
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -385,6 +385,8 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     (["--lr", "nan"], 1, "--lr must be a finite number"),
     (["--init-rows", "4"], 1, "--init-rows must be at least --codebook-size"),
     (["--baselines", "kmeans,pca"], 1, "--baselines: unknown pca; a comma list of kmeans, vq, sae"),
+    (["--baselines", "kmeans,,vq"], 1, "--baselines 'kmeans,,vq': an empty item in the comma list"),
+    (["--genres", "comedies,tragedies,"], 1, "--genres 'comedies,tragedies,': an empty item in the comma list"),
     (["--probe-folds", "1"], 1, "--probe-folds must be >= 2"),
     (["--fidelity-sentences", "-1"], 1, "--fidelity-sentences must be >= 0"),
     (["--device", "tpu"], 1, "--device tpu: expected auto, cpu, cuda, cuda:N or mps"),
@@ -549,3 +551,21 @@ def test_unused_flags_are_noted():
     assert notes(every, fidelity=False) == ["note: --sae-ablate-k", "note: --probe-folds", "note: --ig-steps"]
     assert notes(every, cards=False) == ["note: --cards-per-method"]
     assert notes(set(), baselines="", fidelity=False, cards=False) == []  # defaults, not typed: nothing to say
+
+
+def test_resume_note_knows_the_schedule_and_whose_early_stop():
+    """The other schedule's settings change nothing while the schedule stays (no 'will differ' note), and an
+    early stop that only the --early-stop typed now triggers is not called the checkpoint's run's."""
+    c = cv.Config()
+    saved = asdict(c)
+    assert cv.resume_note(saved, replace(c, plateau_patience=9), 1) is None  # cosine: no plateau
+    assert "warmup_frac 0.02 -> 0.5" in cv.resume_note(saved, replace(c, warmup_frac=0.5), 1)
+    plateau = {**saved, "schedule": "plateau"}
+    assert cv.resume_note(plateau, replace(c, schedule="plateau", warmup_frac=0.5), 1) is None  # plateau: no warmup
+    assert "plateau_patience 5 -> 9" in cv.resume_note(plateau, replace(c, schedule="plateau", plateau_patience=9), 1)
+    assert "schedule cosine -> plateau" in cv.resume_note(saved, replace(c, schedule="plateau"), 1)
+    assert cv.resume_note(saved, replace(c, early_stop=2), 5, True).startswith(
+        "note: the checkpoint at step 5 has gone --early-stop 2 evaluations without a val improvement (its run had "
+        "--early-stop 0)")
+    assert cv.resume_note({**saved, "early_stop": 2}, replace(c, early_stop=2), 5, True).startswith(
+        "note: the checkpoint's run stopped early at step 5")

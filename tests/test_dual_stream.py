@@ -710,6 +710,16 @@ def test_sweep_from_the_command_line(tmp_path, cache_dir):
     r = run_script("dual_stream.py", "--sweep", "--no-train", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(json.loads((tmp_path / "analysis.json").read_text())["models"]) == 6
+    assert json.loads((tmp_path / "analysis.json").read_text())["models"][0]["vs dense"] == "+0.00%"
+    # one model extended apart (a single run writes the sweep model's file): no cost vs dense, and the run says why
+    r = run_script("dual_stream.py", "--resume", "--mixing", "kronecker", *args, "--max-iters", "6", "--amplify", "",
+                   "--no-ablation")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_script("dual_stream.py", "--sweep", "--no-train", *args, "--amplify", "", "--no-ablation")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not any("vs dense" in row for row in json.loads((tmp_path / "analysis.json").read_text())["models"])
+    assert "sweep: val loss vs dense not computed: the models were trained on different budgets (step 4 vs 6 " \
+           "(kronecker))" in r.stdout
 
 
 def test_head_sweep_from_the_command_line(tmp_path, cache_dir):
@@ -880,6 +890,8 @@ def test_unused_flags_are_noted():
     assert notes(every, amplify="", train=False) == ["note: --sample-tokens"]  # ablation uses the windows
     assert notes(every, amplify="", train=False, sample="KING:") == []
     assert notes(set(), ablation=False, amplify="", train=False) == []  # defaults, not typed: nothing to say
+    assert notes({"ablate_at"}, mode="single") == ["note: --ablate-at"]  # one stream: nothing to remove
+    assert notes({"ablate_at"}, mode="single", sweep=True) == []  # the sweep's two-stream models use it
 
 
 def test_report_config_marks_what_a_sweep_varies():

@@ -382,8 +382,10 @@ def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch, revive, pu
     prism.train(tiny_cfg(tmp_path / "b", cache_dir, revive_dead=revive, push_interval=push), fresh_data(), dev, auto,
                 DIST, log=lambda m: None)
     monkeypatch.setattr(prism, "save_checkpoint", real_save)
+    lines = []
     resumed, hist = prism.train(tiny_cfg(tmp_path / "b10", cache_dir, resume=True, revive_dead=revive,
-                                         push_interval=push), fresh_data(), dev, auto, DIST, log=lambda m: None)
+                                         push_interval=push), fresh_data(), dev, auto, DIST, log=lines.append)
+    assert not any(ln.startswith("note:") for ln in lines)  # nothing changed: no warning that it will differ
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert hist["step"] == [10, 20] and hist["val"] == hist_a["val"]
@@ -607,11 +609,11 @@ def test_resume_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     assert torch.load(tmp_path / "ckpt-prism.pt", weights_only=True)["step"] == 15
     assert "ckpt-prism.pt at step 10" in r.stdout
     assert "note: resuming with max_iters 10 -> 15: the first 10 steps followed the checkpoint's settings" in r.stdout
+    assert "val loss PRISM" in r.stdout  # one recipe: the final gap is given
     # a --max-iters below the checkpoints' step would train nothing and report a config not the models'
     rc, err = call_main(prism.main, ["--resume", "--max-iters", "12", "--out-dir", str(tmp_path), "--cache-dir",
                                      str(cache_dir)], capsys, monkeypatch)
     assert rc == 1 and err.count("\n") == 1 and "ckpt-prism.pt is at step 15, past --max-iters 12" in err, err
-    assert "val loss PRISM" in (tmp_path / "log-prism.txt").read_text()  # one recipe: the final gap is given
     # a twin trained apart with another recipe: --no-train gives no final gap, and says why
     rc, err = call_main(prism.main, [*args, "--head", "dense", "--max-iters", "5"], capsys, monkeypatch)
     assert rc == 0, err
@@ -622,6 +624,14 @@ def test_resume_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     assert "gap" not in json.loads((tmp_path / "analysis.json").read_text())
     assert "gap to the dense twin not computed: PRISM and the dense twin were trained with other recipes (max_iters " \
         "15 vs 5, step 15 vs 5)" in (tmp_path / "log-prism.txt").read_text()
+    # both heads resume with the asked head's settings: a twin extended apart past PRISM's --max-iters is an error
+    # too, not a twin "trained for" 15 steps beside PRISM
+    rc, err = call_main(prism.main, ["--resume", "--head", "dense", "--max-iters", "20", "--out-dir", str(tmp_path),
+                                     "--cache-dir", str(cache_dir), "--no-report"], capsys, monkeypatch)
+    assert rc == 0, err
+    rc, err = call_main(prism.main, ["--resume", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys,
+                        monkeypatch)
+    assert rc == 1 and err.count("\n") == 1 and "ckpt-dense.pt is at step 20, past --max-iters 15" in err, err
 
 
 def test_resume_checks_the_seeding_of_a_prism_that_starts_from_step_0(tmp_path, cache_dir, capsys, monkeypatch):
@@ -661,6 +671,7 @@ def test_resume_checks_the_seeding_of_a_prism_that_starts_from_step_0(tmp_path, 
     (["--d-model", "0"], 1, "error: --d-model must be >= 1"),
     (["--suppress-keywords", ","], 1, "--suppress-keywords ',': expected words"),
     (["--suppress-keywords", "love,:"], 1, "--suppress-keywords 'love,:': expected words"),
+    (["--suppress-keywords", "love,,crown"], 1, "--suppress-keywords 'love,,crown': expected words"),
     (["--head", "dense", "--attribution"], 1, "--attribution is a prototype analysis: it needs --head prism"),
     (["--head", "dense", "--suppress-keywords", "love"], 1, "--suppress-keywords is a prototype analysis"),
     (["--suppress-factor", "nan"], 1, "--suppress-factor must be a finite number"),
@@ -781,4 +792,19 @@ def test_unused_flags_are_noted():
         ["note: --controller-l1", "note: --card-windows"]
     assert notes({"card_windows"}, cards=False) == []  # the auto keyword reads the cards
     assert notes({"twin", "attr_seqs"}, head="dense") == ["note: --attr-seqs", "note: --twin"]
-    assert notes({"sample_tokens"}, train=False) == ["note: --sample-tokens"]
+    # a --no-train run generates for suppression (the auto keyword by default) with --sample-tokens
+    assert notes({"sample_tokens"}, train=False) == []
+    assert notes({"sample_tokens"}, train=False, suppress_keywords="") == ["note: --sample-tokens"]
+    assert notes({"sample_tokens"}, train=False, suppress_keywords="", sample="KING:") == []
+    # attribution is skipped under full gradient routing: its flags do nothing there either
+    assert notes({"attr_seqs"}, resid_grad="full") == ["note: --attr-seqs"]
+    assert notes({"attr_seqs"}, resid_grad="detach-r") == []
+
+
+def test_resume_note_counts_the_seeding_settings_only_before_the_seeding():
+    """--init-steps and --init shape a resumed run only while the prototypes are not yet seeded."""
+    c = Config()
+    saved = dataclasses.asdict(c)
+    assert "init_steps 200 -> 50" in prism.resume_note(saved, dataclasses.replace(c, init_steps=50), 10)
+    assert prism.resume_note(saved, dataclasses.replace(c, init_steps=50), 300) is None
+    assert prism.resume_note(saved, dataclasses.replace(c, init="random"), 300) is None

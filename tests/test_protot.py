@@ -176,8 +176,10 @@ def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setattr(protot, "save_checkpoint", save_and_keep)
     protot.train(tiny_cfg(tmp_path / "b", cache_dir), fresh_data(), dev, auto, dist, log=lambda m: None)
     monkeypatch.setattr(protot, "save_checkpoint", real_save)
+    lines = []
     resumed, hist = protot.train(tiny_cfg(tmp_path / "b10", cache_dir, resume=True), fresh_data(), dev, auto, dist,
-                                 log=lambda m: None)
+                                 log=lines.append)
+    assert not any(ln.startswith("note:") for ln in lines)  # nothing changed: no warning that it will differ
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert hist["step"] == [10, 20] and hist["val"] == hist_a["val"]  # the val stream resumes exactly too
@@ -526,5 +528,8 @@ def test_unused_flags_are_noted():
     assert notes({"target", "prompts"}, train=False, find_prototype="queen") == ["note: --target"]
     assert notes({"target", "mode"}, train=False, intervene="0:1") == []
     assert notes({"target"}, ("attention",), mixer="attention") == ["note: --target"]  # no prototypes to rank
+    assert protot.unused_flags(Config(mixer="attention"), {"label_windows"}, ("attention",)) == [
+        "note: --label-windows has no effect in this run (no ProtoT model: --mixer attention has no prototypes to "
+        "label)"]
     assert notes({"sample_tokens"}, train=False) == ["note: --sample-tokens"]
     assert notes({"sample_tokens"}, train=False, sample="KING:") == []
