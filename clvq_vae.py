@@ -300,6 +300,12 @@ RUNTIME_KEYS = ("preset", "device", "dtype", "compile", "kernels", "out_dir", "c
 MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS + ARCH_KEYS)
 
 
+def names(spec: str) -> list[str]:
+    """A comma-list flag's items ('comedies, tragedies' -> ['comedies', 'tragedies']; validate refuses an empty
+    item between commas, '' is the empty list)."""
+    return [x.strip() for x in spec.split(",") if x.strip()]
+
+
 # -----------------------------------------------------------------------------
 # Core op: vq_search(x, codebook, k, T) -> (idx, dist),   idx_n ~ softmax_j(-d_nj / T) over the k nearest codes
 
@@ -1954,7 +1960,7 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
 def unused_flags(cfg: Config, explicit) -> list[str]:
     """Typed analysis flags that this invocation does not use, each with why: notes for the log. A flag left in a
     command whose analysis is off does no harm, but it should not pass unseen."""
-    wanted = {b.strip() for b in cfg.baselines.split(",") if b.strip()}
+    wanted = set(names(cfg.baselines))
     fidelity = (cfg.fidelity, "the fidelity test is off: --no-fidelity")
     why = {**{k: ("kmeans" in wanted, "no k-means baseline in --baselines") for k in ("kmeans_iters", "kmeans_restarts")},
            **{k: ("sae" in wanted, "no SAE baseline in --baselines")
@@ -2394,7 +2400,7 @@ def build_methods(cfg, train_acts: Activations, dev_acts: Activations, model: CL
     """CLVQ-VAE plus the baselines named in cfg.baselines, all fitted on the same training activations."""
     lo, hi = train_acts.layers
     methods = [vq_method(f"CLVQ-VAE l{lo}->h{hi}", model, device, dict(K=model.cfg.codebook_size, l=lo, h=hi))]
-    wanted = [b.strip() for b in str(cfg.baselines).split(",") if b.strip()]
+    wanted = names(str(cfg.baselines))
     unknown = set(wanted) - {"kmeans", "vq", "sae"}
     if unknown:
         raise ValueError(f"unknown baselines {sorted(unknown)}; choose from kmeans, vq, sae")
@@ -3289,7 +3295,7 @@ def validate(cfg: Config, explicit=()) -> None:
     bad = [f.name for f in fields(cfg) if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
     if bad:
         raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number")
-    genres = [g.strip() for g in cfg.genres.split(",") if g.strip()]
+    genres = names(cfg.genres)
     checks = [(cfg.codebook_size >= 1, "--codebook-size must be >= 1"),
               (1 <= cfg.top_k <= cfg.codebook_size, f"--top-k must be in [1, --codebook-size ({cfg.codebook_size})]"),
               (cfg.temperature >= 0, "--temperature must be >= 0"),
@@ -3341,7 +3347,7 @@ def validate(cfg: Config, explicit=()) -> None:
     for ok, msg in checks:
         if not ok:
             raise RunError(msg)
-    unknown = sorted({b.strip() for b in cfg.baselines.split(",") if b.strip()} - {"kmeans", "vq", "sae"})
+    unknown = sorted(set(names(cfg.baselines)) - {"kmeans", "vq", "sae"})
     if unknown:
         raise RunError(f"--baselines: unknown {', '.join(unknown)}; a comma list of kmeans, vq, sae ('' for none)")
 
@@ -3364,7 +3370,7 @@ def load_activations(cfg: Config, device, dist_info, log) -> tuple[SourceModel, 
     from common import DataError
 
     def get():
-        genres = tuple(g.strip() for g in cfg.genres.split(",") if g.strip())
+        genres = tuple(names(cfg.genres))
         kw = dict(genres=genres, max_words=cfg.max_words, seed=cfg.seed, max_examples=cfg.max_examples)
         tr = load_passages(cfg.dataset, "train", cfg.per_class, **kw)  # before the model: a hub dataset fails fast
         dv = load_passages(cfg.dataset, "val", cfg.dev_per_class, **kw)

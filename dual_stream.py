@@ -1302,7 +1302,7 @@ BUDGET_KEYS = ("dataset", "tokenizer", "compact", "max_tokens", "batch_size", "c
 def budget_diff(budgets: dict) -> str:
     """'' when every model's settings (config dicts with the steps trained, "step") share BUDGET_KEYS; else what
     differs, from the first model's view."""
-    first, *rest = budgets.values() if budgets else [{}]
+    first = next(iter(budgets.values()), {})
     return ", ".join(f"{k} {first.get(k)!r} vs {b.get(k)!r} ({name})" for k in BUDGET_KEYS
                      for name, b in budgets.items() if b.get(k) != first.get(k))
 

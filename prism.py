@@ -2976,11 +2976,16 @@ def check_seeding(cfg: Config) -> None:
                        "raise --batch-size/--ctx or use --init random")
 
 
+def attribution_runs(cfg: Config) -> bool:
+    """The attribution experiment needs the prototype head and its cached gradients (not --resid-grad full)."""
+    return cfg.head == "prism" and cfg.attribution and cfg.resid_grad != "full"
+
+
 def unused_flags(cfg: Config, explicit) -> list[str]:
     """Typed analysis flags that this invocation does not use, each with why: notes for the log. A flag left in a
     command whose analysis is off does no harm, but it should not pass unseen."""
     prism = cfg.head == "prism"
-    attribution = (prism and cfg.attribution and cfg.resid_grad != "full", "attribution is off: --no-attribution, "
+    attribution = (attribution_runs(cfg), "attribution is off: --no-attribution, "
                    "--head dense, or --resid-grad full (no cached gradients to rank with)")
     suppression = prism and bool(cfg.suppress or cfg.suppress_keywords)
     why = {"suppress_factor": (suppression, "no suppression runs: "
@@ -3096,9 +3101,8 @@ def run(cfg: Config, explicit) -> int:
                        "use --kernels auto (the torch form for a larger k)")
     if cfg.suppress:
         parse_ids(cfg.suppress, cfg.n_protos)
-    clipped = cfg.attr_ctx > cfg.ctx and cfg.head == "prism" and cfg.attribution and cfg.resid_grad != "full"
-    if cfg.attr_ctx > cfg.ctx:  # the attribution set's windows are training windows: at most ctx tokens long
-        cfg, asked = replace(cfg, attr_ctx=cfg.ctx), cfg.attr_ctx
+    attr_asked = cfg.attr_ctx  # the attribution set's windows are training windows: at most ctx tokens long
+    cfg = replace(cfg, attr_ctx=min(cfg.attr_ctx, cfg.ctx))
     out_dir = Path(cfg.out_dir)
     log = Logger(None if cfg.bench else out_dir / f"log-{cfg.head}.txt", rank)
     if preset == "cpu" and not cfg.bench and cfg.train and not cfg.resume:  # a resumed run keeps its own settings
@@ -3106,8 +3110,9 @@ def run(cfg: Config, explicit) -> int:
     log("config: " + json.dumps(asdict(cfg)))
     for note in [] if cfg.bench else unused_flags(cfg, explicit):
         log(note)
-    if clipped and not cfg.bench:
-        log(f"note: --attr-ctx {asked} is longer than --ctx {cfg.ctx}: the attribution windows are {cfg.ctx} tokens")
+    if attr_asked > cfg.ctx and attribution_runs(cfg) and not cfg.bench:
+        log(f"note: --attr-ctx {attr_asked} is longer than --ctx {cfg.ctx}: the attribution windows are {cfg.ctx} "
+            "tokens")
     log(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
         f"{getattr(triton, '__version__', 'absent')}, device {device}"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))

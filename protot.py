@@ -2054,11 +2054,16 @@ def budget_diff(a: dict, b: dict) -> str:
     return ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in BUDGET_KEYS if a.get(k) != b.get(k))
 
 
+def ranks_target(cfg: Config) -> bool:
+    """--find-prototype auto ranks --target after a training run that has no --intervene of its own."""
+    return cfg.find_prototype == "auto" and cfg.train and not cfg.intervene
+
+
 def unused_flags(cfg: Config, explicit, mixers) -> list[str]:
     """Typed analysis flags that this invocation does not use, each with why: notes for the log. A flag left in a
     command whose analysis is off does no harm, but it should not pass unseen."""
     proto = "proto" in mixers
-    auto = cfg.find_prototype == "auto" and cfg.train and not cfg.intervene  # ranks --target after training
+    auto = ranks_target(cfg)
     rank = proto and (auto or cfg.find_prototype not in ("auto", "off"))  # find-prototype runs
     why = {"mode": (proto and cfg.intervene, "it is the edit of --intervene, and there is none"),
            "target": (proto and (cfg.intervene or auto), "it is the word of --intervene, and of --find-prototype auto "
@@ -2175,8 +2180,7 @@ def run(cfg: Config, explicit) -> int:
         raise RunError(f"prototype labelling reads val windows of {LABEL_WIDTH} tokens; the val split has "
                        f"{len(data.tokens('val'))} (a larger corpus, or --no-labels)")
     # a typed --target or --prompts that the default find-prototype will use after training
-    auto_typed = cfg.find_prototype == "auto" and cfg.train and not cfg.intervene and \
-        bool({"target", "prompts"} & set(explicit))
+    auto_typed = ranks_target(cfg) and bool({"target", "prompts"} & set(explicit))
     if "proto" in mixers:  # the typed targets' prompts, before training rather than after it
         for word in [cfg.target] * bool(cfg.intervene or auto_typed) + [cfg.find_prototype] * (cfg.find_prototype not in
                                                                                                ("auto", "off")):
@@ -2226,7 +2230,7 @@ def run(cfg: Config, explicit) -> int:
             results["labels"] = label_prototypes(model, data, cfg, out_dir, stem=stem)
             log(f"prototype labels: {out_dir / (stem + '.html')}, {out_dir / (stem + '.json')}")
         auto = cfg.find_prototype == "auto"
-        target = cfg.target if auto and cfg.train and not cfg.intervene else \
+        target = cfg.target if ranks_target(cfg) else \
             ("" if cfg.find_prototype in ("auto", "off") else cfg.find_prototype)
         if target:
             try:

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import common
-from conftest import SMALL_CORPUS, call_main, check_cuda_run, check_ddp_weights, run_script, run_one_and_ddp
+from conftest import (SMALL_CORPUS, call_main, check_cuda_run, check_ddp_weights, run_one_and_ddp, run_script,
+                      save_envelope)
 import prism
 from prism import Config, PRISM
 
@@ -444,9 +445,7 @@ def test_suppression_ids_and_keywords_are_parsed_once_each():
 
 def test_a_checkpoint_renamed_to_the_other_head_is_refused(tmp_path):
     cfg = prism.Config(out_dir=str(tmp_path), layers=1, d_model=16, heads=2, n_protos=8, topk=2)
-    torch.save({"format": "glassbox-checkpoint/1", "script": "prism", "model": {}, "optimizer": {}, "step": 5,
-                "best_val_loss": 6.0, "tokenizer": {}, "history": {}, "rng": {"torch": 0, "data": 0, "cuda": 0},
-                "config": dataclasses.asdict(dataclasses.replace(cfg, head="dense"))}, tmp_path / "ckpt-prism.pt")
+    save_envelope(tmp_path / "ckpt-prism.pt", "prism", dataclasses.asdict(dataclasses.replace(cfg, head="dense")))
     with pytest.raises(prism.RunError, match="holds a --head dense model, not prism"):
         prism.load_checkpoint(tmp_path / "ckpt-prism.pt", cfg)
 
@@ -480,10 +479,8 @@ def test_gap_needs_a_twin_trained_with_the_same_recipe(tmp_path):
     hist = {"step": [5], "val": [6.0]}
 
     def twin(**kw):
-        torch.save({"format": "glassbox-checkpoint/1", "script": "prism", "model": {}, "optimizer": {}, "step": 5,
-                    "best_val_loss": 6.0, "tokenizer": {}, "history": hist, "rng": {"torch": 0, "data": 0, "cuda": 0},
-                    "config": dataclasses.asdict(dataclasses.replace(cfg, head="dense", **kw))},
-                   tmp_path / "ckpt-dense.pt")
+        save_envelope(tmp_path / "ckpt-dense.pt", "prism",
+                      dataclasses.asdict(dataclasses.replace(cfg, head="dense", **kw)), hist)
     twin(n_protos=7, topk=4)
     assert prism.twin_history(cfg, {}) == hist  # prototype settings do not matter to the twin
     twin(lr=1.0)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import common
-from conftest import SMALL_CORPUS, call_main, check_cuda_run, check_ddp_weights, run_script, run_one_and_ddp
+from conftest import (SMALL_CORPUS, call_main, check_cuda_run, check_ddp_weights, run_one_and_ddp, run_script,
+                      save_envelope)
 import protot
 from protot import Config, ProtoT
 
@@ -510,9 +511,8 @@ def test_report_names_each_models_samples_and_the_intervention_units(tmp_path):
 
 def test_a_checkpoint_renamed_to_the_other_mixer_is_refused(tmp_path):
     cfg = Config(out_dir=str(tmp_path), layers=1, d_model=16, n_protos=4, heads=2)
-    torch.save({"format": "glassbox-checkpoint/1", "script": "protot", "model": {}, "optimizer": {}, "step": 5,
-                "best_val_loss": 6.0, "tokenizer": {}, "history": {}, "rng": {"torch": 0, "data": 0, "cuda": 0},
-                "config": dataclasses.asdict(dataclasses.replace(cfg, mixer="attention"))}, tmp_path / "ckpt-proto.pt")
+    save_envelope(tmp_path / "ckpt-proto.pt", "protot",
+                  dataclasses.asdict(dataclasses.replace(cfg, mixer="attention")))
     with pytest.raises(protot.RunError, match="holds a --mixer attention model, not proto"):
         protot.load_checkpoint(tmp_path / "ckpt-proto.pt", cfg)
 
