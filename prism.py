@@ -27,39 +27,55 @@ Analyses (the default run does all of them and writes out/prism/report.html):
   * training-data attribution (§5.3): a cache of per-sequence prototype-space gradient summaries
     g_{m,i} = Σ_t a_{t,i} δ_t with an inverted index prototype -> sequences, block-diagonal curvature
     A_ii·S + λ; baselines: exact prototype-space gradients with exact damped curvature, dense gradient similarity,
-    EK-FAC through kronfluence when installed;
+    EK-FAC through kronfluence (with --ekfac, when kronfluence is installed);
   * suppression (§2.4, §6.3): drop keyword-matched prototypes' terms, keeping r from the unsuppressed ẑ;
   * a sparse linear controller over active prototypes vs the same controller over a top-k SAE on the twin (§6.3).
 
 Choices where the paper is silent (spec §9), each a switch where results depend on it:
-  * --resid-grad detach-zhat: logits stay W z, CE reaches P (needed for prototype-space attribution) and the
-    backbone gets the dense gradient plus the share through the cosines in a.
+  * --resid-grad detach-zhat: logits stay W z, CE reaches P and the backbone gets the dense gradient plus the
+    share through the cosines in a. Under full CE gives P no gradient (the prototype terms cancel); attribution
+    then takes the gradient along the prototype path with r held fixed (spec §2.3 A), the same quantity the
+    other two routings train P with (P reaches the logits only through ẑ in them).
   * --act relu_cos (raw ReLU-cosine weights on unnormalised prototypes); relu_cos_znorm, relu_cos_sum1.
   * k = 16, K = 8192 on the GPT-2-small default (the spec's parameter arithmetic for "130M"). Top-k before or
     after the ReLU selects the same non-zero set, so there is no switch for it.
   * REC relative (--rec); R1/R2 squared L2 *per dimension* (|a-b|²/d, so λ does not scale with d; --dist cosine),
     batch-local (under DDP R1's minimum is over each rank's tokens; the gradient all-reduce then averages per-rank
-    minima), gradient into both sides unless --r1-detach-z; λ_rec = 1, λ_1 = λ_2 = 0.1.
+    minima), gradient into both sides unless --r1-detach-z; λ_rec = 1, λ_1 = λ_2 = 0.1. --rec absolute is
+    |r|²/d, the spec's |r|² per dimension, for the same reason as R1/R2. --dist defaults to l2 for every --act
+    (the spec: L2 for the raw weights of relu_cos, cosine otherwise), so that --act changes one thing alone;
+    type --dist cosine with relu_cos_znorm or relu_cos_sum1 for the spec's choice. Spec §9.4's all-gathered
+    R1/R2 is not implemented (no switch): on one device the two are the same, and gathering every rank's
+    hidden states each step would add a collective and world× the distance matrix for a DDP-only difference.
   * Initialisation: --init-steps of dense warm-up, then k-means++ (D² sampling) over one batch of hidden states,
-    rows scaled by one least-squares factor so ẑ starts at z's scale; --init random starts from N(0, 1) rows.
+    rows scaled by one least-squares factor so ẑ starts at z's scale; --init random starts from N(0, 1) rows, not
+    the spec's "small" normal: N(0, 1) rows have the norm of post-LayerNorm states (~√d), so the prototypes start
+    at the hidden states' scale.
     --revive-dead (off: not in the paper) re-seeds prototypes unused since the last evaluation.
   * --push-interval N (0: off; spec §9.5's optional push): every N steps each prototype takes the direction of its
     nearest token (cosine) in the batch and keeps its norm (a full copy would undo REC's scale: ẑ overshoots);
     Adam's moments of P restart at 0.
   * z after ln_f, W tied in both PRISM and the twin (no switch to untie, which spec §9.6 suggests: not
-    implemented), no LM-head bias; nanoGPT's GPT-2 recipe (AdamW 0.9/0.95, weight decay 0.1 except on P and
-    norms, grad clip 1.0); P made last so the twin's backbone init is identical.
+    implemented: every run uses the spec's default, tied as in nanoGPT/GPT-2, and an untied head would add V×d
+    parameters to both models), no LM-head bias; nanoGPT's GPT-2 recipe (AdamW 0.9/0.95, weight decay 0.1
+    except on P and norms, grad clip 1.0); P made last so the twin's backbone init is identical.
   * Coverage: R̄1(τ) = fraction of prototypes whose nearest val token (eval batches) has cos ≥ τ; R2(τ) =
     fraction of val tokens whose nearest prototype has cos ≥ τ.
   * Attribution (§5.3, reconstructed): the cache holds g_{m,i} = Σ_t a_{t,i} δ_t with a held fixed (the
     linear-layer view), δ_t = Wᵀ(softmax(W z_t) - e_y); the exact baseline keeps a's dependence on P and
     inverts the damped empirical Fisher of sequence gradients (Woodbury); each damping is relative to the mean
-    eigenvalue of its own curvature. Dense TracIn runs twice: recomputing the training gradients per query batch,
-    and from a cache of CountSketched training gradients with the prototype cache's bytes (spec §5.3: time at
-    matched cache memory). A query is one val prediction; every method's time includes its forward.
-    With --resid-grad full CE gives P no gradient, so attribution is skipped (an error if asked for). EK-FAC's
-    time is one batched scoring pass over the Q queries divided by Q (labelled so, like the dense TracIn batch
-    row); the cached and exact times are one query at a time. Overlaps are reported beside their chance level
+    eigenvalue of its own curvature. The exact reference is the spec's "full prototype-space gradients" baseline
+    with the empirical-Fisher curvature (the same δδᵀ statistics as §5.3's S, taken over window gradients), not
+    a Gauss–Newton Hessian: its overlaps measure agreement with that reference. The cached curvature (block and
+    kfac) is cross-entropy only: §5.3's local per-prototype terms from R1 (≈2I per nearest prototype) and REC
+    (a_i a_j) are left out, and the damping λ stands in for them. Dense TracIn runs twice: recomputing the
+    training gradients per query batch, and from a cache of CountSketched training gradients with the prototype
+    cache's bytes (spec §5.3: time at matched cache memory). A query is one val prediction; every method's time
+    includes its forward. Under --resid-grad full every prototype-space gradient (cached and exact) is the
+    prototype path's with r held fixed (spec §2.3 A): δ_t and ∇_P are taken along ẑ, never by autograd through
+    the head (whose ∇_P CE is 0 there); the log and report label it so. EK-FAC's time is one batched scoring
+    pass over the Q queries divided by Q (labelled so, like the dense TracIn batch row); the cached and exact
+    times are one query at a time. Overlaps are reported beside their chance level
     n/M (a random ranking of the M windows). Two diagnostics split the gap to exact into its two causes, each with
     the other held equal: the cached vs exact gradients with no curvature in either ranking (plain dot products)
     and with the cache's curvature in both; and the exact gradients ranked with the cache's curvature vs the
@@ -77,7 +93,8 @@ Commands
     python prism.py                        # dense twin + PRISM, evaluations, every analysis, out/prism/report.html
                                            # (no GPU: a CPU preset of about 4 minutes, announced)
     python prism.py --head dense           # the dense twin alone
-    python prism.py --no-train --suppress-keywords love,heart      # suppression on the saved checkpoint
+    python prism.py --no-train --suppress-keywords love,heart --no-attribution --no-controller
+                                           # suppression on the saved checkpoint (plus the cards it matches)
     python prism.py --no-train --suppress 3,17 --suppress-factor -1 # push those prototypes away
     python prism.py --no-train --attr-curvature kfac --ekfac        # attribution with co-usage, EK-FAC
     python prism.py --bench                # training tok/s PRISM / dense, top-k kernel vs torch at K = 4k..16k
@@ -735,7 +752,8 @@ class PRISM(nn.Module):
         """The prototype head (spec §2.1): ẑ = Σ a_i p_i, r = z - ẑ, logits = W r + Σ a_i W p_i (= W z).
 
         One matmul with W, of the routed sum below; --resid-grad decides which way CE's gradient flows (§2.3):
-          full         W r + W ẑ: the prototype terms cancel in the gradient (P gets no CE gradient)
+          full         W r + W ẑ: the prototype terms cancel in the gradient (P gets no CE gradient; attribution
+                       takes the prototype path with r held fixed, spec §2.3 A)
           detach-zhat  W (z - sg(ẑ)) + W ẑ: a and P get W ẑ's share; z the dense gradient plus that share's
                        (ẑ depends on z through the cosines in a)
           detach-r     W sg(z - ẑ) + W ẑ: CE reaches the backbone only through the cosines in a
@@ -1659,10 +1677,13 @@ def suppression_effect(r: dict) -> str:
 # the activations' dependence on P included, with the damped empirical Fisher inverted by Woodbury), dense
 # TracIn over every parameter (recomputed per query batch, and from a CountSketch cache of the same bytes as
 # the prototype cache), and EK-FAC through kronfluence (optional).
+# Every prototype-space gradient here is taken along ẑ with r held fixed: δ_t from the closed form, ∇_P by a
+# vector-Jacobian product through the prototype path, never autograd of CE through the head. Under detach-zhat
+# and detach-r that is ∇_P CE as trained; under full, whose CE gives P no gradient, it is spec §2.3's variant
+# (A), and the experiment says so (ROUTING_LABEL).
 
 PROTOTYPE_ANALYSES = ("cards", "attribution", "ekfac", "suppress", "suppress_keywords", "controller")  # PRISM's
-FULL_ROUTING = ("attribution needs --resid-grad detach-zhat or detach-r: with full routing CE gives the "
-                "prototypes no gradient")
+ROUTING_LABEL = "prototype path, r held fixed (spec §2.3 A)"  # what the gradients are under --resid-grad full
 ATTR_CHUNK = 2 ** 24  # elements of the largest temporary (N×V probabilities, posting products): 64 MB in fp32
 ATTR_TOKENS = 16384   # tokens per batched forward pass
 
@@ -1674,16 +1695,12 @@ def attr_clock(device) -> float:
     return time.perf_counter()
 
 
-def check_routing(model: PRISM) -> None:
-    if model.cfg.resid_grad == "full":
-        raise RunError(FULL_ROUTING)
-
-
 @torch.no_grad()
 def token_deltas(z, y, W, chunk=ATTR_CHUNK):
     """δ_t = ∂CE_t/∂ẑ_t = Wᵀ(softmax(W z_t) − e_{y_t}) for z [N, d], y [N] -> [N, d] fp32, in closed form (no
     autograd). Under detach-zhat and detach-r the logits are W(sg(·) + ẑ), so ẑ receives the gradient a dense
-    head's z would, and their value is W z (§2.3). Token chunks keep the N×V probabilities within `chunk`."""
+    head's z would, and their value is W z (§2.3). Under full, logits W(r + ẑ), this is the same ∂CE/∂ẑ with r
+    held fixed (§2.3 A); the routing is never read. Token chunks keep the N×V probabilities within `chunk`."""
     W = W.float()
     out = torch.empty(z.shape, dtype=torch.float32, device=z.device)
     step = max(1, chunk // W.shape[0])
@@ -1778,7 +1795,6 @@ def build_attr_cache(model: PRISM, windows, curvature: str = "block", damping: f
     """Step 1 of §5.3: one pass (batched, no grad, δ in closed form) over the training windows [M, T + 1] builds
     the index of g_{m,i} and, from the same tokens, A_ii = mean a², S = mean δδᵀ (and A = mean a aᵀ for kfac,
     accumulated as k×k outer products per token: never an N×K matrix)."""
-    check_routing(model)
     model.eval()
     K, d = model.P.shape
     device = model.P.device
@@ -1882,7 +1898,9 @@ def proto_vjp(model: PRISM, z, delta):
     """(∂ẑ/∂P)ᵀ δ summed over the tokens of z [N, d] (fixed, no grad), delta [N, d] -> [K, d]: autograd through
     the model's own prototype path (top-k cosines, the --act variant, the reconstruction), so the
     activations' dependence on P is included. Under detach-zhat and detach-r P reaches the logits only through
-    ẑ, with ∂CE_t/∂ẑ_t = δ_t, so this is the exact ∇_P Σ_t CE_t, and the T×V logits are never differentiated."""
+    ẑ, with ∂CE_t/∂ẑ_t = δ_t, so this is the exact ∇_P Σ_t CE_t, and the T×V logits are never differentiated.
+    Under full it is the same vector-Jacobian product, the gradient along the prototype path with r held fixed
+    (§2.3 A): autograd of CE through that head would give 0, and is not what is taken."""
     with torch.enable_grad():
         idx, a = model.prototypes(z)
         zhat = reconstruct(idx, a, model.P)
@@ -1892,10 +1910,11 @@ def proto_vjp(model: PRISM, z, delta):
 @dataclass
 class ExactAttr:
     """Step 3, the spec's "full prototype-space gradients" upper bound: no linear-layer view, no block
-    approximation. The exact per-sequence gradients g_m = ∇_P L_m, stored row-sparse in the same CSR index (a
-    sequence's gradient is non-zero only on the rows of the prototypes it activates, so this is the cache's
-    size, where the dense [M, K·d] matrix would be 103 GB at M = 4096, K = 8192, d = 768), and the Cholesky
-    factor of M λ' I + G Gᵀ (M×M) for Woodbury: with H = GᵀG/M + λ'I,
+    approximation. The exact per-sequence gradients g_m = ∇_P L_m along the prototype path with r held fixed
+    (proto_vjp; under --resid-grad full, whose head gives ∇_P CE = 0, this is §2.3 A's gradient), stored
+    row-sparse in the same CSR index (a sequence's gradient is non-zero only on the rows of the prototypes it
+    activates, so this is the cache's size, where the dense [M, K·d] matrix would be 103 GB at M = 4096,
+    K = 8192, d = 768), and the Cholesky factor of M λ' I + G Gᵀ (M×M) for Woodbury: with H = GᵀG/M + λ'I,
         G H⁻¹ g_q = (1/λ') [I − G Gᵀ (M λ' I + G Gᵀ)⁻¹] G g_q = M (M λ' I + G Gᵀ)⁻¹ G g_q.
     λ' = attr_damping × |G|²_F / M², the mean *non-zero* eigenvalue of GᵀG/M (its rank is at most M, so the
     mean over all K·d eigenvalues would be ~M/(Kd) smaller and leave the inverse effectively undamped). Each
@@ -1932,7 +1951,6 @@ def gram(index: ProtoIndex, M: int, chunk=4 * ATTR_CHUNK):
 def build_exact(model: PRISM, windows, damping: float = 1e-3) -> ExactAttr:
     """The exact gradient of every training sequence (z and δ batched without grad, then one prototype-path
     vector-Jacobian product per sequence), its non-zero rows kept; then G Gᵀ and its damped Cholesky factor."""
-    check_routing(model)
     model.eval()
     K, d = model.P.shape
     device = model.P.device
@@ -2180,7 +2198,6 @@ def attribution_experiment(model: PRISM, dense, data, cfg: Config, log) -> dict:
 
 
 def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
-    check_routing(model)
     if not model.ready:
         raise RunError("attribution needs live prototypes (training stopped inside the warm-up)")
     model.eval()
@@ -2285,7 +2302,11 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
         return f"{x:.3g}x faster than {name}" if x >= 1 else f"{1 / x:.3g}x slower than {name}"
     alone = [than(r["method"]) for r in rows if r["method"] != cached_name and not r["batched"]]
     batch = [than(r["method"]) for r in rows if r["batched"]]
-    summary = (f"cached prototype attribution ({cfg.attr_curvature}) takes {c['ms/query']:.2f} ms per query, one "
+    full = model.cfg.resid_grad == "full"  # CE gives P no gradient: every prototype-space gradient is §2.3 A's
+    gradients = ROUTING_LABEL if full else f"CE's gradient through ẑ (--resid-grad {model.cfg.resid_grad})"
+    label = f"; gradients: {ROUTING_LABEL}" if full else ""
+    summary = (f"cached prototype attribution ({cfg.attr_curvature}{label}) "
+               f"takes {c['ms/query']:.2f} ms per query, one "
                "query at a time (setup excluded for every method): " + ", ".join(alone) + ", each also one query at a "
                "time" + ("; against per-query times of one batched pass over " + f"{Q} queries (which favours them): "
                          + ", ".join(batch) if batch else "")
@@ -2311,7 +2332,8 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
                         for v, m in zip(top.values.tolist(), top.indices.tolist())]}
     return {"table": table, "summary": summary, "queries": Q, "seqs": M, "ctx": cfg.ctx,
             "chance": {"top-10 overlap": chance[10], "top-100 overlap": chance[100]},
-            "curvature": cfg.attr_curvature, "damping": {"cached": cache.lam, "exact": ex.lam},
+            "curvature": cfg.attr_curvature, "gradients": gradients,
+            "damping": {"cached": cache.lam, "exact": ex.lam},
             "gradients_only": gradients_only, "same_curvature": same_curvature, "curvature_only": curvature_only,
             "speedup": speed, "cache": {"postings": len(cache.index.seq), "bytes": cache.nbytes(),
                                         "prototypes per sequence": len(cache.index.seq) / M},
@@ -2977,16 +2999,15 @@ def check_seeding(cfg: Config) -> None:
 
 
 def attribution_runs(cfg: Config) -> bool:
-    """The attribution experiment needs the prototype head and its cached gradients (not --resid-grad full)."""
-    return cfg.head == "prism" and cfg.attribution and cfg.resid_grad != "full"
+    """The attribution experiment needs the prototype head (under --resid-grad full too: spec §2.3 A)."""
+    return cfg.head == "prism" and cfg.attribution
 
 
 def unused_flags(cfg: Config, explicit) -> list[str]:
     """Typed analysis flags that this invocation does not use, each with why: notes for the log. A flag left in a
     command whose analysis is off does no harm, but it should not pass unseen."""
     prism = cfg.head == "prism"
-    attribution = (attribution_runs(cfg), "attribution is off: --no-attribution, "
-                   "--head dense, or --resid-grad full (no cached gradients to rank with)")
+    attribution = (attribution_runs(cfg), "attribution is off: --no-attribution, or --head dense")
     suppression = prism and bool(cfg.suppress or cfg.suppress_keywords)
     why = {"suppress_factor": (suppression, "no suppression runs: "
                                "--suppress and --suppress-keywords are empty, or --head dense"),
@@ -3094,8 +3115,6 @@ def run(cfg: Config, explicit) -> int:
         heads = tuple(h for h in heads if h in loaded) if not cfg.train else heads
         if cfg.train and "prism" in heads and "prism" not in loaded:  # PRISM starts from step 0 after all
             check_seeding(replace(cfg, head="prism"))
-    if cfg.head == "prism" and cfg.resid_grad == "full" and cfg.attribution and "attribution" in explicit:
-        raise RunError(FULL_ROUTING)  # asked for explicitly (as trained, with a checkpoint): say so now
     if cfg.kernels == "triton" and cfg.topk > PROTO_TOPK_MAX_K:  # k as trained: after the checkpoint's settings
         raise RunError(f"--kernels triton: the top-k kernel takes --topk up to {PROTO_TOPK_MAX_K}, not {cfg.topk}; "
                        "use --kernels auto (the torch form for a larger k)")
@@ -3208,9 +3227,7 @@ def run(cfg: Config, explicit) -> int:
             log(f"logit decomposition of {len(dec['rows'])} positions of a prompt and its generated continuation "
                 f"({n_prompt} prompt, {len(dec['rows']) - n_prompt} generated): prototype slices + residual = logit, "
                 f"max |error| {dec['max_abs_error']:.2e} (largest |logit| {dec['max_abs_logit']:.1f})")
-        if cfg.attribution and cfg.resid_grad == "full":
-            log(f"attribution skipped: {FULL_ROUTING}")
-        elif cfg.attribution:
+        if cfg.attribution:
             results["attribution"] = attribution_experiment(model, models.get("dense"), data,
                                                             replace(cfg, ctx=cfg.attr_ctx), log)
         targets, before = [], None  # before: the unsuppressed generations (the same for every target), once made

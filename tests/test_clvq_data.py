@@ -311,7 +311,8 @@ def test_corrupt_finetune_cache_is_one_line(tmp_path, damage):
 
 
 def test_decoders_are_not_finetuned(gpt2, tmp_path, monkeypatch):
-    """load_activations fine-tunes encoders only; a decoder is used zero-shot (the paper's LLMs) and says so."""
+    """load_activations fine-tunes encoders only; a decoder is left frozen (a trained linear head, no prompt: not the
+    paper's prompted zero-shot use) and says so."""
     monkeypatch.setattr(C, "cached_finetune", lambda *a, **k: (_ for _ in ()).throw(AssertionError("fine-tuned")))
     monkeypatch.setattr(C, "load_source_model", lambda *a, **k: gpt2)
     lines = []
@@ -320,4 +321,5 @@ def test_decoders_are_not_finetuned(gpt2, tmp_path, monkeypatch):
     src, tr, _ = C.load_activations(cfg, torch.device("cpu"), dict(ddp=False, rank=0, local_rank=0, world=1),
                                     lines.append)
     assert src.head is None and len(tr.texts) == 6
-    assert "fine-tuning: tiny-gpt2 is a decoder, used zero-shot as in the paper (§5.3)" in lines
+    assert ("fine-tuning: tiny-gpt2 is a decoder, not fine-tuned: the frozen LM + a trained linear head, no prompt "
+            "(not the paper's prompted zero-shot use, §5.2)") in lines

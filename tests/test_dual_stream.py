@@ -6,7 +6,7 @@ import json
 import math
 import shutil
 import types
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -352,7 +352,8 @@ def test_evaluate_ppl_reads_exactly_max_windows():
 
 def test_ablation_rows_say_what_they_remove_and_fts_skips_the_repeats():
     """Token-factor with --ablate-at all: five distinct rows, "no attention writes" (readout x_t + x_e) apart from
-    "no x_t at all". FTS: the at-every-layer passes would equal the readout ones exactly, so they are skipped."""
+    "no x_t at all". FTS: dropping x_t's writes with the readout kept equals the unablated model (nothing writes
+    x_t), and the two at-every-layer passes equal the readout ones exactly, so the three are skipped."""
     cfg = Config(ctx=16, analysis_windows=8, ablate_at="all")  # a random tiny model: x_e rows differ by ~1e-7
     auto = torch.autocast("cpu", enabled=False)
     rows = ds.ablation(tiny_model(), FakeData(), cfg, auto)
@@ -378,7 +379,21 @@ def test_amplification_names_its_windows():
     cfg = Config(ctx=16, analysis_windows=3, sample_tokens=4)
     a = ds.amplification(tiny_model(), data, cfg, [16.0], torch.autocast("cpu", enabled=False))
     assert a["windows"] == 3 and a["tokens"] == 3 * 16 and set(a["samples"]) == {"1.0", "16.0"}
+    assert all(r["ppl"] == math.exp(r["loss"]) for r in a["rows"])  # spec §5, §11.6: perplexity beside the loss
     assert ds.on_windows(48, 6144) == "48 val windows (6,144 tokens)" and ds.on_windows(1, 64) == "1 val window (64 tokens)"
+
+
+def test_amplification_samples_are_capped():
+    """The amplification's greedy samples stop at AMP_SAMPLE_TOKENS new tokens whatever --sample-tokens says (and
+    the flag's help says so); fewer when asked for fewer."""
+    data = FakeData()
+    data.tokenizer = types.SimpleNamespace(encode=lambda s: [1, 2], eot=0, decode=lambda ids: " ".join(map(str, ids)))
+    auto = torch.autocast("cpu", enabled=False)
+    for asked, got in ((ds.AMP_SAMPLE_TOKENS + 20, ds.AMP_SAMPLE_TOKENS), (3, 3)):
+        a = ds.amplification(tiny_model(), data, Config(ctx=16, analysis_windows=1, sample_tokens=asked), [], auto)
+        assert len(a["samples"]["1.0"].split()) == 2 + got  # the 2 prompt ids, then the new tokens
+    help_text = next(f for f in fields(Config) if f.name == "sample_tokens").metadata["help"]
+    assert f"at most {ds.AMP_SAMPLE_TOKENS}" in help_text
 
 
 def drawn_figures(monkeypatch) -> list:
@@ -426,8 +441,8 @@ def test_report_says_what_each_figure_measures(tmp_path):
     """The report's analysis losses name their windows and tokens (they differ from the whole-split validation),
     entropies are in nats with the mean over layers shown, greedy samples equal to α = 1's are named rather than
     repeated, and settings left at auto show what they resolved to."""
-    rows = [{"alpha": a, "loss": 5.6 + a / 100, "degradation": a / 1000, "entropy": [1.5, 1.25],
-             "max_weight": [0.5, 0.6]} for a in (1.0, 2.0, 16.0)]
+    rows = [{"alpha": a, "loss": 5.6 + a / 100, "ppl": math.exp(5.6 + a / 100), "degradation": a / 1000,
+             "entropy": [1.5, 1.25], "max_weight": [0.5, 0.6]} for a in (1.0, 2.0, 16.0)]
     amp = {"rows": rows, "windows": 48, "tokens": 6144,
            "samples": {"1.0": "To be a man, To be a man", "2.0": "To be a man, To be a man", "16.0": "I, I, I"}}
     ablation = [{"removed": "x_t", "stream": "x_t", "at": "readout", "loss": 6.0, "full": 5.61, "change": 0.07,
@@ -438,6 +453,7 @@ def test_report_says_what_each_figure_measures(tmp_path):
     assert report.count("48 val windows (6,144 tokens)") == 2 and "<th>loss on 48 val windows</th>" in report
     assert "<th>full, 48 val windows</th>" in report and "<th>windows</th>" not in report
     assert "<th>entropy per layer (nats)</th>" in report and "<th>mean entropy (nats)</th>" in report
+    assert "<th>ppl</th>" in report  # spec §5, §11.6: perplexity beside the loss
     assert "<td>1.375</td>" in report  # the mean over the layers, as the log prints it
     assert "α=1: To be a man" in report and "α=2: same as α=1" in report and "α=16: I, I, I" in report
     assert report.count("<td>auto → ") == 3 and "auto → cpu" in report and "auto → float32" in report
@@ -654,6 +670,8 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     # the analysis losses say what they were measured on; the greedy samples at α = 1 and the last α side by side
     assert "amplification, kronecker (loss on 4 val windows (256 tokens); attention entropy in nats, mean over " \
            "layers): α=1 loss" in out
+    assert all(r["ppl"] == math.exp(r["loss"]) for r in amp["rows"])  # the perplexity beside each loss (spec §5)
+    assert f"α=1 loss {amp['rows'][0]['loss']:.3f} ppl {amp['rows'][0]['ppl']:.1f} (" in out
     assert "ablation, kronecker (change of the loss on 4 val windows (256 tokens), " in out
     assert "\n  greedy at α=1: " in out and "\n  greedy at α=16: " in out
     report = (tmp_path / "report.html").read_text()

@@ -672,7 +672,6 @@ def test_resume_checks_the_seeding_of_a_prism_that_starts_from_step_0(tmp_path, 
     (["--head", "dense", "--attribution"], 1, "--attribution is a prototype analysis: it needs --head prism"),
     (["--head", "dense", "--suppress-keywords", "love"], 1, "--suppress-keywords is a prototype analysis"),
     (["--suppress-factor", "nan"], 1, "--suppress-factor must be a finite number"),
-    (["--resid-grad", "full", "--attribution"], 1, "attribution needs --resid-grad detach-zhat or detach-r"),
     (["--device", "meta"], 1, "--device meta: expected auto, cpu, cuda, cuda:N or mps"),  # torch.device takes it
     (["--seed", "99999999999999999999999"], 1, "--seed must be in [0, 2**32)"),
     (["--out-dir", "/dev/null/x"], 1, "--out-dir /dev/null/x: cannot write there"),
@@ -793,9 +792,37 @@ def test_unused_flags_are_noted():
     assert notes({"sample_tokens"}, train=False) == []
     assert notes({"sample_tokens"}, train=False, suppress_keywords="") == ["note: --sample-tokens"]
     assert notes({"sample_tokens"}, train=False, suppress_keywords="", sample="KING:") == []
-    # attribution is skipped under full gradient routing: its flags do nothing there either
-    assert notes({"attr_seqs"}, resid_grad="full") == ["note: --attr-seqs"]
+    # attribution runs under every gradient routing (full: along the prototype path, spec §2.3 A): no note
+    assert notes({"attr_seqs"}, resid_grad="full") == []
     assert notes({"attr_seqs"}, resid_grad="detach-r") == []
+
+
+def test_full_routing_run_attributes(tmp_path, cache_dir, capsys, monkeypatch):
+    """A tiny run with --resid-grad full (asked for --attribution explicitly) attributes instead of refusing: non-zero
+    scores, labelled in the log and the report as the prototype path's gradients with r held fixed (spec §2.3 A)."""
+    rc, err = call_main(prism.main, [*TINY, "--max-iters", "12", "--init-steps", "4", "--eval-interval", "12",
+                                     "--resid-grad", "full", "--attribution", "--no-twin", "--no-cards",
+                                     "--no-controller", "--suppress-keywords", "", "--out-dir", str(tmp_path),
+                                     "--cache-dir", str(cache_dir)], capsys, monkeypatch)
+    assert rc == 0, err
+    res = json.loads((tmp_path / "results.json").read_text())
+    att = res["attribution"]
+    assert att["gradients"] == "prototype path, r held fixed (spec §2.3 A)"
+    assert any(e["score"] != 0 for e in att["examples"]["top"])
+    label = "; gradients: prototype path, r held fixed (spec §2.3 A))"
+    assert label in (tmp_path / "log-prism.txt").read_text()
+    assert label in (tmp_path / "report.html").read_text()
+    assert "--attr-seqs has no effect" not in (tmp_path / "log-prism.txt").read_text()  # TINY types it: used
+    # the docstring's keyword suppression on the saved checkpoint runs the suppression alone: no attribution or
+    # controller (the cards are built, the keywords match against them)
+    rc, err = call_main(prism.main, ["--no-train", "--suppress-keywords", "love,heart", "--no-attribution",
+                                     "--no-controller", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)],
+                        capsys, monkeypatch)
+    assert rc == 0, err
+    res = json.loads((tmp_path / "analysis.json").read_text())
+    assert "attribution" not in res and "controller" not in res
+    log = (tmp_path / "log-prism.txt").read_text()  # the training run above suppressed nothing
+    assert "suppression of " in log or "no live prototype card matches love, heart" in log, log[-2000:]
 
 
 def test_resume_note_counts_the_seeding_settings_only_before_the_seeding():

@@ -290,16 +290,50 @@ def test_sketched_dense_baseline_is_an_unbiased_sketch_of_the_dense_dot_products
     assert (S[0] - dense.double()).abs().max() > 0  # one sketch is an estimate, not the dense scores
 
 
-def test_full_routing_is_refused():
+def test_full_routing_attributes_along_the_prototype_path(assert_close):
+    """--resid-grad full: CE gives P no gradient through the head, so attribution takes spec §2.3 A's gradient,
+    along the prototype path with r held fixed. That is the quantity the other routings train P with: the cache
+    and the exact baseline of a full-routing model equal those of the same weights under detach-zhat, and the
+    exact gradients are not the (zero) autograd gradient of CE through the full-routing head."""
+    torch.manual_seed(0)
+    ref = tiny("detach-zhat")
     model = tiny("full")
-    w = windows_of(4, 8)
-    msg = ("attribution needs --resid-grad detach-zhat or detach-r: with full routing CE gives the prototypes "
-           "no gradient")
-    for fn in (lambda: prism.build_attr_cache(model, w), lambda: prism.build_exact(model, w),
-               lambda: prism.attribution_experiment(model, None, StandIn(), model.cfg, print)):
-        with pytest.raises(RunError) as e:
-            fn()
-        assert str(e.value) == msg
+    model.load_state_dict(ref.state_dict())
+    K = model.P.shape[0]
+    w = windows_of(6, 8, seed=3)
+    got, want = prism.build_attr_cache(model, w), prism.build_attr_cache(ref, w)
+    assert torch.equal(got.index.seq, want.index.seq) and got.index.G.abs().max() > 0
+    assert_close("cache g_{m,i}", want.index.G, got.index.G)
+    assert_close("A_ii", want.A_diag, got.A_diag)
+    assert_close("S eigenvalues", want.lam_S, got.lam_S)
+    ex, ex_ref = prism.build_exact(model, w, damping=1e-2), prism.build_exact(ref, w, damping=1e-2)
+    G, G_ref = dense_rows(ex.index, 6, K), dense_rows(ex_ref.index, 6, K)
+    assert_close("exact g_m", G_ref, G)
+    assert G.abs().max() > 0
+    for m in range(6):  # autograd of CE through the full-routing head gives P nothing: not what the exact takes
+        logits = model(w[m:m + 1, :-1])[0].float()
+        through_head = torch.autograd.grad(F.cross_entropy(logits, w[m, 1:], reduction="sum"), model.P,
+                                           allow_unused=True)[0]  # the logits are W z: P is not in CE's graph
+        assert (through_head is None or through_head.abs().max() == 0) and G[m].abs().max() > 0
+    xq = windows_of(2, 8, seed=4)
+    for q in range(2):
+        g_q = prism.exact_query_grad(model, xq[q, :-1], xq[q, -1])
+        assert_close(f"exact g_q{q}", prism.exact_query_grad(ref, xq[q, :-1], xq[q, -1]), g_q)
+        assert prism.exact_scores(ex, g_q).abs().max() > 0
+
+
+def test_full_routing_experiment_scores_and_labels():
+    """A tiny attribution run under --resid-grad full: non-zero scores, labelled as spec §2.3 A's gradients."""
+    cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
+                 resid_grad="full", attr_seqs=20, attr_queries=3, attr_damping=1e-2)
+    torch.manual_seed(0)
+    lines = []
+    res = prism.attribution_experiment(PRISM(cfg, V).eval(), None, StandIn(), cfg, lines.append)
+    assert res["gradients"] == prism.ROUTING_LABEL == "prototype path, r held fixed (spec §2.3 A)"
+    assert "; gradients: prototype path, r held fixed (spec §2.3 A))" in res["summary"] and res["summary"] in lines
+    assert [r["method"] for r in res["table"]][:2] == ["PRISM cached (block)", "prototype-space exact"]
+    assert any(e["score"] != 0 for e in res["examples"]["top"])
+    assert res["table"][0]["sequences scored"] > 0
 
 
 class StandInTokenizer:

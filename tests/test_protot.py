@@ -487,6 +487,39 @@ def test_report_says_how_to_read_its_tables(tmp_path):
     assert f"change on {protot.PPL_WINDOWS} val windows, measured for the top three only" in report
 
 
+def test_interventions_report_a_rise_as_well_as_a_drop(tmp_path, monkeypatch):
+    """Masking a unit can raise the target's probability (the paper: a masked "male" prototype, "women" +16.95%).
+    Every prompt rises here: the results, the log line and the report show the largest rise, not only the most
+    negative change (which was labelled "max")."""
+    base = torch.tensor([0.1, 0.2, 0.4, 1e-8])  # the last is below 1e-6 and skipped
+    inside = []
+
+    @protot.contextlib.contextmanager
+    def fake_intervention(model, units, mode, seed=0):
+        inside.append(True)
+        yield
+        inside.pop()
+
+    monkeypatch.setattr(protot, "load_prompts", lambda cfg, data, target: ["a", "b", "c", "d"])
+    monkeypatch.setattr(protot, "prompt_batch", lambda tok, prompts, target, device: None)
+    monkeypatch.setattr(protot, "target_probs", lambda model, batch: base * torch.tensor([1.1, 1.5, 1.2, 9.0])
+                        if inside else base)
+    monkeypatch.setattr(protot, "evaluate_ppl", lambda *a, **k: {"ppl": 100.0})
+    monkeypatch.setattr(protot, "intervention", fake_intervention)
+    data = type("D", (), {"tokenizer": None, "device": "cpu"})()
+    cfg = Config(layers=2, d_model=16, n_protos=3)
+    r = protot.run_intervention(None, data, cfg, [(1, 2)], "write-mask", "women", None)
+    assert r["prompts"] == 3
+    assert r["max_drop"] == pytest.approx(0.1) and r["max_rise"] == pytest.approx(0.5)
+    assert r["mean"] == pytest.approx(0.8 / 3)
+    assert protot.change_line(r) == "max drop +10.00% / max rise +50.00% / mean +26.67%"
+    fp = protot.find_prototype(ProtoT(cfg, 30), data, cfg, "women", None)
+    assert len(fp["ranking"]) == 2 * 3 and all(u["max_rise"] == pytest.approx(0.5) for u in fp["ranking"])
+    assert all("ppl_change" in u for u in fp["ranking"][:3])
+    report = protot.write_report(tmp_path, cfg, {"find_prototype": fp, "intervention": r}, {}).read_text()
+    assert report.count("<th>max_rise</th>") == 2 and report.count("<td>+50.00%</td>") == 6 + 1
+
+
 def test_js_divergence_is_never_negative():
     """Nearly equal distributions: the two KL sums cancel to a rounding error, which was below 0 ("JS -0.0000")."""
     torch.manual_seed(2)
