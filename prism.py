@@ -26,8 +26,8 @@ Analyses (the default run does all of them and writes out/prism/report.html):
     decomposition of a generated text into prototype slices plus the residual slice (§1, §5.4);
   * training-data attribution (§5.3): a cache of per-sequence prototype-space gradient summaries
     g_{m,i} = Σ_t a_{t,i} δ_t with an inverted index prototype -> sequences, block-diagonal curvature
-    A_ii·S + λ; baselines: exact prototype-space gradients with exact damped curvature, dense gradient similarity,
-    EK-FAC through kronfluence (with --ekfac, when kronfluence is installed);
+    A_ii·S + λ; baselines: exact prototype-space gradients with the damped empirical Fisher inverted exactly,
+    dense gradient similarity, EK-FAC through kronfluence (with --ekfac, when kronfluence is installed);
   * suppression (§2.4, §6.3): drop keyword-matched prototypes' terms, keeping r from the unsuppressed ẑ;
   * a sparse linear controller over active prototypes vs the same controller over a top-k SAE on the twin (§6.3).
 
@@ -95,7 +95,8 @@ Commands
     python prism.py --head dense           # the dense twin alone
     python prism.py --no-train --suppress-keywords love,heart --no-attribution --no-controller
                                            # suppression on the saved checkpoint (plus the cards it matches)
-    python prism.py --no-train --suppress 3,17 --suppress-factor -1 # push those prototypes away
+    python prism.py --no-train --suppress 3,17 --suppress-factor -1 --no-attribution --no-controller
+                                           # push those prototypes away
     python prism.py --no-train --attr-curvature kfac --ekfac        # attribution with co-usage, EK-FAC
     python prism.py --bench                # training tok/s PRISM / dense, top-k kernel vs torch at K = 4k..16k
                                            # (both IEEE fp32)
