@@ -71,11 +71,9 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     (a_i a_j) are left out, and the damping λ stands in for them. Dense TracIn runs twice: recomputing the
     training gradients per query batch, and from a cache of CountSketched training gradients with the prototype
     cache's bytes (spec §5.3: time at matched cache memory). A query is one val prediction; every method's time
-    includes its forward. Under --resid-grad full every prototype-space gradient (cached and exact) is the
-    prototype path's with r held fixed (spec §2.3 A): δ_t and ∇_P are taken along ẑ, never by autograd through
-    the head (whose ∇_P CE is 0 there); the log and report label it so. EK-FAC's time is one batched scoring
-    pass over the Q queries divided by Q (labelled so, like the dense TracIn batch row); the cached and exact
-    times are one query at a time. Overlaps are reported beside their chance level
+    includes its forward. EK-FAC's time is one batched scoring pass over the Q queries divided by Q (labelled
+    so, like the dense TracIn batch row); the cached and exact times are one query at a time. Overlaps are
+    reported beside their chance level
     n/M (a random ranking of the M windows). Two diagnostics split the gap to exact into its two causes, each with
     the other held equal: the cached vs exact gradients with no curvature in either ranking (plain dot products)
     and with the cache's curvature in both; and the exact gradients ranked with the cache's curvature vs the
@@ -1700,8 +1698,8 @@ def attr_clock(device) -> float:
 def token_deltas(z, y, W, chunk=ATTR_CHUNK):
     """δ_t = ∂CE_t/∂ẑ_t = Wᵀ(softmax(W z_t) − e_{y_t}) for z [N, d], y [N] -> [N, d] fp32, in closed form (no
     autograd). Under detach-zhat and detach-r the logits are W(sg(·) + ẑ), so ẑ receives the gradient a dense
-    head's z would, and their value is W z (§2.3). Under full, logits W(r + ẑ), this is the same ∂CE/∂ẑ with r
-    held fixed (§2.3 A); the routing is never read. Token chunks keep the N×V probabilities within `chunk`."""
+    head's z would, and their value is W z (§2.3); under full, ∂CE/∂ẑ with r held fixed (§2.3 A). Token chunks
+    keep the N×V probabilities within `chunk`."""
     W = W.float()
     out = torch.empty(z.shape, dtype=torch.float32, device=z.device)
     step = max(1, chunk // W.shape[0])
@@ -1899,9 +1897,8 @@ def proto_vjp(model: PRISM, z, delta):
     """(∂ẑ/∂P)ᵀ δ summed over the tokens of z [N, d] (fixed, no grad), delta [N, d] -> [K, d]: autograd through
     the model's own prototype path (top-k cosines, the --act variant, the reconstruction), so the
     activations' dependence on P is included. Under detach-zhat and detach-r P reaches the logits only through
-    ẑ, with ∂CE_t/∂ẑ_t = δ_t, so this is the exact ∇_P Σ_t CE_t, and the T×V logits are never differentiated.
-    Under full it is the same vector-Jacobian product, the gradient along the prototype path with r held fixed
-    (§2.3 A): autograd of CE through that head would give 0, and is not what is taken."""
+    ẑ, with ∂CE_t/∂ẑ_t = δ_t, so this is the exact ∇_P Σ_t CE_t, and the T×V logits are never differentiated
+    (under full, §2.3 A's gradient with r held fixed)."""
     with torch.enable_grad():
         idx, a = model.prototypes(z)
         zhat = reconstruct(idx, a, model.P)
@@ -1911,8 +1908,7 @@ def proto_vjp(model: PRISM, z, delta):
 @dataclass
 class ExactAttr:
     """Step 3, the spec's "full prototype-space gradients" upper bound: no linear-layer view, no block
-    approximation. The exact per-sequence gradients g_m = ∇_P L_m along the prototype path with r held fixed
-    (proto_vjp; under --resid-grad full, whose head gives ∇_P CE = 0, this is §2.3 A's gradient), stored
+    approximation. The exact per-sequence gradients g_m = ∇_P L_m along the prototype path (proto_vjp), stored
     row-sparse in the same CSR index (a sequence's gradient is non-zero only on the rows of the prototypes it
     activates, so this is the cache's size, where the dense [M, K·d] matrix would be 103 GB at M = 4096,
     K = 8192, d = 768), and the Cholesky factor of M λ' I + G Gᵀ (M×M) for Woodbury: with H = GᵀG/M + λ'I,
@@ -2305,7 +2301,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     batch = [than(r["method"]) for r in rows if r["batched"]]
     full = model.cfg.resid_grad == "full"  # CE gives P no gradient: every prototype-space gradient is §2.3 A's
     gradients = ROUTING_LABEL if full else f"CE's gradient through ẑ (--resid-grad {model.cfg.resid_grad})"
-    label = f"; gradients: {ROUTING_LABEL}" if full else ""
+    label = f"; gradients: {gradients}" if full else ""
     summary = (f"cached prototype attribution ({cfg.attr_curvature}{label}) "
                f"takes {c['ms/query']:.2f} ms per query, one "
                "query at a time (setup excluded for every method): " + ", ".join(alone) + ", each also one query at a "
