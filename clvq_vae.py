@@ -94,15 +94,17 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     bit-for-bit) | plateau (the paper's ReduceLROnPlateau: ×0.5 after --plateau-patience evaluations without a
     better val loss; --early-stop N stops after N evaluations without one; the best evaluation's weights are
     kept in the checkpoint and are what the analyses use, as the official loop keeps its best checkpoint).
-    Caveat: validation runs on the dev set (the held-out plays, all rows), which holds the sentences fidelity
-    scores, where §4 validates on a 90/10 split of the filtered training sentences; under --schedule plateau the lr
-    drops, early stopping and the kept checkpoint are therefore selected on the evaluation sentences (under cosine
-    the dev loss only decides --early-stop, off by default; the final weights are kept). Training length:
-    --max-iters 3000 with cosine, where §4 trains at most 100 epochs with early stopping after 15 epochs without
-    improvement; at the paper preset's data (2,666 training passages, each keeping its [CLS] row; batches of 128,
-    the last partial batch skipped: 20 steps an epoch) 3000 steps are 150 epochs, above §4's cap of 100: cosine
-    needs a fixed length in advance and keeps the final weights, so the length errs long (the CPU preset's 200 steps
-    of 32 on 600 passages are about 11 epochs). --early-stop counts evaluations (every --eval-interval steps), not
+    Validation, as §4: --val-frac 0.1 of the (filtered) training sentences, drawn at random by sentence with
+    --seed, are held out; the model trains on the other 90 % (its k-means init too) and the val loss, the plateau
+    schedule, --early-stop and the kept checkpoint read the held-out 10 %. The k-means and SAE baselines fit on
+    every training row (they have no validation); the dev set (the held-out plays) is only evaluated after
+    training and scored by fidelity. --val-frac 0 trains on every training sentence and validates on the dev set
+    (what this file did before --val-frac existed). Training length: --max-iters 3000 with cosine, where §4 trains
+    at most 100 epochs with early stopping after 15 epochs without improvement; at the paper preset's data (2,666
+    training passages, each keeping its [CLS] row, 2,399 after the 10 % held out; batches of 128, the last partial
+    batch skipped: 18 steps an epoch) 3000 steps are 167 epochs, above §4's cap of 100: cosine needs a fixed
+    length in advance and keeps the final weights, so the length errs long (the CPU preset's 200 steps of 32 on
+    540 passages are about 12 epochs). --early-stop counts evaluations (every --eval-interval steps), not
     epochs, and is 0 (off) unless set, also under plateau. The paper's schedule there: --schedule plateau
     --eval-interval 20 --plateau-patience 5 --early-stop 15 --max-iters 2000.
   * k-means codebook init on the training x_l before step 0 (on at most --init-rows rows), rank 0 computes and
@@ -238,8 +240,8 @@ class Config:
     batch_size: int = field(default=128, metadata={"help": "global batch (sentences per step, all ranks)"})
     lr: float = field(default=5e-3, metadata={"help": "peak learning rate (5e-3 for 768-d encoders, 1e-3 for LLMs)"})
     schedule: Literal["cosine", "plateau"] = field(default="cosine", metadata={
-        "help": "warmup + cosine over max_iters, or the paper's ReduceLROnPlateau on the val loss (caveat: the val "
-                "set is the dev set that fidelity scores, so plateau picks its lr drops and kept checkpoint on it)"})
+        "help": "warmup + cosine over max_iters, or the paper's ReduceLROnPlateau on the val loss (the held-out "
+                "--val-frac of the training sentences)"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of lr"})
     warmup_frac: float = field(default=0.02, metadata={"help": "cosine warmup as a fraction of max_iters"})
     plateau_factor: float = field(default=0.5, metadata={"help": "plateau: lr factor"})
@@ -251,8 +253,10 @@ class Config:
         "help": "adam: L2 decay coupled to the gradient (the official main.py) | adamw: decoupled (its --use_adamw)"})
     weight_decay: float = field(default=1e-4, metadata={"help": "weight decay on weights (not biases)"})
     grad_clip: float = field(default=2.0, metadata={"help": "max gradient norm (0: off)"})
+    val_frac: float = field(default=0.1, metadata={
+        "help": "training sentences held out to validate on (§4: 90/10 by sentence); 0: validate on the dev set"})
     eval_interval: int = field(default=250, metadata={
-        "help": "steps between evaluations (all dev rows) and checkpoints"})
+        "help": "steps between validations and checkpoints"})
     log_interval: int = field(default=50, metadata={"help": "steps between log lines"})
     init_rows: Optional[int] = field(default=None, metadata={
         "help": "k-means init on at most this many rows (none: all)"})
@@ -328,8 +332,8 @@ CPU_PRESET = dict(finetune_epochs=2, codebook_size=128, dec_layers=2, dec_ffn=51
 # setting from it too unless typed (MERGED_KEYS: all but how and where this invocation runs).
 ARCH_KEYS = ("d_model", "codebook_size", "top_k", "alpha_init", "fixed_alpha", "enc_init", "dec_layers", "dec_heads",
              "dec_ffn", "dec_mask", "dec_memory", "model", "dataset", "genres", "layer_l", "layer_h", "per_class",
-             "dev_per_class", "max_words", "max_examples", "min_count", "max_per_type", "finetune_epochs",
-             "finetune_lr", "finetune_batch")
+             "dev_per_class", "val_frac", "max_words", "max_examples", "min_count", "max_per_type",
+             "finetune_epochs", "finetune_lr", "finetune_batch")
 ANALYSIS_KEYS = ("baselines", "kmeans_iters", "kmeans_restarts", "sae_latents", "sae_k", "sae_l1", "sae_steps",
                  "sae_batch", "sae_lr", "sae_ablation", "sae_ablate_k", "fidelity", "fidelity_sentences", "probe_folds",
                  "probe_patience", "probe_epochs", "probe_standardise", "fidelity_projection", "ig_steps", "ig_baseline",
@@ -1863,6 +1867,24 @@ def sentences_with_rows(acts: Activations) -> list[int]:
     return [s for s in range(len(acts.texts)) if b[s + 1] > b[s]]
 
 
+def holdout_split(sentences: list[int], frac: float, seed: int) -> tuple[list[int], list[int]]:
+    """(fit, val): a seeded random split by sentence, round(frac·n) (at least one) held out to validate on, as the
+    official loop's 90/10 train/val split (spec §4); both sorted. frac 0: (every sentence, [])."""
+    if frac <= 0:
+        return list(sentences), []
+    perm = torch.randperm(len(sentences), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = max(1, round(frac * len(sentences)))
+    return sorted(sentences[i] for i in perm[n_val:]), sorted(sentences[i] for i in perm[:n_val])
+
+
+def sentence_rows(acts: Activations, sentences: list[int]) -> torch.Tensor:
+    """[rows] the row indices of these sentences, in order."""
+    b = acts.bounds
+    if not sentences:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(int(b[s]), int(b[s + 1])) for s in sentences])
+
+
 def length_batches(acts: Activations, sentences: list[int], max_rows: int = 4096) -> list[list[int]]:
     """Evaluation batches: sentences sorted by length, at most max_rows padded rows each (little padding)."""
     b = acts.bounds
@@ -1877,13 +1899,14 @@ def length_batches(acts: Activations, sentences: list[int], max_rows: int = 4096
 
 
 @torch.no_grad()
-def evaluate(model: CLVQVAE, acts: Activations, cfg: Config, device) -> dict:
-    """One pass over every dev sentence, nearest codes (eval mode, no EMA step), spec §9.6:
+def evaluate(model: CLVQVAE, acts: Activations, cfg: Config, device, sentences: Optional[list[int]] = None) -> dict:
+    """One pass over these sentences of acts (default: every one with rows), nearest codes (eval mode, no EMA step),
+    spec §9.6:
       mse          reconstruction MSE of layer h over all valid elements (row-weighted, not a mean of batch means)
       commit       mean |z - e_k|² over the same elements
       loss         mse + β·commit (the training objective; what --schedule plateau watches)
-      perplexity   exp(entropy) of the code histogram over all dev rows (K = every code used equally)
-      unused       codes never chosen on dev;  dead_ema  codes whose EMA count N_k < dead_threshold
+      perplexity   exp(entropy) of the code histogram over all their rows (K = every code used equally)
+      unused       codes never chosen on them;  dead_ema  codes whose EMA count N_k < dead_threshold
     Under DDP each rank takes every world-th length batch and the sums are all-reduced."""
     was_training = model.training
     model.eval()
@@ -1891,7 +1914,8 @@ def evaluate(model: CLVQVAE, acts: Activations, cfg: Config, device) -> dict:
     K, d = cfg.codebook_size, acts.x_l.shape[1]
     sse = csse = rows = 0.0
     counts = torch.zeros(K, dtype=torch.float64, device=device)
-    for bi, batch in enumerate(length_batches(acts, sentences_with_rows(acts))):
+    sentences = sentences_with_rows(acts) if sentences is None else sentences
+    for bi, batch in enumerate(length_batches(acts, sentences)):
         if bi % info["world"] != info["rank"]:
             continue
         x_l, x_h, mask = (t.to(device) for t in pad_sentences(acts, batch))
@@ -1913,9 +1937,9 @@ def evaluate(model: CLVQVAE, acts: Activations, cfg: Config, device) -> dict:
                 rows=int(rows))
 
 
-def eval_line(step: int, ev: dict, K: int) -> str:
-    return (f"step {step}: val loss {ev['loss']:.4f} | mse {ev['mse']:.4f} | commit {ev['commit']:.4f} | "
-            f"perplexity {ev['perplexity']:.1f}/{K} | dead codes {ev['unused']} unused on val, "
+def eval_line(step: int, ev: dict, K: int, on: str = "val") -> str:
+    return (f"step {step}: {on} loss {ev['loss']:.4f} | mse {ev['mse']:.4f} | commit {ev['commit']:.4f} | "
+            f"perplexity {ev['perplexity']:.1f}/{K} | dead codes {ev['unused']} unused on {on}, "
             f"{ev['dead_ema']} with EMA count < threshold")
 
 
@@ -2058,8 +2082,10 @@ def load_model(ck: dict, cfg: Config, device, path: Path) -> CLVQVAE:
 
 
 @torch.no_grad()
-def init_codebook(model: CLVQVAE, cfg: Config, acts: Activations, device, log=print) -> None:
-    """k-means codebook initialisation on the raw layer-l training rows before step 0 (spec §2.4), on at most
+def init_codebook(model: CLVQVAE, cfg: Config, acts: Activations, device, log=print,
+                  sentences: Optional[list[int]] = None) -> None:
+    """k-means codebook initialisation on the raw layer-l training rows (those of `sentences`, default all: the
+    held-out validation sentences are left out) before step 0 (spec §2.4), on at most
     cfg.init_rows of them (a seeded subsample: the CPU preset keeps it under ~20 s). Rank 0 computes, the other
     ranks receive the buffers. The quantiser's `initialised` buffer records it, so a resumed or loaded model never
     redoes it."""
@@ -2067,10 +2093,13 @@ def init_codebook(model: CLVQVAE, cfg: Config, acts: Activations, device, log=pr
     if bool(model.vq.initialised):
         return
     if info["rank"] == 0:
-        x = acts.x_l
-        if cfg.init_rows is not None and len(x) > cfg.init_rows:
+        rows = None if sentences is None else sentence_rows(acts, sentences)  # None: every row, no copy
+        n = len(acts.x_l) if rows is None else len(rows)
+        if cfg.init_rows is not None and n > cfg.init_rows:
             g = torch.Generator().manual_seed(cfg.init_seed)
-            x = x[torch.randperm(len(x), generator=g)[:cfg.init_rows]]
+            pick = torch.randperm(n, generator=g)[:cfg.init_rows]
+            rows = pick if rows is None else rows[pick]
+        x = acts.x_l if rows is None else acts.x_l[rows]
         if len(x) < cfg.codebook_size:
             raise RunError(f"--codebook-size {cfg.codebook_size} is larger than the {len(x)} training rows "
                            "available to initialise it")
@@ -2087,14 +2116,18 @@ def init_codebook(model: CLVQVAE, cfg: Config, acts: Activations, device, log=pr
 def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, dist_info, explicit=(), log=print,
           ck=None, variant: Optional[str] = None) -> tuple[CLVQVAE, dict]:
     """The nanoGPT-shaped loop over padded sentence batches (spec §4, §8.5). Returns the trained (unwrapped) model
-    and its history. With cfg.resume it continues from `ck` (read from out_dir when not given)."""
+    and its history. With cfg.resume it continues from `ck` (read from out_dir when not given). It trains on the
+    training sentences less the --val-frac held out (holdout_split) and validates on those; with --val-frac 0 it
+    trains on all of them and validates on dev_acts."""
     rank, world = dist_info["rank"], dist_info["world"]
     if cfg.batch_size % world:
         raise RunError(f"--batch-size {cfg.batch_size} must be divisible by the {world} ranks")
     path = ckpt_path(cfg, variant)
-    sentences = sentences_with_rows(train_acts)
+    sentences, val_sentences = holdout_split(sentences_with_rows(train_acts), cfg.val_frac, cfg.seed)
     if len(sentences) < world:
-        raise RunError(f"{len(sentences)} training sentences with rows, fewer than the {world} ranks")
+        raise RunError(f"{len(sentences)} training sentences with rows (after --val-frac {cfg.val_frac} is held out), "
+                       f"fewer than the {world} ranks")
+    val_acts, val_sentences = (train_acts, val_sentences) if val_sentences else (dev_acts, None)
     b = train_acts.bounds
     lengths = (b[1:] - b[:-1])[torch.tensor(sentences)]
     sampler = SentenceSampler(sentences, lengths.tolist(), cfg.batch_size, cfg.seed)
@@ -2133,7 +2166,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
         note = resume_note(ck["config"], cfg, step, stopped)
         if note:
             log(note)
-    init_codebook(model, cfg, train_acts, device, log)
+    init_codebook(model, cfg, train_acts, device, log, sentences if val_sentences else None)
     raw = model
     if cfg.compile:
         model = torch.compile(model)
@@ -2150,9 +2183,11 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
     mean_T = float(lengths.float().mean())
     fpr, peak = flops_per_row(raw, cfg, mean_T), peak_flops(device, decoder_dtype(cfg, device) is not None)
     log(f"{variant or variant_name(cfg)}: {n_params(raw) / 1e6:.2f}M parameters, K = {cfg.codebook_size} codes of "
-        f"d = {cfg.d_model}, {len(sentences):,} training sentences ({int(b[-1]):,} rows, {mean_T:.1f} per sentence), "
-        f"{sampler.batch_size} sentences per step, {cfg.max_iters} steps, {cfg.schedule} schedule; a token in the "
-        "step lines' tok/s is one word row")
+        f"d = {cfg.d_model}, {len(sentences):,} training sentences ({int(lengths.sum()):,} rows, {mean_T:.1f} per "
+        f"sentence), {sampler.batch_size} sentences per step, {cfg.max_iters} steps, {cfg.schedule} schedule; "
+        + (f"validation on {len(val_sentences):,} held-out training sentences (--val-frac {cfg.val_frac}, spec §4)"
+           if val_sentences else "validation on the dev set (--val-frac 0)")
+        + "; a token in the step lines' tok/s is one word row")
     data = acts_signature(train_acts)
 
     def next_batch():
@@ -2168,7 +2203,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
         if step > start and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
             if any_rank(bad):
                 raise RunError(nan_message(step, path))
-            ev = evaluate(raw, dev_acts, cfg, device)
+            ev = evaluate(raw, val_acts, cfg, device, val_sentences)
             finite = all(torch.isfinite(t).all() for t in list(raw.parameters()) + list(raw.buffers())
                          if t.is_floating_point())
             if not math.isfinite(ev["loss"]) or not finite:
@@ -3251,7 +3286,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         parts.append("<h2>Training</h2>" + img(loss_figure(histories)))
     if results.get("eval"):
         rows = [{"model": m, **ev} for m, ev in results["eval"].items()]
-        parts.append("<h2>Validation (every dev row, nearest codes)</h2>" + table_html(rows, list(rows[0])))
+        parts.append("<h2>The dev set after training (every dev row, nearest codes)</h2>"
+                     + table_html(rows, list(rows[0])))
     if results.get("fidelity"):
         rows = [{k: f"{v:.1%}" if k in ("drop_concept", "drop_random") else v for k, v in r.items()}
                 for r in results["fidelity"]]
@@ -3357,6 +3393,7 @@ def validate(cfg: Config, explicit=()) -> None:
                                            "layer h must be at or above the input layer l (spec §1)"),
               (cfg.per_class is None or cfg.per_class >= 1, "--per-class must be >= 1 (or none)"),
               (cfg.dev_per_class is None or cfg.dev_per_class >= 1, "--dev-per-class must be >= 1 (or none)"),
+              (0 <= cfg.val_frac <= 0.5, "--val-frac must be in [0, 0.5] (0: validate on the dev set)"),
               (cfg.max_words >= 1, "--max-words must be >= 1"), (cfg.min_count >= 0, "--min-count must be >= 0"),
               (cfg.finetune_epochs >= 0 and cfg.finetune_lr > 0 and cfg.finetune_batch >= 1,
                "--finetune-epochs must be >= 0, --finetune-lr > 0 and --finetune-batch >= 1"),
@@ -3498,15 +3535,15 @@ def run(cfg: Config, explicit) -> int:
     histories = {variant_name(cfg): model.history}
     results = {"preset": preset, "device": str(device), "variant": variant_name(cfg)}
     ev = results["eval"] = {variant_name(cfg): evaluate(model, dev_acts, cfg, device)}
-    log(f"{variant_name(cfg)} on dev: " + eval_line(cfg.max_iters, ev[variant_name(cfg)], cfg.codebook_size)
-        .split(": ", 1)[1])
+    log(f"{variant_name(cfg)} on the dev set: "
+        + eval_line(cfg.max_iters, ev[variant_name(cfg)], cfg.codebook_size, "dev").split(": ", 1)[1])
     analyses = run_analyses(cfg, src, train_acts, dev_acts, model, fit, device, log)
     results.update(analyses)
     for name, m in analyses.get("models", {}).items():  # the l = h VQ-VAE's curves beside CLVQ-VAE's
         histories[name] = m.history
         v, lo = variant_name(m.cfg), m.cfg.layer_l  # its validation beside CLVQ-VAE's, on its own target x_h := x_l
         ev[v] = evaluate(m, replace(dev_acts, x_h=dev_acts.x_l, layers=(lo, lo)), m.cfg, device)
-        log(f"{v} on dev: " + eval_line(m.cfg.max_iters, ev[v], m.cfg.codebook_size).split(": ", 1)[1])
+        log(f"{v} on the dev set: " + eval_line(m.cfg.max_iters, ev[v], m.cfg.codebook_size, "dev").split(": ", 1)[1])
     if results.get("fidelity"):
         chance = (results.get("fidelity_info") or {}).get("probe_chance")
         log("concept-ablation fidelity (probe accuracy on the layer-l sentence representation, mean ± std over folds, "

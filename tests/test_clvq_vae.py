@@ -7,6 +7,7 @@ import shutil
 from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -95,6 +96,48 @@ def test_training_loss_falls_and_evaluations_are_logged(tmp_path, acts):
         and "dead codes" in evals[0] and "unused on val" in evals[0] and "EMA count < threshold" in evals[0]
     assert any(ln.startswith("codebook: spherical-kmeans init") for ln in lines)
     assert bool(model.vq.initialised) and (cv.ckpt_path(cfg)).name == "ckpt-clvq-l1-h2.pt"
+
+
+def test_holdout_split_is_seeded_disjoint_and_by_sentence():
+    """Spec §4: 90/10 train/val by sentence; frac 0 holds nothing out."""
+    s = list(range(3, 103))
+    fit, val = cv.holdout_split(s, 0.1, seed=20)
+    assert len(val) == 10 and len(fit) == 90 and sorted(fit + val) == s and not set(fit) & set(val)
+    assert (fit, val) == cv.holdout_split(s, 0.1, seed=20) and val != cv.holdout_split(s, 0.1, seed=21)[1]
+    assert val != list(range(3, 13)) and fit == sorted(fit) and val == sorted(val)  # drawn at random, sorted
+    assert cv.holdout_split(s, 0.0, seed=20) == (s, [])
+    assert len(cv.holdout_split([5, 6, 7], 0.1, seed=0)[1]) == 1  # at least one sentence
+    acts_rows = cv.sentence_rows  # rows of sentences, in order
+    a = SimpleNamespace(bounds=torch.tensor([0, 2, 2, 5, 6]))
+    assert acts_rows(a, [0, 2]).tolist() == [0, 1, 2, 3, 4] and acts_rows(a, [1]).tolist() == []
+
+
+def test_training_validates_on_held_out_training_sentences(tmp_path, acts, monkeypatch):
+    """The val loss is the held-out 10 % of the training sentences (spec §4), which the sampler and the k-means
+    init never see; --val-frac 0 validates on the dev set."""
+    tr, dv = acts
+    fit, val = cv.holdout_split(cv.sentences_with_rows(tr), 0.1, seed=20)
+    assert len(val) == 2 and len(fit) == 22
+    drawn, init_rows = [], []
+    real_next, real_init = cv.SentenceSampler.next, cv.VectorQuantizer.init_codebook
+    monkeypatch.setattr(cv.SentenceSampler, "next", lambda self: drawn.extend(b := real_next(self)) or b)
+    monkeypatch.setattr(cv.VectorQuantizer, "init_codebook",
+                        lambda self, x, *a, **k: init_rows.append(x.shape[0]) or real_init(self, x, *a, **k))
+    cfg = tiny_cfg(tmp_path, max_iters=6, eval_interval=6)
+    lines = []
+    model, hist = cv.train(cfg, tr, dv, CPU, DIST, log=lines.append)
+    assert set(drawn) and not set(drawn) & set(val) and set(drawn) <= set(fit)
+    assert init_rows == [int(cv.sentence_rows(tr, fit).numel())] and init_rows[0] < tr.x_l.shape[0]
+    assert any("22 training sentences" in ln and "validation on 2 held-out training sentences (--val-frac 0.1"
+               in ln for ln in lines)
+    model.eval()
+    assert hist["val"][-1] == pytest.approx(cv.evaluate(model, tr, cfg, CPU, val)["loss"], rel=1e-6)
+    assert hist["val"][-1] != pytest.approx(cv.evaluate(model, dv, cfg, CPU)["loss"], rel=1e-3)
+    cfg0 = tiny_cfg(tmp_path / "v0", max_iters=6, eval_interval=6, val_frac=0.0)
+    lines = []
+    model, hist = cv.train(cfg0, tr, dv, CPU, DIST, log=lines.append)
+    assert any("validation on the dev set (--val-frac 0)" in ln for ln in lines)
+    assert hist["val"][-1] == pytest.approx(cv.evaluate(model.eval(), dv, cfg0, CPU)["loss"], rel=1e-6)
 
 
 def test_evaluate_is_row_weighted_over_every_dev_row(tmp_path, acts):
@@ -301,7 +344,7 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     config = [ln for ln in log.splitlines() if ln.startswith("config:")]
     assert len(config) == 1 and json.loads(config[0].split(": ", 1)[1])["d_model"] == 32
     assert "concept-ablation fidelity" in log and "CLVQ-VAE  0.9" in log and "chance 0.625" in log
-    assert "vq-l1-h1 on dev: val loss" in log  # the baseline's validation, beside the model's
+    assert "vq-l1-h1 on the dev set: dev loss" in log and "unused on dev," in log  # the baseline's, beside the model's
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["fidelity"][0]["ablated"] == 0.1 and "cards_html" not in res and res["variant"] == "clvq-l1-h2"
     assert list(res["eval"]) == ["clvq-l1-h2", "vq-l1-h1"] and res["eval"]["vq-l1-h1"]["rows"] > 0
@@ -370,6 +413,7 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     (["--layer-l", "2", "--layer-h", "2"], 1, "Integrated Gradients needs 1 <= l < 2"),  # before any training
     (["--layer-l", "0", "--layer-h", "1"], 1, "Integrated Gradients needs 1 <= l < 2"),
     (["--fixed-alpha", "-7"], 1, "--fixed-alpha must be in [0, 2]"),
+    (["--val-frac", "0.9"], 1, "--val-frac must be in [0, 0.5] (0: validate on the dev set)"),
     (["--device", "meta"], 1, "--device meta: expected auto"),
     (["--analysis-seed", "-1"], 1, "--analysis-seed must be in [0, 2**32)"),
     (["--finetune-epochs", "1", "--finetune-lr", "1e12"], 1, "non-finite loss at step"),
@@ -481,8 +525,8 @@ def test_plateau_halves_lr_stops_early_and_keeps_the_best_weights(tmp_path, acts
     scripted = iter([1.0, 0.5, 0.6, 0.7, 0.8, 0.9])  # best at the 2nd evaluation (step 4)
     states = {}
 
-    def fake_evaluate(model, acts_, cfg_, device):
-        ev = real(model, acts_, cfg_, device)
+    def fake_evaluate(model, acts_, cfg_, device, sentences=None):
+        ev = real(model, acts_, cfg_, device, sentences)
         ev["loss"] = next(scripted)
         states[len(states) + 1] = {k: v.clone() for k, v in model.state_dict().items()}
         return ev
