@@ -125,11 +125,12 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     python clvq_vae.py --bench               # the search: kernel vs the reference vs cdist + topk
     torchrun --standalone --nproc_per_node=8 clvq_vae.py   # DDP; --batch-size is the global batch (sentences)
 
-Expected (CPU preset, 2 cores, 2026-12-01): `python clvq_vae.py` takes about 4 minutes (4 min 15 s, of which
-fine-tuning MiniLM 88 s and the activation extraction 14 s, both cached for later runs); val MSE at layer 6 ends
-at 0.067 with codebook perplexity 36.4 of 128. The fine-tuned classifier reaches 0.634 on the held-out plays. At
-this scale no concept removes clearly more probe accuracy than a random direction (CLVQ-VAE 0.674 -> 0.569 vs
-0.503 random, the top-k SAE 0.466 vs 0.473; the paper: 0.895 -> 0.058 vs 0.831).
+Expected (CPU preset, 2 cores): `python clvq_vae.py` takes about 4 minutes (4 min 15 s on 2026-12-01's machine,
+5 min 02 s on a slower one on 2026-12-02, of which fine-tuning MiniLM 103 s and the activation extraction 19 s,
+both cached for later runs); on the dev set after training the MSE at layer 6 is 0.069 with codebook perplexity
+35.4 of 128 (2026-12-02). The fine-tuned classifier reaches 0.634 on the held-out plays. At this scale no concept
+removes clearly more probe accuracy than a random direction (CLVQ-VAE 0.674 -> 0.599 vs 0.503 random, the top-k
+SAE 0.487 vs 0.473; the paper: 0.895 -> 0.058 vs 0.831).
 """
 from __future__ import annotations
 
