@@ -2003,6 +2003,7 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         ok = isinstance(ck, dict) and ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "clvq_vae"
         if ok:
             saved = dict(ck["config"])
+            saved.setdefault("val_frac", 0.0)  # checkpoints from before --val-frac validated on the dev set
             missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
     except Exception as e:  # truncated file, not a checkpoint, unpickling refused
         raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None

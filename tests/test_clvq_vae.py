@@ -138,6 +138,15 @@ def test_training_validates_on_held_out_training_sentences(tmp_path, acts, monke
     model, hist = cv.train(cfg0, tr, dv, CPU, DIST, log=lines.append)
     assert any("validation on the dev set (--val-frac 0)" in ln for ln in lines)
     assert hist["val"][-1] == pytest.approx(cv.evaluate(model.eval(), dv, cfg0, CPU)["loss"], rel=1e-6)
+    # a checkpoint from before --val-frac (no key) was validated on the dev set: it loads as --val-frac 0, so
+    # --resume keeps its training sentences, and asking for a split is the one-line mismatch error
+    path = cv.ckpt_path(cfg0)
+    ck = torch.load(path, weights_only=True)
+    del ck["config"]["val_frac"]
+    torch.save(ck, path)
+    assert cv.load_checkpoint(path, cv.Config(out_dir=str(tmp_path / "v0")))[1].val_frac == 0.0
+    with pytest.raises(cv.RunError, match=r"val_frac=0.0 \(asked 0.1\)"):
+        cv.load_checkpoint(path, cv.Config(out_dir=str(tmp_path / "v0")), explicit=("val_frac",))
 
 
 def test_evaluate_is_row_weighted_over_every_dev_row(tmp_path, acts):
