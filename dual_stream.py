@@ -13,7 +13,7 @@ through a channel-aware LayerNorm (CLN: statistics per head slice). Per block (s
     (3) y     = softmax( α · q kᵀ / √d_h + causal ) v         α = 1 in training; the amplification probe raises it
     (4) x_t  += Mix_O(y)                                      attention writes only x_t
     (5) x_e  += FFN( CLN_2(x_t + x_e) )                       the FFN writes only x_e
-    (6) logits = E · CLN_f(x_t + x_e)                         tied head, RoPE on q, k, no position embeddings
+    (6) logits = E · CLN_f(x_t + x_e)                         tied head, RoPE on q, k (or ALiBi), no position embeddings
 
 Channelized mixing (spec §3) acts on the "payload" projections Mix_V and Mix_O, with x split into H heads of d_h:
     identity      y_g = x_g                       0 parameters
@@ -24,12 +24,13 @@ and the FFN is dense (d → 4d → d) or independent (one d_h → 4d_h → d_h M
 the block-diagonal matrix is ever built. Update modes: `token-factor` (above), `fts` (x_t frozen at the embeddings,
 attention writes x_e) and `single` (one stream, x += attn(CLN(x)); x += ffn(CLN(x)), the same switches otherwise).
 
-Core op: amp_attention(q, k, v, α) -> (o, entropy, max_weight): Eq. (3) plus, per head and query, the entropy
-of the attention row and its largest weight, computed in the same online-softmax pass (a Triton kernel, forward
-and backward for o) so the diagnostics never build a T×T matrix; a torch reference sits beside it.
+Core op: amp_attention(q, k, v, α, slopes) -> (o, entropy, max_weight): Eq. (3), with ALiBi's bias when slopes are
+given, plus, per head and query, the entropy of the attention row and its largest weight, computed in the same
+online-softmax pass (a Triton kernel, forward and backward for o) so the diagnostics never build a T×T matrix; a
+torch reference sits beside it.
 
-Choices where the spec is open (most a switch where the result may depend on it; RoPE only, the sweep's FTS row
-and the offline corpus are fixed)
+Choices where the spec is open (most a switch where the result may depend on it; the sweep's FTS row and the
+offline corpus are fixed)
   * V source: CLN_v(x_t), a CLN of its own (--v-source xt-cln, the 2026 code's reading); xt-raw and combined
     are the alternatives. With xt-cln every layer has one more CLN (d gains): the spec's parameter table counts
     two norms per block, so its totals are matched exactly by xt-raw and exceeded by L·d by xt-cln (a test).
@@ -55,9 +56,20 @@ and the offline corpus are fixed)
   * Initialisation: N(0, 0.02) for embeddings, Q, K, dense/independent V and the Kronecker A's (lineage code);
     the output projections (O, FFN down) N(0, 0.02/√(2L)) as GPT-2; --kron-out-init scaled gives the Kronecker
     A_O the same scaling (tft-gtp). FTS normalises the frozen x_t once with a CLN (--fts-cln-at-init, default on).
-  * RoPE θ = 10⁴ (the 2026 configs), not a switch: ALiBi (spec §11.5) is left out, since RoPE is the
-    spec's default and with it amplification has no position bias whose scaling is open (spec §5). No dropout
-    inside the softmax (the kernel has none); dropout on the embedding and both residual branches.
+  * Position (spec §1, §8, §11.5): RoPE θ = 10⁴ on q and k (--pos rope, the 2026 configs and the default) or ALiBi
+    (--pos alibi, the 2025 lineage): no rotation, a fixed bias −s_h·(t − s) on head h's logits with Press et al.'s
+    slopes (alibi_slopes; H = 6: 1/4, 1/16, 1/64, 1/256, 1/2, 1/8); no position embeddings either way. Whether
+    amplification scales the bias is open (spec §5, §11.5). --alibi-alpha scaled (the default) amplifies the whole
+    logit, α·(q·kᵀ/√d_h − s_h·(t − s)): the trained attention at temperature 1/α, as "the logits are multiplied by α
+    before the softmax" (the glossary) reads, tending to the argmax of what each head already prefers, distance
+    included, which is the discrete-selection test. --alibi-alpha unscaled sharpens only the content term,
+    α·q·kᵀ/√d_h − s_h·(t − s), so the distance penalty fades against it as α grows and the loss increase then also
+    counts the position signal lost. At α = 1 (training) both are one model: --alibi-alpha is an analysis setting
+    kept with the checkpoint but not in its name, while --pos names it (ckpt-...-pos-alibi.pt) and is checked on
+    loading: an ALiBi model has a RoPE model's weights, so only the stored --pos tells them apart, and typing the
+    other is a one-line error. The three forms of the core op take the bias as per-head slopes (Triton: a constexpr
+    HAS_BIAS, so the RoPE kernels compile as before). No dropout inside the softmax (the kernel has none); dropout
+    on the embedding and both residual branches.
   * The sweep's FTS row uses independent V/O mixing (the summary's "safety-critical" operating point).
   * Data: the paper's instructional corpus is not public; offline the embedded plays, online
     `--dataset tinystories` (the closest public match).
@@ -76,8 +88,10 @@ and the offline corpus are fixed)
     H = 2, 3, 6, 12 at fixed d on the same batches and compares both per H (spec §7, §10.5). The spec's
     per-head logit gap is left out: the templates put the pronoun mid-sentence (a verb follows it), so no
     position's next token is a name and a gap between the two names' logits would not score the reference.
-    Hubs are reported per Kronecker matrix and layer; the paper's growth of the hub across layers ("amplified
-    about 3.5× in deeper layers", spec §7, §10.4) is not measured.
+    Hubs are reported per Kronecker matrix and layer, and their growth across depth ("amplified about 3.5× in
+    deeper layers", spec §7, §10.4; hub_growth): the deepest layer's hub head, its off-diagonal column mass there
+    over its mass in the first layer, beside the median of the same growth for random matrices and the hub ratios
+    of both layers (the other reading of "3.5×": the hub against the other heads).
   * Amplification rows give the loss, its perplexity exp(loss) (spec §5, §11.6) and the increase over α = 1;
     the greedy samples are at most AMP_SAMPLE_TOKENS = 40 tokens, whatever --sample-tokens says.
   * Sweep cost vs the paper: its "fully independent +8 %" is set beside the ind/ind row (V/O and FFN all
@@ -97,6 +111,8 @@ Commands
     python dual_stream.py --mixing independent --ffn-mixing independent    # fully independent
     python dual_stream.py --mode fts --mixing independent                 # frozen token stream
     python dual_stream.py --mixing kronecker --attn-out-mixing dense      # one mixing point alone
+    python dual_stream.py --pos alibi                                     # ALiBi instead of RoPE (spec §11.5)
+    python dual_stream.py --no-train --pos alibi --alibi-alpha unscaled   # amplification leaving the bias as is
     python dual_stream.py --no-train --amplify 1,4,16 --ablate-at all     # analyses of a trained checkpoint
     python dual_stream.py --bench                  # training tok/s per mixing vs dense; kernel vs SDPA
     python dual_stream.py --dataset tinystories --max-tokens 100000000     # online
@@ -197,6 +213,11 @@ class Config:
     heads: int = field(default=6, metadata={"help": "attention heads H (the channels)"})
     d_model: int = field(default=384, metadata={"help": "model width d = H·d_h"})
     dropout: float = field(default=0.1, metadata={"help": "dropout (embedding, residual branches)"})
+    # position (spec §1, §11.5): no position embeddings either way
+    pos: Literal["rope", "alibi"] = field(default="rope", metadata={
+        "help": "position (spec §11.5): RoPE θ = 1e4 on q, k (the 2026 configs) or ALiBi biases (the 2025 code)"})
+    alibi_alpha: Literal["scaled", "unscaled"] = field(default="scaled", metadata={
+        "help": "--pos alibi, amplification α (spec §5, §11.5): α·(q·kᵀ/√d_h − bias) (scaled) or α·q·kᵀ/√d_h − bias"})
     # data (common.py)
     dataset: str = field(default="shakespeare", metadata={"help": "shakespeare | tinystories | fineweb-edu | PATH"})
     tokenizer: Literal["cl100k", "gpt2", "bytes"] = field(default="cl100k", metadata={"help": "tokenizer"})
@@ -246,10 +267,13 @@ class Config:
 CPU_PRESET = dict(layers=4, d_model=192, ctx=128, batch_size=16, max_iters=300, lr=2e-3, dropout=0.0,
                   eval_interval=100, eval_iters=5, log_interval=20, analysis_windows=48)
 # A checkpoint fixes ARCH_KEYS (asking for other values is an error); --resume and --no-train take every other
-# setting from it too unless typed (MERGED_KEYS: all but how and where this invocation runs).
+# setting from it too unless typed (MERGED_KEYS: all but how and where this invocation runs). --pos is an
+# architecture key (an ALiBi model has RoPE's weights, so only the stored config tells them apart); --alibi-alpha
+# is not: training runs at α = 1, where both readings are one model, so a checkpoint is analysed under either (its
+# stored value unless typed).
 POINT_KEYS = ("attn_v_mixing", "attn_out_mixing", "ffn_up_mixing", "ffn_down_mixing")
 ARCH_KEYS = ("mode", "mixing", "ffn_mixing", *POINT_KEYS, "v_source", "norm", "cln_gain", "cln_bias", "fts_cln_at_init", "layers",
-             "heads", "d_model", "dataset", "tokenizer", "compact", "max_tokens")
+             "heads", "d_model", "pos", "dataset", "tokenizer", "compact", "max_tokens")
 RUNTIME_KEYS = ("mode", "mixing", "ffn_mixing", *POINT_KEYS, "preset", "device", "dtype", "compile", "kernels",
                 "out_dir", "cache_dir", "resume", "train", "sweep", "head_sweep", "bench", "report", "sample",
                 "amplify", "ablation", "ablate_at", "specialization", "analysis_windows", "sample_tokens")
@@ -257,12 +281,13 @@ MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS
 
 
 # -----------------------------------------------------------------------------
-# Core op: amp_attention(q, k, v, alpha) -> (o, entropy, max_weight),   o = softmax(α·q·kᵀ/√d_h + causal) · v
+# Core op: amp_attention(q, k, v, alpha, slopes=None) -> (o, entropy, max_weight),
+#                                                      o = softmax(α·q·kᵀ/√d_h − b_h·(t − s) + causal) · v
 #
 # Causal attention with an inference-time amplification α of the logits, plus two per-head diagnostics of the
 # attention pattern, for every batch b, head h and query row t (keys s <= t):
 #
-#     p_ts       = softmax_s(α · q_t · k_s / √d_h)          (keys s > t masked to -inf)
+#     p_ts       = softmax_s(α · q_t · k_s / √d_h − b_h · (t − s))     (keys s > t masked to -inf)
 #     o_t        = Σ_s p_ts v_s
 #     entropy_t  = -Σ_s p_ts log p_ts                       nats; 0 for a one-hot row, log(t+1) for a uniform one
 #     max_weight = max_s p_ts
@@ -281,13 +306,19 @@ MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS
 # reach tens while a peaked row's entropy is ~0.01. The kernels work in base 2 (x·log2(e), exp2), which only
 # rescales the identity by ln 2.
 #
+# `slopes` [H] (None: no bias, the RoPE model) adds ALiBi's linear bias −b_h·(t − s) to head h's logits after the
+# α scale: b_h is the slope as it acts, so the model passes s_h (bias not amplified) or α·s_h (amplified with the
+# rest of the logit), see ChannelAttention. The bias enters the statistics like any logit; it does not depend on
+# q, k, v, so the backward is unchanged but for the recomputed p, which includes it.
+#
 # Shapes: q, k, v [B, H, T, d_h], all the same shape; o [B, H, T, d_h] in q's dtype, differentiable in q, k, v.
 # entropy, max_weight [B, H, T] fp32 (fp64 for fp64 inputs in the reference and torch forms), non-differentiable:
 # they are read-outs, their gradients are never asked for and are ignored.
 #
 # The same op in three forms (fla's naive → fused):
 #   1. amp_attention_reference  explicit [T, T] scores in fp32 (fp64 for fp64 inputs), softmax, entr: the truth
-#   2. amp_attention_torch      o from F.scaled_dot_product_attention (CPU training); statistics without grad in
+#   2. amp_attention_torch      o from F.scaled_dot_product_attention (CPU training; with slopes the bias and the
+#                               causal mask go in as one float [H, T, T] attn_mask); statistics without grad in
 #                               query blocks of `block` rows, so they hold O(block·T) scores, never T×T
 #   3. AmpAttention             Triton kernels in the style of the fused-attention tutorial (06): a forward that
 #                               writes o, the statistics and the logsumexp, and the usual recompute-p backward
@@ -305,9 +336,18 @@ def _amp_up(t):
     return t if t.dtype == torch.float64 else t.float()
 
 
-def amp_attention_reference(q, k, v, alpha=1.0):
+def alibi_bias(slopes, rows, cols):
+    """ALiBi's bias −slopes_h·(t − s) for query positions `rows` and key positions `cols` -> [H, len(rows), len(cols)]
+    in slopes' dtype (keys after the query get a positive value: the causal mask covers them)."""
+    return -slopes[:, None, None] * (rows[:, None] - cols[None, :]).to(slopes.dtype)
+
+
+def amp_attention_reference(q, k, v, alpha=1.0, slopes=None):
     T, d_h = q.shape[-2:]
     scores = alpha / math.sqrt(d_h) * (_amp_up(q) @ _amp_up(k).transpose(-2, -1))  # [B, H, T, T]
+    if slopes is not None:
+        pos = torch.arange(T, device=q.device)
+        scores = scores + alibi_bias(slopes.to(q.device, scores.dtype), pos, pos)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
     p = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
     o = (p @ _amp_up(v)).to(q.dtype)
@@ -315,10 +355,16 @@ def amp_attention_reference(q, k, v, alpha=1.0):
     return o, torch.special.entr(p).sum(-1), p.amax(-1)  # entr(p) = -p·log p, with entr(0) = 0
 
 
-def amp_attention_torch(q, k, v, alpha=1.0, stats=True, block=128):
+def amp_attention_torch(q, k, v, alpha=1.0, stats=True, block=128, slopes=None):
     T, d_h = q.shape[-2:]
     scale = alpha / math.sqrt(d_h)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    pos = torch.arange(T, device=q.device)
+    if slopes is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:  # the bias and the causal mask as one additive [H, T, T] mask (SDPA takes no is_causal beside one)
+        up = torch.float64 if q.dtype == torch.float64 else torch.float32
+        bias = alibi_bias(slopes.to(q.device, up), pos, pos).masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=scale)
     if not stats:
         return o, None, None
     entropy = q.new_empty(q.shape[:-1], dtype=_amp_up(q).dtype)
@@ -328,6 +374,8 @@ def amp_attention_torch(q, k, v, alpha=1.0, stats=True, block=128):
         for t0 in range(0, T, block):
             t1 = min(t0 + block, T)  # rows t0..t1-1 see keys 0..t1-1 only
             scores = scale * (qf[..., t0:t1, :] @ kf[..., :t1, :].transpose(-2, -1))  # [B, H, t1 - t0, t1]
+            if slopes is not None:
+                scores = scores + alibi_bias(slopes.to(q.device, scores.dtype), pos[t0:t1], pos[:t1])
             future = torch.arange(t1, device=q.device) > torch.arange(t0, t1, device=q.device)[:, None]
             p = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
             entropy[..., t0:t1] = torch.special.entr(p).sum(-1)
@@ -352,6 +400,7 @@ def _amp_attn_fwd(
     LSE,  # pointer to the logsumexp of the scaled logits [B, H, T] (fp32, nats), saved for the backward
     ENT,  # pointer to the attention entropy [B, H, T] (fp32, nats)
     MAXW,  # pointer to the largest attention weight [B, H, T] (fp32)
+    Slopes,  # pointer to the ALiBi slope b of each (batch, head) [B·H] (fp32); read only if HAS_BIAS
     qk_scale,  # α / √d_h · log2(e): logits in base 2, so exp2 stands for exp
     T,  # sequence length
     DH,  # head dim
@@ -359,11 +408,14 @@ def _amp_attn_fwd(
     BLOCK_N: tl.constexpr,  # keys per inner step
     BLOCK_D: tl.constexpr,  # next power of two >= DH, at least 16 (tl.dot's minimum)
     DOT_T: tl.constexpr,  # operand dtype of tl.dot: the inputs' own 16-bit type on CUDA, else tl.float32
+    HAS_BIAS: tl.constexpr,  # add −b·(t − s) to the logits (ALiBi); False compiles the bias-free kernel
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)  # B·H·T·DH can pass 2³¹
     Q, K, V, Out = Q + bh * T * DH, K + bh * T * DH, V + bh * T * DH, Out + bh * T * DH
     LSE, ENT, MAXW = LSE + bh * T, ENT + bh * T, MAXW + bh * T
+    if HAS_BIAS:
+        slope = tl.load(Slopes + bh) * 1.4426950408889634  # in base 2, as the logits
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     row_ok, dim_ok = rows < T, dims < DH
@@ -383,6 +435,8 @@ def _amp_attn_fwd(
         v = tl.load(V + cols[:, None] * DH + dims[None, :], mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
         visible = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
         x = tl.dot(q, kT.to(DOT_T), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
+        if HAS_BIAS:
+            x -= slope * (rows[:, None] - cols[None, :]).to(tl.float32)
         x = tl.where(visible, x, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(x, 1))
         c = tl.exp2(m_i - m_new)
@@ -441,6 +495,7 @@ def _amp_attn_bwd_dkdv(
     Delta,  # pointer to Δ = rowsum(dO ⊙ O) [B, H, T] (fp32)
     DK,  # pointer to the key gradient [B, H, T, DH]
     DV,  # pointer to the value gradient [B, H, T, DH]
+    Slopes,  # pointer to the ALiBi slope b of each (batch, head) [B·H] (fp32); read only if HAS_BIAS
     qk_scale,  # α / √d_h · log2(e)
     sm_scale,  # α / √d_h
     T,  # sequence length
@@ -449,11 +504,14 @@ def _amp_attn_bwd_dkdv(
     BLOCK_N: tl.constexpr,  # keys per program
     BLOCK_D: tl.constexpr,  # next power of two >= DH, at least 16
     DOT_T: tl.constexpr,  # operand dtype of tl.dot: the inputs' own 16-bit type on CUDA, else tl.float32
+    HAS_BIAS: tl.constexpr,  # the forward's ALiBi bias, recomputed into p
 ):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
     Q, K, V, DO = Q + bh * T * DH, K + bh * T * DH, V + bh * T * DH, DO + bh * T * DH
     DK, DV, LSE, Delta = DK + bh * T * DH, DV + bh * T * DH, LSE + bh * T, Delta + bh * T
+    if HAS_BIAS:
+        slope = tl.load(Slopes + bh) * 1.4426950408889634  # in base 2, as the logits
     cols = start_n + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     tile_mask = (cols < T)[:, None] & (dims < DH)[None, :]
@@ -472,8 +530,10 @@ def _amp_attn_bwd_dkdv(
         delta = tl.load(Delta + rows, mask=row_ok, other=0.0)
         # Everything transposed, [BLOCK_N, BLOCK_M]: key s, query t
         visible = (cols[:, None] <= rows[None, :]) & row_ok[None, :]
-        pT = tl.exp2(tl.dot(k, qT, input_precision="ieee") * qk_scale - lse[None, :])
-        pT = tl.where(visible, pT, 0.0)
+        xT = tl.dot(k, qT, input_precision="ieee") * qk_scale
+        if HAS_BIAS:
+            xT -= slope * (rows[None, :] - cols[:, None]).to(tl.float32)
+        pT = tl.where(visible, tl.exp2(xT - lse[None, :]), 0.0)
         dv += tl.dot(pT.to(DOT_T), do, input_precision="ieee")
         dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
         dsT = pT * (dpT - delta[None, :])
@@ -491,6 +551,7 @@ def _amp_attn_bwd_dq(
     LSE,  # pointer to the forward's logsumexp [B, H, T] (fp32, nats)
     Delta,  # pointer to Δ = rowsum(dO ⊙ O) [B, H, T] (fp32)
     DQ,  # pointer to the query gradient [B, H, T, DH]
+    Slopes,  # pointer to the ALiBi slope b of each (batch, head) [B·H] (fp32); read only if HAS_BIAS
     qk_scale,  # α / √d_h · log2(e)
     sm_scale,  # α / √d_h
     T,  # sequence length
@@ -499,11 +560,14 @@ def _amp_attn_bwd_dq(
     BLOCK_N: tl.constexpr,  # keys per inner step
     BLOCK_D: tl.constexpr,  # next power of two >= DH, at least 16
     DOT_T: tl.constexpr,  # operand dtype of tl.dot: the inputs' own 16-bit type on CUDA, else tl.float32
+    HAS_BIAS: tl.constexpr,  # the forward's ALiBi bias, recomputed into p
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     Q, K, V, DO, DQ = Q + bh * T * DH, K + bh * T * DH, V + bh * T * DH, DO + bh * T * DH, DQ + bh * T * DH
     LSE, Delta = LSE + bh * T, Delta + bh * T
+    if HAS_BIAS:
+        slope = tl.load(Slopes + bh) * 1.4426950408889634  # in base 2, as the logits
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     row_ok, dim_ok = rows < T, dims < DH
@@ -520,8 +584,10 @@ def _amp_attn_bwd_dq(
         vT = tl.load(V + cols[None, :] * DH + dims[:, None], mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
         kT, vT = kT.to(DOT_T), vT.to(DOT_T)
         visible = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
-        p = tl.exp2(tl.dot(q, kT, input_precision="ieee") * qk_scale - lse[:, None])
-        p = tl.where(visible, p, 0.0)
+        x = tl.dot(q, kT, input_precision="ieee") * qk_scale
+        if HAS_BIAS:
+            x -= slope * (rows[:, None] - cols[None, :]).to(tl.float32)
+        p = tl.where(visible, tl.exp2(x - lse[:, None]), 0.0)
         dp = tl.dot(do, vT, input_precision="ieee")
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(DOT_T), tl.trans(kT), input_precision="ieee")
@@ -552,18 +618,21 @@ def _amp_launch_config(q, cuda=None):
 
 class AmpAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, alpha):
+    def forward(ctx, q, k, v, alpha, slopes=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         B, H, T, d_h = q.shape
         o = _amp_empty(q.shape, q.dtype, q.device)
         lse, entropy, max_weight = (_amp_empty((B, H, T), torch.float32, q.device) for _ in range(3))
         cfg = _amp_launch_config(q)
         sm_scale = alpha / math.sqrt(d_h)
+        # one slope per program (batch, head), b·H + h; without a bias the kernels get lse as a never-read stand-in
+        bias = None if slopes is None else slopes.detach().to(q.device, torch.float32).repeat(B).contiguous()
         _amp_attn_fwd[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
-            q, k, v, o, lse, entropy, max_weight, sm_scale * LOG2E, T, d_h, **cfg)
+            q, k, v, o, lse, entropy, max_weight, lse if bias is None else bias, sm_scale * LOG2E, T, d_h, **cfg,
+            HAS_BIAS=bias is not None)
         ctx.mark_non_differentiable(entropy, max_weight)
         ctx.save_for_backward(q, k, v, o, lse)  # O(T·d_h) per head: p is recomputed, never stored
-        ctx.sm_scale = sm_scale
+        ctx.sm_scale, ctx.bias = sm_scale, bias  # the bias' [B·H] slopes: a constant, not an input with a gradient
         return o, entropy, max_weight
 
     @staticmethod
@@ -576,38 +645,44 @@ class AmpAttention(torch.autograd.Function):
         _amp_attn_bwd_preprocess[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
             o, do, delta, T, d_h, BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"])
         dq, dk, dv = (_amp_empty(t.shape, t.dtype, t.device) for t in (q, k, v))
+        bias = lse if ctx.bias is None else ctx.bias
         scales = (ctx.sm_scale * LOG2E, ctx.sm_scale, T, d_h)
-        _amp_attn_bwd_dkdv[(triton.cdiv(T, cfg["BLOCK_N"]), B * H)](q, k, v, do, lse, delta, dk, dv, *scales, **cfg)
-        _amp_attn_bwd_dq[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](q, k, v, do, lse, delta, dq, *scales, **cfg)
-        return dq, dk, dv, None
+        kw = dict(cfg, HAS_BIAS=ctx.bias is not None)
+        _amp_attn_bwd_dkdv[(triton.cdiv(T, cfg["BLOCK_N"]), B * H)](
+            q, k, v, do, lse, delta, dk, dv, bias, *scales, **kw)
+        _amp_attn_bwd_dq[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](q, k, v, do, lse, delta, dq, bias, *scales, **kw)
+        return dq, dk, dv, None, None
 
 
 # Triton launches stay out of torch.compile graphs: torch.compiler.disable makes dynamo graph-break here.
 @torch.compiler.disable
-def _amp_attention_triton(q, k, v, alpha):
-    return AmpAttention.apply(q, k, v, float(alpha))
+def _amp_attention_triton(q, k, v, alpha, slopes=None):
+    return AmpAttention.apply(q, k, v, float(alpha), slopes)
 
 
-def amp_attention(q, k, v, alpha=1.0, stats=True, backend="auto"):
+def amp_attention(q, k, v, alpha=1.0, stats=True, backend="auto", slopes=None):
     """Causal attention amplified by α, with per-row entropy and max weight: (o, entropy, max_weight).
-    q, k, v [B, H, T, d_h]. With stats=False the torch form returns None for the statistics."""
+    q, k, v [B, H, T, d_h]. With stats=False the torch form returns None for the statistics. slopes [H]: ALiBi's
+    bias −slopes_h·(t − s) added to the amplified logits (None: no bias); a constant, it gets no gradient."""
     if backend not in AMP_BACKENDS:
         raise ValueError(f"backend must be one of {AMP_BACKENDS}, got {backend!r}")
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"amp_attention: q, k, v must share one [B, H, T, d_h] shape, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if slopes is not None and tuple(slopes.shape) != (q.shape[1],):
+        raise ValueError(f"amp_attention: slopes must be one per head, [{q.shape[1]}], got {tuple(slopes.shape)}")
     if backend == "reference":
-        return amp_attention_reference(q, k, v, alpha)
+        return amp_attention_reference(q, k, v, alpha, slopes)
     fits = q.shape[-1] <= AMP_MAX_HEAD_DIM
     if backend == "torch" or (backend == "auto" and not (HAS_TRITON and q.is_cuda and fits)):
-        return amp_attention_torch(q, k, v, alpha, stats)
+        return amp_attention_torch(q, k, v, alpha, stats, slopes=slopes)
     if not HAS_TRITON:
         raise RuntimeError(f"backend='triton' needs the triton package, which failed to import: {TRITON_ERROR}")
     if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         raise RuntimeError("backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (Triton's CPU interpreter)")
     if not fits:
         raise ValueError(f"backend='triton' supports d_h <= {AMP_MAX_HEAD_DIM}, got {q.shape[-1]}; use 'torch'")
-    return _amp_attention_triton(q, k, v, alpha)
+    return _amp_attention_triton(q, k, v, alpha, slopes)
 
 
 # -----------------------------------------------------------------------------
@@ -707,10 +782,24 @@ def rope(x, theta: float = 10000.0):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
 
 
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """ALiBi's fixed per-head slopes s_h (Press et al. 2022, arXiv 2108.12409; its reference `get_slopes`): for H a
+    power of two the geometric sequence 2^(-8/H), 2^(-16/H), ..., 2^(-8) (H = 8: 1/2, 1/4, ..., 1/256); otherwise
+    those of the largest power of two n below H, then every other slope of 2n (the odd ones, which n's lack) for the
+    H − n heads left (H = 6: 1/4, 1/16, 1/64, 1/256, then 1/2, 1/8). The authors' 2025 tft-gtp code takes the extra
+    heads as 2^(-8/2n)^i, i = 1, 2, ... instead (H = 6: 1/2, 1/4, so 1/4 twice); this file follows the paper."""
+    def power_of_two(n):
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    n = 1 << (heads.bit_length() - 1)  # the largest power of two <= H
+    return torch.tensor(power_of_two(n) + power_of_two(2 * n)[0::2][:heads - n], dtype=torch.float32)
+
+
 class ChannelAttention(nn.Module):
     """Eqs. (1)-(4) between the norms: dense Q, K of h; V = Mix_V(v_in); y = amp_attention; out = Mix_O(y).
     `alpha` is the amplification (1 in training); with `record` set the forward keeps the per-head mean entropy
-    and max weight of the last call, and with `keep_maps` the explicit attention maps (analyses only)."""
+    and max weight of the last call, and with `keep_maps` the explicit attention maps (analyses only).
+    Position (--pos): RoPE on q and k, or ALiBi's bias −s_h·(t − s) on the logits, with α applied to the whole
+    logit (--alibi-alpha scaled: α·(q·kᵀ/√d_h − s_h·(t − s))) or to q·kᵀ alone (unscaled)."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -723,20 +812,37 @@ class ChannelAttention(nn.Module):
         self.mix_v = HeadMix(v_mix, H, d, 0.02)
         kron_std = out_std if cfg.kron_out_init == "scaled" else 0.02
         self.mix_o = HeadMix(o_mix, H, d, kron_std if o_mix == "kronecker" else out_std)
+        self.pos, self.alibi_alpha = cfg.pos, cfg.alibi_alpha
+        # fixed, a function of H: not saved, so an ALiBi state_dict is a RoPE one's (the config tells them apart)
+        self.register_buffer("slopes", alibi_slopes(H) if cfg.pos == "alibi" else None, persistent=False)
         self.alpha, self.record, self.keep_maps, self.last = 1.0, False, False, {}
+
+    def bias_slopes(self) -> Optional[torch.Tensor]:
+        """The per-head slope b_h of the bias −b_h·(t − s) that amp_attention adds to the amplified logits: None with
+        RoPE; α·s_h with --alibi-alpha scaled, s_h unscaled (equal at α = 1, so training is the same either way)."""
+        if self.slopes is None:
+            return None
+        return self.slopes * self.alpha if self.alibi_alpha == "scaled" else self.slopes
 
     def heads_of(self, x):
         B, T, _ = x.shape
         return x.view(B, T, self.H, -1).transpose(1, 2)          # [B, H, T, d_h]
 
     def forward(self, h, v_in):
-        q, k = rope(self.heads_of(self.q(h))), rope(self.heads_of(self.k(h)))
+        q, k = self.heads_of(self.q(h)), self.heads_of(self.k(h))
+        if self.pos == "rope":  # ALiBi replaces the rotation: its bias is the only position signal
+            q, k = rope(q), rope(k)
         v = self.heads_of(self.mix_v(v_in)).to(q.dtype)  # identity mixing under autocast leaves v in fp32
-        y, entropy, max_weight = amp_attention(q, k, v, self.alpha, stats=self.record, backend=self.kernels)
+        slopes = self.bias_slopes()
+        y, entropy, max_weight = amp_attention(q, k, v, self.alpha, stats=self.record, backend=self.kernels,
+                                               slopes=slopes)
         if self.record:
             self.last = {"entropy": entropy.float().mean((0, 2)), "max_weight": max_weight.float().mean((0, 2))}
         if self.keep_maps:
             s = self.alpha * (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+            if slopes is not None:
+                pos = torch.arange(s.shape[-1], device=s.device)
+                s = s + alibi_bias(slopes.float(), pos, pos)
             causal = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
             self.last["maps"] = s.masked_fill(~causal, float("-inf")).softmax(-1)   # [B, H, T, T]
         return self.mix_o(y.transpose(1, 2).flatten(2))
@@ -1085,8 +1191,9 @@ def any_rank(flag: torch.Tensor) -> bool:
 # Model settings beyond mode and mixing that name a checkpoint and its log when they differ from the defaults, so
 # that runs of two architectures in one --out-dir never overwrite each other; each only where it changes the model
 # (v_source is unused by the single stream, --kron-out-init by the other mixings, --fts-cln-at-init outside fts).
-NAME_KEYS = {"heads": lambda c: True, "v_source": lambda c: c.mode != "single", "norm": lambda c: True,
-             "cln_gain": lambda c: True, "cln_bias": lambda c: True, "kron_out_init": lambda c: mixing_points(c)[1] == "kronecker",
+NAME_KEYS = {"heads": lambda c: True, "pos": lambda c: True, "v_source": lambda c: c.mode != "single",
+             "norm": lambda c: True, "cln_gain": lambda c: True, "cln_bias": lambda c: True,
+             "kron_out_init": lambda c: mixing_points(c)[1] == "kronecker",
              "fts_cln_at_init": lambda c: c.mode == "fts"}
 # The sizes of either preset (the default command on a GPU and on a CPU) keep the plain name: existing
 # checkpoints stay valid; any other depth or width is named.
@@ -1163,7 +1270,7 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         raise RunError(f"{path} is an incomplete checkpoint (no {', '.join(missing)}); delete it or retrain")
     bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k, getattr(Config, k))]
     if bad:
-        diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
+        diff = ", ".join(f"{k}={saved.get(k, getattr(Config, k))!r} (asked {getattr(cfg, k)!r})" for k in bad)
         raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
     taken = {k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and k not in explicit}
     merged = replace(cfg, **taken)
@@ -1527,6 +1634,45 @@ def hubs(model: DualStream) -> Optional[list[dict]]:
     return rows
 
 
+def hub_growth(model: DualStream) -> Optional[dict]:
+    """Growth of the hub across depth (spec §7, §10.4: head 0 "amplified about 3.5× in deeper layers"), per Kronecker
+    matrix kind present in two layers or more: the deepest layer's hub head h, its off-diagonal column mass there over
+    its mass in the first layer ("growth"; the paper's 3.5× read as the hub's own strength growing with depth), the
+    hub ratios of both layers (the other reading: the hub against the other heads, per layer), and the median growth
+    of random N(0, 1) matrix pairs (chance; above 1, since h is the deepest layer's largest column)."""
+    maps = kronecker_maps(model)
+    out = {}
+    for kind in ("V", "O"):
+        layers = [(i, A) for i, name, A in maps if name == kind]
+        if len(layers) < 2:
+            continue
+        (first, A0), (deep, A1) = layers[0], layers[-1]
+        hub, ratio, col = hub_ratio(A1)
+        _, ratio0, col0 = hub_ratio(A0)
+        out[kind] = {"head": hub, "first layer": first, "deepest layer": deep,
+                     "growth": (col[hub] / col0[hub].clamp_min(1e-12)).item(), "chance growth":
+                     chance_hub_growth(A1.shape[0]), "hub ratio first": ratio0, "hub ratio deepest": ratio}
+    return out or None
+
+
+def chance_hub_growth(H: int, draws: int = 2000) -> float:
+    """hub_growth's growth for two independent random N(0, 1) H×H matrices, the median over `draws` pairs."""
+    g = torch.Generator().manual_seed(0)
+
+    def growth():
+        hub, _, col = hub_ratio(torch.randn(H, H, generator=g))
+        col0 = hub_ratio(torch.randn(H, H, generator=g))[2]
+        return (col[hub] / col0[hub].clamp_min(1e-12)).item()
+    return torch.tensor([growth() for _ in range(draws)]).median().item()
+
+
+def hub_growth_text(g: dict) -> str:
+    """One hub_growth entry as the log and the report print it."""
+    return (f"L{g['first layer']}→L{g['deepest layer']} {g['growth']:.2f}x (column mass of head {g['head']}, the "
+            f"deepest hub; random matrices {g['chance growth']:.2f}x; hub ratio {g['hub ratio first']:.1f}x → "
+            f"{g['hub ratio deepest']:.1f}x)")
+
+
 def kronecker_figure(model: DualStream) -> Optional[str]:
     """Heatmaps of every layer's A_V and A_O (those that are Kronecker; signed, one colour scale and colorbar per
     matrix) as a base64 PNG: one row per matrix kind, one column per layer."""
@@ -1633,7 +1779,7 @@ def coreference(model: DualStream, tok, device) -> dict:
 
 @torch.no_grad()
 def head_specialization(model: DualStream, data, device) -> dict:
-    return {"distinctiveness": distinctiveness(model, data), "hubs": hubs(model),
+    return {"distinctiveness": distinctiveness(model, data), "hubs": hubs(model), "hub_growth": hub_growth(model),
             "coreference": coreference(model, data.tokenizer, device)}
 
 
@@ -1877,6 +2023,9 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                      "layer: " + per_layer(s["distinctiveness"]) + "</p>")
         if s.get("hubs"):
             parts.append(img(s["figure"]) + table_html(s["hubs"], list(s["hubs"][0])))
+        for kind, g in (s.get("hub_growth") or {}).items():
+            parts.append(f"<p>A_{kind} hub growth across depth (paper: head 0 amplified about 3.5× in deeper layers): "
+                         f"{hub_growth_text(g)}</p>")
         c = s["coreference"]
         if c.get("prompts"):
             b = c["best"]
@@ -1940,7 +2089,8 @@ def validate(cfg: Config, explicit=()) -> None:
             raise RunError(msg)
     checks = [(cfg.layers >= 1, "--layers must be >= 1"),
               (cfg.d_model % cfg.heads == 0, f"--d-model {cfg.d_model} must split into --heads {cfg.heads} heads"),
-              ((cfg.d_model // cfg.heads) % 2 == 0, "the head size d_model/heads must be even (RoPE rotates pairs)"),
+              (cfg.pos == "alibi" or (cfg.d_model // cfg.heads) % 2 == 0,
+               "the head size d_model/heads must be even (RoPE rotates pairs; --pos alibi takes any)"),
               (cfg.ctx >= 1, "--ctx must be >= 1"), (cfg.batch_size >= 1, "--batch-size must be >= 1"),
               (cfg.max_iters >= 1, "--max-iters must be >= 1"),
               (cfg.eval_interval >= 1 and cfg.log_interval >= 1 and cfg.eval_iters >= 1, "intervals must be >= 1"),
@@ -1970,8 +2120,9 @@ def validate(cfg: Config, explicit=()) -> None:
         for ok, msg in ((not cfg.sweep, "--sweep and --head-sweep are separate runs; give one"),
                         ("heads" not in explicit, f"--head-sweep trains H = {hs}; drop --heads"),
                         (cfg.specialization, "--head-sweep compares the specialisation analyses; drop --no-specialization"),
-                        (all(cfg.d_model % (2 * h) == 0 for h in HEAD_SWEEP),
-                         f"--head-sweep needs --d-model {cfg.d_model} to split into even heads for H = {hs}")):
+                        (all(cfg.d_model % ((2 if cfg.pos == "rope" else 1) * h) == 0 for h in HEAD_SWEEP),
+                         f"--head-sweep needs --d-model {cfg.d_model} to split into "
+                         f"{'even ' if cfg.pos == 'rope' else ''}heads for H = {hs}")):
             if not ok:
                 raise RunError(msg)
 
@@ -1984,7 +2135,9 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
                          "stream ablation is off, or --mode single has one stream and nothing to remove"),
            "analysis_windows": (amplify or cfg.ablation, "it sizes amplification and stream ablation, and both are off"),
            "sample_tokens": (cfg.train or cfg.sample is not None or amplify, "no samples: a --no-train run samples "
-                             "only with --sample, or in amplification's greedy texts")}
+                             "only with --sample, or in amplification's greedy texts"),
+           "alibi_alpha": (cfg.pos == "alibi" and amplify, "it sets how amplification scales ALiBi's bias: it needs "
+                           "--pos alibi and --amplify (training runs at α = 1, where both readings agree)")}
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
             if k in explicit and not used]
 
@@ -2183,7 +2336,10 @@ def run(cfg: Config, explicit) -> int:
                 kind = "O" if any(h["matrix"] == "O" for h in s["hubs"]) else "V"  # A_O's hubs, else A_V's
                 deep = [h for h in s["hubs"] if h["matrix"] == kind]
                 line += (f"; A_{kind} hubs " + " ".join(f"L{h['layer']}:h{h['hub']}({h['hub ratio']:.1f}x)" for h in deep)
-                         + f" (random matrices: {deep[0]['chance ratio']:.1f}x); {png}")
+                         + f" (random matrices: {deep[0]['chance ratio']:.1f}x)")
+                if (s.get("hub_growth") or {}).get(kind):
+                    line += f"; A_{kind} hub growth {hub_growth_text(s['hub_growth'][kind])}"
+                line += f"; {png}"
             c = s["coreference"]
             if c.get("prompts"):
                 line += (f"; coreference ({c['prompts']} prompts): best head L{c['best']['layer']}h{c['best']['head']} "

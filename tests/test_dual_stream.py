@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import common
 import dual_stream as ds
-from conftest import SMALL_CORPUS, call_main, check_cuda_run, check_ddp_weights, run_script, run_one_and_ddp
+from conftest import SMALL_CORPUS, call_main, check_close, check_cuda_run, check_ddp_weights, run_script, run_one_and_ddp
 from dual_stream import Config, DualStream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,7 +271,77 @@ def test_single_stream_dense_is_a_standard_prenorm_gpt():
     torch.testing.assert_close(m(x), ref)
 
 
-# ---------------------------------------------------------------- amplification and ablation
+# ---------------------------------------------------------------- position: RoPE or ALiBi (spec §11.5)
+
+@pytest.mark.parametrize("scaling", ["scaled", "unscaled"])
+def test_alibi_attention_is_the_biased_softmax_without_rope(scaling):
+    """One ChannelAttention with --pos alibi, written out from its weights: no rotation of q, k, and the logits
+    α·q·kᵀ/√d_h − b_h·(t − s) with b_h = α·s_h (scaled) or s_h (unscaled); its output and its kept maps."""
+    m = tiny_model(pos="alibi", alibi_alpha=scaling, mixing="dense")
+    a, T, H, dh, alpha = m.blocks[0].attn, 16, 3, 8, 4.0
+    h = torch.randn(2, T, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    q, k, v = (t.view(2, T, H, dh).transpose(1, 2) for t in (h @ a.q.weight.T, h @ a.k.weight.T, h @ a.mix_v.weight.T))
+    t = torch.arange(T, dtype=torch.float64)
+    slopes = ds.alibi_slopes(H).double() * (alpha if scaling == "scaled" else 1.0)
+    s = alpha * (q @ k.transpose(-1, -2)) / math.sqrt(dh) - slopes[:, None, None] * (t[:, None] - t[None, :])
+    p = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    ref = (p @ v).transpose(1, 2).reshape(2, T, 24) @ a.mix_o.weight.T
+    a.alpha, a.keep_maps = alpha, True
+    torch.testing.assert_close(a(h, h), ref)
+    torch.testing.assert_close(a.last["maps"], p.float())
+
+
+def test_alibi_changes_only_the_position_encoding(monkeypatch):
+    """--pos alibi: the same parameters (the slopes are a fixed, unsaved buffer) and different logits; RoPE is never
+    called; the two --alibi-alpha readings are one model at α = 1 and differ once amplified."""
+    rope, alibi = tiny_model(), tiny_model(pos="alibi")
+    assert {n: p.shape for n, p in rope.state_dict().items()} == {n: p.shape for n, p in alibi.state_dict().items()}
+    assert all(torch.equal(a, b) for a, b in zip(rope.state_dict().values(), alibi.state_dict().values()))
+    x, _ = tokens()
+    assert not torch.allclose(rope(x), alibi(x))
+    monkeypatch.setattr(ds, "rope", lambda *a: pytest.fail("rope() called with --pos alibi"))
+    with torch.no_grad():
+        logits = alibi(x)
+        unscaled = tiny_model(pos="alibi", alibi_alpha="unscaled")
+        assert torch.equal(unscaled(x), logits)
+        with alibi.probe(alpha=4.0), unscaled.probe(alpha=4.0):
+            assert not torch.allclose(alibi(x), unscaled(x))
+
+
+def test_alibi_model_trains():
+    """A few AdamW steps on one batch lower the loss of a --pos alibi model (gradients flow through the biased op)."""
+    m = tiny_model(pos="alibi").float()
+    x, y = tokens()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(6):
+        loss = m(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+@pytest.mark.parametrize("scaling", ["scaled", "unscaled"])
+def test_alibi_model_triton_path_matches_torch_path(scaling):
+    """--kernels triton and --kernels torch on the same ALiBi model: loss and every gradient at α = 1 (training),
+    and the logits amplified by α = 4 (where the two readings of the bias differ)."""
+    grads, losses, amplified = {}, {}, {}
+    x, y = tokens()
+    for backend in ("torch", "triton"):
+        m = tiny_model(pos="alibi", alibi_alpha=scaling, kernels=backend).float()
+        loss = m(x, y)
+        loss.backward()
+        losses[backend], grads[backend] = loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+        with torch.no_grad(), m.probe(alpha=4.0):
+            amplified[backend] = m(x)
+    check_close("loss", losses["torch"], losses["triton"])
+    for n, g in grads["torch"].items():
+        check_close(n, g, grads["triton"][n])
+    check_close("logits at α = 4", amplified["torch"], amplified["triton"])
+
+
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_alpha_one_reproduces_the_training_loss_exactly(backend):
@@ -478,6 +548,11 @@ def test_variant_names_every_architecture_setting():
     assert ds.variant(replace(base, mixing="dense", kron_out_init="scaled")) == "token-factor-dense"  # no effect
     paths = {ds.ckpt_path(c) for c in ds.configurations(Config(head_sweep=True)).values()}
     assert len(paths) == len(ds.HEAD_SWEEP)
+    # --pos names the run; --alibi-alpha does not (one model at α = 1, analysed under either reading)
+    assert ds.variant(replace(base, pos="alibi")) == "token-factor-kronecker-pos-alibi"
+    assert ds.variant(replace(base, pos="alibi", alibi_alpha="unscaled")) == "token-factor-kronecker-pos-alibi"
+    assert "pos" in ds.ARCH_KEYS and "alibi_alpha" not in ds.ARCH_KEYS + ds.RUNTIME_KEYS
+    assert all(c.pos == "alibi" for c in ds.configurations(Config(sweep=True, pos="alibi")).values())
 
 
 # ---------------------------------------------------------------- analyses
@@ -504,6 +579,33 @@ def test_hubs_find_the_heaviest_column():
     assert ds.kronecker_figure(only_o) is not None and ds.kronecker_figure(tiny_model(mixing="dense")) is None
     only_v = tiny_model(mixing="dense", attn_v_mixing="kronecker").float()
     assert [(r["layer"], r["matrix"]) for r in ds.hubs(only_v)] == [(0, "V"), (1, "V")]
+
+
+def test_hub_growth_compares_the_deepest_hub_with_the_first_layer():
+    """Spec §7, §10.4 ("amplified about 3.5× in deeper layers"): the deepest layer's hub head, its off-diagonal column
+    mass there over the same head's in the first layer, and both layers' hub ratios; only where a matrix kind is
+    Kronecker in two layers or more."""
+    m = tiny_model(mixing="kronecker", layers=3).float()
+    with torch.no_grad():
+        for i, mass in ((0, 0.5), (1, 9.0), (2, 1.75)):  # layer 1 (not first, not deepest) must not enter
+            w = m.blocks[i].attn.mix_o.weight
+            w.fill_(0.1)
+            w[:, 2] = mass
+    g = ds.hub_growth(m)
+    assert set(g) == {"V", "O"}
+    o = g["O"]
+    assert (o["head"], o["first layer"], o["deepest layer"]) == (2, 0, 2)
+    # off the diagonal, column 2 holds 2·0.5 = 1.0 in layer 0 and 2·1.75 = 3.5 in layer 2: 3.5× (the paper's figure)
+    assert o["growth"] == pytest.approx(3.5) and o["hub ratio first"] == pytest.approx(1.0 / 0.2)
+    assert o["hub ratio deepest"] == pytest.approx(3.5 / 0.2) and o["chance growth"] == ds.chance_hub_growth(3)
+    assert "L0→L2 3.50x (column mass of head 2" in ds.hub_growth_text(o)
+    with torch.no_grad():  # the deepest hub moves to head 0: its growth is head 0's, whatever layer 0's hub was
+        m.blocks[2].attn.mix_o.weight.copy_(torch.tensor([[0.0, 0.1, 0.1], [3.0, 0.0, 0.1], [3.0, 0.1, 0.0]]))
+    assert ds.hub_growth(m)["O"]["head"] == 0 and ds.hub_growth(m)["O"]["growth"] == pytest.approx(6.0 / 0.2)
+    assert ds.hub_growth(tiny_model(mixing="dense")) is None and ds.hub_growth(tiny_model(layers=1)) is None
+    assert set(ds.hub_growth(tiny_model(mixing="dense", attn_out_mixing="kronecker"))) == {"O"}
+    # random matrices: the deepest layer's largest column over the same column elsewhere, a median above 1
+    assert 1.2 < ds.chance_hub_growth(6, 500) < 1.7 and 1.2 < ds.chance_hub_growth(6) < 1.7
 
 
 def test_coref_prompts_point_at_the_right_name():
@@ -666,6 +768,8 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert [(r["stream"], r["at"]) for r in res["ablation"]["kronecker"]] == [("x_t", "readout"), ("x_e", "readout")]
     spec = res["specialization"]["kronecker"]
     assert len(spec["distinctiveness"]) == 2 and len(spec["hubs"]) == 4 and spec["coreference"]["prompts"] > 0
+    assert set(spec["hub_growth"]) == {"V", "O"} and spec["hub_growth"]["O"]["deepest layer"] == 1
+    assert "; A_O hub growth L0→L1 " in out and "A_O hub growth across depth" in (tmp_path / "report.html").read_text()
     assert amp["windows"] == 4 and amp["tokens"] == 4 * 64 and res["ablation"]["kronecker"][0]["windows"] == 4
     # the analysis losses say what they were measured on; the greedy samples at α = 1 and the last α side by side
     assert "amplification, kronecker (loss on 4 val windows (256 tokens); attention entropy in nats, mean over " \
@@ -788,6 +892,8 @@ def test_resume_from_the_command_line(tmp_path, cache_dir):
     (["--sweep", "--mixing", "dense"], 1, "--sweep trains its own seven configurations; drop --mixing"),
     (["--sweep", "--attn-out-mixing", "dense"], 1, "--sweep trains its own seven configurations; drop --attn-out-mixing"),
     (["--ffn-up-mixing", "kronecker"], 2, "invalid choice: 'kronecker'"),
+    (["--pos", "sinusoidal"], 2, "invalid choice: 'sinusoidal'"),
+    (["--alibi-alpha", "half"], 2, "invalid choice: 'half'"),
     (["--d-model", "30", "--heads", "4"], 1, "must split into --heads 4 heads"),
     (["--d-model", "30", "--heads", "6"], 1, "the head size d_model/heads must be even"),
     (["--amplify", "1,x"], 1, "--amplify '1,x': expected comma-separated numbers"),
@@ -836,6 +942,31 @@ def test_bench_on_cpu(tmp_path):
     assert res["mixing_points"]["kronecker"] == ["kronecker", "kronecker", "dense", "dense"]
     assert res["mixing_points"]["fully independent"] == ["independent"] * 4
     assert res["kernel"]["form"] == "torch" and set(res["kernel"]["T256"]) >= {"torch", "sdpa", "reference"}
+
+
+def test_alibi_checkpoint_never_loads_as_rope(tmp_path, cache_dir, capsys, monkeypatch):
+    """An ALiBi model has a RoPE model's weights, so only the stored --pos tells them apart: its checkpoint has its own
+    name, a RoPE command does not find it, and one that reaches it (a renamed file) with --pos rope typed is a one-line
+    error; without --pos typed the checkpoint's ALiBi is taken."""
+    cfg = tiny_cfg(tmp_path, cache_dir, pos="alibi", max_iters=2, eval_interval=2)
+    ds.train(cfg, common.load_data(cache_dir=cache_dir), torch.device("cpu"), torch.autocast("cpu", enabled=False),
+             DIST, log=lambda m: None)
+    alibi = ds.ckpt_path(cfg)
+    assert alibi.name == "ckpt-token-factor-kronecker-heads-3-pos-alibi-layers-1-d-model-24.pt" and alibi.is_file()
+    arch = ["--layers", "1", "--d-model", "24", "--heads", "3", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)]
+    rc, err = call_main(ds.main, ["--no-train", *arch], capsys, monkeypatch)
+    assert rc == 1 and "no checkpoint at" in err and alibi.name in err and err.count("\n") == 1, err
+    rope = ds.ckpt_path(replace(cfg, pos="rope"))
+    shutil.copy(alibi, rope)
+    rc, err = call_main(ds.main, ["--no-train", "--pos", "rope", *arch], capsys, monkeypatch)
+    assert rc == 1 and "was trained with pos='alibi' (asked 'rope')" in err and err.count("\n") == 1, err
+    _, merged = ds.load_checkpoint(rope, replace(cfg, pos="rope"), explicit={"layers", "d_model", "heads"})
+    assert merged.pos == "alibi"
+    ck = torch.load(alibi, weights_only=True)
+    del ck["config"]["pos"]  # a checkpoint from before --pos existed: RoPE
+    torch.save(ck, alibi)
+    with pytest.raises(ds.RunError, match=r"trained with pos='rope' \(asked 'alibi'\)"):
+        ds.load_checkpoint(alibi, cfg, explicit={"pos"})
 
 
 def test_corrupt_checkpoint_is_one_line(tmp_path, cache_dir):
@@ -910,6 +1041,23 @@ def test_unused_flags_are_noted():
     assert notes(set(), ablation=False, amplify="", train=False) == []  # defaults, not typed: nothing to say
     assert notes({"ablate_at"}, mode="single") == ["note: --ablate-at"]  # one stream: nothing to remove
     assert notes({"ablate_at"}, mode="single", sweep=True) == []  # the sweep's two-stream models use it
+    assert notes({"alibi_alpha"}) == ["note: --alibi-alpha"]  # RoPE: no bias to scale
+    assert notes({"alibi_alpha"}, pos="alibi") == []
+    assert notes({"alibi_alpha"}, pos="alibi", amplify="") == ["note: --alibi-alpha"]  # α = 1 only: both agree
+
+
+def test_alibi_takes_odd_heads():
+    """RoPE rotates channel pairs, so its heads must be even; ALiBi has no such limit (the head sweep's too)."""
+    with pytest.raises(ds.RunError, match="the head size d_model/heads must be even"):
+        ds.validate(Config(d_model=30, heads=6))
+    ds.validate(Config(d_model=30, heads=6, pos="alibi"))
+    with pytest.raises(ds.RunError, match="--d-model 36 to split into even heads"):
+        ds.validate(Config(d_model=36, head_sweep=True))
+    ds.validate(Config(d_model=36, head_sweep=True, pos="alibi"))
+    with pytest.raises(ds.RunError, match="--d-model 30 to split into heads for"):
+        ds.validate(Config(d_model=30, head_sweep=True, pos="alibi"))
+    m = DualStream(Config(layers=1, d_model=15, heads=3, pos="alibi", kernels="torch"), V)  # d_h = 5
+    assert m(tokens()[0]).shape == (2, 16, V)
 
 
 def test_report_config_marks_what_a_sweep_varies():

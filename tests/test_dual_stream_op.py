@@ -1,7 +1,7 @@
 """dual_stream.py's core op, amp_attention: the explicit reference in float64 is the ground truth; the torch form
 (SDPA plus blocked statistics) and the Triton kernels (under Triton's interpreter without a GPU, see conftest.py)
-must match it on o, the entropy, the max weight and on dq, dk, dv, driven by a random cotangent. Kernel outputs
-are NaN-poisoned (GLASSBOX_POISON=1)."""
+must match it on o, the entropy, the max weight and on dq, dk, dv, driven by a random cotangent, without and with
+ALiBi's bias. Kernel outputs are NaN-poisoned (GLASSBOX_POISON=1)."""
 import dataclasses
 import math
 import os
@@ -115,9 +115,9 @@ def test_triton_bf16(shape, alpha, ratio):
 
 
 FORMS = {
-    "reference": lambda *x: op.amp_attention(*x, backend="reference"),
-    "torch": lambda *x: op.amp_attention(*x, backend="torch"),
-    "triton": pytest.param(lambda *x: op.amp_attention(*x, backend="triton"), marks=needs_triton),
+    "reference": lambda *x, **kw: op.amp_attention(*x, backend="reference", **kw),
+    "torch": lambda *x, **kw: op.amp_attention(*x, backend="torch", **kw),
+    "triton": pytest.param(lambda *x, **kw: op.amp_attention(*x, backend="triton", **kw), marks=needs_triton),
 }
 
 
@@ -246,11 +246,131 @@ def test_nan_poisoning_catches_a_skipped_block(monkeypatch):
     lse, ent, maxw = (op._amp_empty((B, H, T), torch.float32, q.device) for _ in range(3))
     blocks = -(-T // cfg["BLOCK_M"])
     assert blocks >= 2
-    op._amp_attn_fwd[(blocks - 1, B * H)](q, k, v, o, lse, ent, maxw, op.LOG2E / math.sqrt(d_h), T, d_h, **cfg)
+    op._amp_attn_fwd[(blocks - 1, B * H)](q, k, v, o, lse, ent, maxw, lse, op.LOG2E / math.sqrt(d_h), T, d_h, **cfg,
+                                          HAS_BIAS=False)
     done = (blocks - 1) * cfg["BLOCK_M"]
     for t in (o, lse, ent, maxw):
         assert not t[:, :, :done].isnan().any() and t[:, :, done:].isnan().all()
     torch.testing.assert_close(o[:, :, :done], op.amp_attention_reference(q, k, v)[0][:, :, :done])
+
+
+# ---------------------------------------------------------------- ALiBi (spec §11.5): a per-head bias −b_h·(t − s)
+
+def get_slopes_reference(n):
+    """The ALiBi paper's get_slopes (Press et al. 2022, github.com/ofirpress/attention_with_linear_biases,
+    fairseq/models/transformer.py), transcribed: the recursion that dual_stream.alibi_slopes writes as a loop."""
+    def get_slopes_power_of_2(n):
+        start = 2 ** (-2 ** -(math.log2(n) - 3))
+        return [start * start ** i for i in range(n)]
+    if math.log2(n).is_integer():
+        return get_slopes_power_of_2(n)
+    closest = 2 ** math.floor(math.log2(n))
+    return get_slopes_power_of_2(closest) + get_slopes_reference(2 * closest)[0::2][:n - closest]
+
+
+def test_alibi_slopes_are_the_papers():
+    assert op.alibi_slopes(8).tolist() == [2.0 ** -i for i in range(1, 9)]  # the paper's 1/2, 1/4, ..., 1/256
+    assert op.alibi_slopes(6).tolist() == [1 / 4, 1 / 16, 1 / 64, 1 / 256, 1 / 2, 1 / 8]  # 4's, then 8's odd ones
+    assert op.alibi_slopes(3).tolist() == [1 / 16, 1 / 256, 1 / 4]
+    for H in range(1, 33):
+        torch.testing.assert_close(op.alibi_slopes(H), torch.tensor(get_slopes_reference(H)), rtol=1e-7, atol=0)
+
+
+def _slopes(H, alpha, scaling, device):
+    """The slope as the op takes it: s_h (bias not amplified) or α·s_h (α·(q·kᵀ/√d_h − s_h·(t − s)))."""
+    return (op.alibi_slopes(H) * (alpha if scaling == "scaled" else 1.0)).to(device)
+
+
+def _truth_alibi(q, k, v, do, alpha, slopes):
+    return _run(lambda *x: op.amp_attention_reference(*x, alpha, slopes.double()), q.double(), k.double(), v.double(),
+                do.double())
+
+
+# H = 6 (the default, not a power of two: the paper's recipe for the odd heads) and H = 3; T not a multiple of the
+# 32-wide tiles; d_h 24 and 100, not powers of two; α = 4 with the bias amplified or not
+ALIBI_SHAPES = [(1, 6, 77, 24), (2, 3, 40, 100)]
+
+
+@needs_triton
+@pytest.mark.parametrize("scaling", ["scaled", "unscaled"])
+@pytest.mark.parametrize("shape", ALIBI_SHAPES, ids=str)
+def test_triton_alibi_matches_reference(shape, scaling):
+    q, k, v, do = _inputs(*shape)
+    slopes = _slopes(shape[1], 4.0, scaling, q.device)
+    out = _run(lambda *x: op.amp_attention(*x, 4.0, backend="triton", slopes=slopes), q, k, v, do)
+    _compare(_truth_alibi(q, k, v, do, 4.0, slopes), out)
+
+
+@pytest.mark.parametrize("scaling", ["scaled", "unscaled"])
+@pytest.mark.parametrize("shape", ALIBI_SHAPES, ids=str)
+def test_torch_alibi_matches_reference(shape, scaling):
+    q, k, v, do = _inputs(*shape)
+    slopes = _slopes(shape[1], 4.0, scaling, q.device)
+    ref = _truth_alibi(q, k, v, do, 4.0, slopes)
+    _compare(ref, _run(lambda *x: op.amp_attention(*x, 4.0, backend="torch", slopes=slopes), q, k, v, do))
+    _, ent, maxw = op.amp_attention_torch(q, k, v, 4.0, block=7, slopes=slopes)  # the blocked statistics' offsets
+    check_close("entropy, 7-row blocks", ref[1], ent)
+    check_close("max_weight, 7-row blocks", ref[2], maxw)
+
+
+@needs_triton
+@pytest.mark.parametrize("block", [16, 64])
+def test_triton_alibi_forced_tiles(block, monkeypatch):
+    """The bias at other square tiles (see test_triton_forced_tiles): t − s must come from the right rows and columns
+    in every tile, the partial last one included."""
+    config = op._amp_launch_config
+    monkeypatch.setattr(op, "_amp_launch_config",
+                        lambda q, cuda=None: dict(config(q, cuda), BLOCK_M=block, BLOCK_N=block))
+    q, k, v, do = _inputs(1, 3, 77, 24)
+    slopes = _slopes(3, 2.0, "scaled", q.device)
+    out = _run(lambda *x: op.amp_attention(*x, 2.0, backend="triton", slopes=slopes), q, k, v, do)
+    _compare(_truth_alibi(q, k, v, do, 2.0, slopes), out)
+
+
+@needs_triton
+def test_triton_alibi_bf16():
+    """16-bit inputs with the bias: o and the gradients within the bf16 default, the statistics in fp32."""
+    q, k, v, do = _inputs(1, 3, 77, 24, dtype=torch.bfloat16)
+    slopes = _slopes(3, 1.0, "scaled", q.device)
+    out = _run(lambda *x: op.amp_attention(*x, 1.0, backend="triton", slopes=slopes), q, k, v, do)
+    assert out[0].dtype == torch.bfloat16 and out[1].dtype == torch.float32
+    _compare(_truth_alibi(q, k, v, do, 1.0, slopes), out)
+
+
+@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
+def test_alibi_without_content_is_a_geometric_recency_window(form):
+    """q = k = 0 leaves only the bias: row t weighs key s by r^(t − s) / Σ_{j<=t} r^j with r = e^(−b_h), closed
+    forms written here without the op: o, the entropy and the max weight (the diagonal's, 1 / Σ r^j). The wrong sign
+    would put the weight on the first keys instead."""
+    B, H, T, d_h = 2, 3, 40, 16
+    q, k, v, _ = _inputs(B, H, T, d_h)
+    q, k = torch.zeros_like(q), torch.zeros_like(k)
+    slopes = torch.tensor([2.0, 0.5, 0.05], device=q.device)
+    t = torch.arange(T, dtype=torch.float64, device=q.device)
+    lag = (t[:, None] - t[None, :])  # t − s
+    w = torch.where(lag >= 0, torch.exp(-slopes.double()[:, None, None] * lag), 0.0)  # [H, T, T]
+    p = w / w.sum(-1, keepdim=True)
+    o, ent, maxw = form(q, k, v, 3.0, slopes=slopes)  # α multiplies q·kᵀ = 0: it cannot matter
+    check_close("o", (p @ v.double()), o)
+    check_close("entropy", torch.special.entr(p).sum(-1).expand(B, H, T), ent)
+    check_close("max_weight", (1 / w.sum(-1)).expand(B, H, T), maxw)
+    assert (maxw[:, 0, 1:] > 0.8).all()  # b = 2: the diagonal holds 1 − e^(−2) = 86% and more
+
+
+@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
+def test_zero_slopes_are_no_bias(form):
+    """The bias path with every slope 0 gives the bias-free op (slopes=None): the same numbers, another code path."""
+    q, k, v, _ = _inputs(1, 3, 40, 16)
+    plain = form(q, k, v, 4.0)
+    zero = form(q, k, v, 4.0, slopes=torch.zeros(3, device=q.device))
+    for name, a, b in zip(("o", "entropy", "max_weight"), plain, zero):
+        check_close(name, a, b)
+
+
+def test_slopes_must_be_one_per_head():
+    q, k, v, _ = _inputs(1, 3, 9, 16)
+    with pytest.raises(ValueError, match=r"slopes must be one per head, \[3\], got \(6,\)"):
+        op.amp_attention(q, k, v, slopes=op.alibi_slopes(6))
 
 
 @pytest.mark.gpu

@@ -77,6 +77,118 @@ def test_prefill_then_steps_match_parallel_forward():
         torch.testing.assert_close(torch.cat(out, 1), model(x), rtol=1e-9, atol=1e-9)
 
 
+# ---------------------------------------------------------------- the sampler (spec §5.5)
+
+OFF = dict(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, no_repeat_ngram_size=0)
+NEG_INF = float("-inf")
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    """Every id already in the text, prompt included, once however often it occurs: 2 -> 1, -1 -> -2."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]])
+    ids = torch.tensor([[0, 1, 1], [3, 3, 3]])
+    out = protot.sampling_logits(logits, ids, **{**OFF, "repetition_penalty": 2.0})
+    assert out.tolist() == [[1.0, -2.0, 0.5, 3.0], [2.0, -1.0, 0.5, 1.5]]
+
+
+def test_no_repeat_ngram_bans_the_token_that_would_repeat_an_ngram():
+    def banned(ids, n, vocab=10):
+        out = protot.sampling_logits(torch.zeros(1, vocab), torch.tensor([ids]), **{**OFF, "no_repeat_ngram_size": n})
+        return [i for i, v in enumerate(out[0].tolist()) if v == NEG_INF]
+    assert banned([5, 1, 2, 3, 7, 1, 2, 3], 4) == [7]  # the 3-gram (1, 2, 3) was followed by 7
+    assert banned([5, 1, 2, 3, 7, 1, 2, 4], 4) == []   # (1, 2, 4) never occurred
+    assert banned([5, 1, 2, 3, 7, 1, 2, 3], 5) == []   # n = 5: no earlier 5-gram starts with (7, 1, 2, 3)
+    assert banned([1, 2, 3], 4) == []                  # shorter than an n-gram: nothing to repeat
+    # 9 follows both (1, 2) and (3, 4); only (1, 2) is the text's last bigram, and 9 stays banned (a plain scatter
+    # would let the later non-matching (3, 4) overwrite the ban)
+    assert banned([1, 2, 9, 3, 4, 9, 1, 2], 3) == [9]
+    assert banned([4, 8, 4], 2) == [8] and banned([4, 8, 4], 1) == [4, 8]  # n = 1: every token already there
+    two = protot.sampling_logits(torch.zeros(2, 10), torch.tensor([[1, 2, 1], [1, 3, 1]]),
+                                 **{**OFF, "no_repeat_ngram_size": 2})
+    assert (two == NEG_INF).nonzero().tolist() == [[0, 2], [1, 3]]  # each row its own text
+
+
+def test_top_k_top_p_and_temperature_on_known_distributions():
+    """Temperature divides; top-k keeps the k largest; top-p keeps the fewest most likely tokens whose probability
+    reaches p, always at least the top one, wherever they sit in the row."""
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])
+    logits = probs.log()
+
+    def kept(**kw):
+        out = protot.sampling_logits(logits, torch.zeros(1, 1, dtype=torch.long), **{**OFF, **kw})
+        assert torch.equal(out[out > NEG_INF], logits[out > NEG_INF])  # the kept logits are untouched
+        return (out > NEG_INF).nonzero()[:, 1].tolist()
+    assert kept(top_p=0.7) == [1, 3] and kept(top_p=0.4) == [1] and kept(top_p=0.1) == [1]
+    assert kept(top_p=0.9) == [0, 1, 3] and kept(top_p=0.99) == [0, 1, 2, 3] and kept(top_p=1.0) == [0, 1, 2, 3]
+    assert kept(top_k=2) == [1, 3] and kept(top_k=1) == [1] and kept(top_k=40) == [0, 1, 2, 3]
+    x = torch.tensor([[1.0, -2.0, 3.0]])
+    torch.testing.assert_close(protot.sampling_logits(x, torch.zeros(1, 1, dtype=torch.long),
+                                                      **{**OFF, "temperature": 0.5}), 2 * x)
+    # top-p after top-k: of the two kept (renormalised 0.625 / 0.375), 0.6 needs only the first
+    assert kept(top_k=2, top_p=0.6) == [1] and kept(top_k=2, top_p=0.7) == [1, 3]
+
+
+def test_sampler_matches_transformers_processors():
+    """The same steps as Hugging Face generate(): penalty, n-gram ban, temperature, top-k, top-p, in that order."""
+    lp = pytest.importorskip("transformers.generation.logits_process")
+    g = torch.Generator().manual_seed(0)
+    for penalty, n, temp, k, p in [(1.05, 4, 0.8, 40, 0.95), (1.5, 2, 0.7, 12, 0.6), (0.8, 3, 1.3, 0, 0.3)]:
+        logits = 3 * torch.randn(3, 60, generator=g)
+        ids = torch.randint(0, 8, (3, 30), generator=g)  # few distinct ids: repeats, and n-grams to ban
+        hf = lp.LogitsProcessorList([lp.RepetitionPenaltyLogitsProcessor(penalty), lp.NoRepeatNGramLogitsProcessor(n),
+                                     lp.TemperatureLogitsWarper(temp)] + [lp.TopKLogitsWarper(k) for _ in range(k > 0)]
+                                    + [lp.TopPLogitsWarper(p)])
+        ours = protot.sampling_logits(logits, ids, temp, k, p, penalty, n)
+        assert (ours == NEG_INF).any()
+        torch.testing.assert_close(ours, hf(ids, logits.clone()), rtol=0, atol=0)
+
+
+def test_sampler_off_is_the_plain_temperature_top_k_sampler():
+    """top-p 1, penalty 1 and no n-gram ban draw, for one generator, the very tokens of the sampler used before
+    (temperature 0.8 and top-k 40 only), written out here as it was."""
+    model = ProtoT(Config(layers=2, d_model=32, n_protos=4, dropout=0.0, kernels="torch"), 300).eval()
+    with torch.no_grad():  # logits of std ~2 rather than ~0.1: a random model's distributions are then far from flat
+        model.wte.weight.mul_(20)
+    prompt = torch.randint(0, 300, (2, 5))
+    g = torch.Generator().manual_seed(3)
+    out = model.generate(prompt, 30, top_p=1.0, repetition_penalty=1.0, no_repeat_ngram_size=0, generator=g)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        caches = [{} for _ in model.blocks]
+        logits, old = model(prompt, caches=caches)[:, -1], [prompt]
+        for _ in range(30):
+            logits = logits.float() / 0.8
+            kth = torch.topk(logits, 40).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+            old.append(torch.multinomial(torch.softmax(logits, -1), 1, generator=g))
+            logits = model(old[-1], caches=caches)[:, -1]
+    assert torch.equal(out, torch.cat(old, 1))
+    g = torch.Generator().manual_seed(3)
+    assert not torch.equal(model.generate(prompt, 30, generator=g), out)  # the spec's sampler does change the draws
+
+
+@pytest.mark.parametrize("mixer", ["proto", "attention"])
+@pytest.mark.parametrize("sampler", [{}, dict(top_p=0.8, repetition_penalty=1.5, no_repeat_ngram_size=2)])
+def test_cached_generation_draws_the_tokens_of_a_full_recompute(mixer, sampler):
+    """generate() with the O(1) cache (KV cache for attention) against the whole text recomputed at every step,
+    through the same sampler and generator: the same tokens. With --no-repeat-ngram-size 2 no bigram repeats."""
+    cfg = Config(mixer=mixer, layers=2, d_model=32, n_protos=4, heads=2, dropout=0.0, kernels="torch")
+    model = ProtoT(cfg, 50).double().eval()
+    prompt = torch.tensor([[3, 7, 3, 9, 1], [4, 4, 2, 8, 6]])  # no bigram twice
+    out = model.generate(prompt, 40, generator=torch.Generator().manual_seed(11), **sampler)
+    g, ref = torch.Generator().manual_seed(11), prompt
+    kw = {**dict(temperature=0.8, top_k=40, top_p=0.95, repetition_penalty=1.05, no_repeat_ngram_size=4), **sampler}
+    with torch.no_grad():
+        for _ in range(40):
+            logits = protot.sampling_logits(model(ref)[:, -1], ref, **kw)
+            ref = torch.cat([ref, torch.multinomial(torch.softmax(logits, -1), 1, generator=g)], 1)
+    assert out.shape == (2, 45) and torch.equal(out, ref)
+    if sampler:
+        for row in out.tolist():
+            bigrams = list(zip(row, row[1:]))
+            assert len(set(bigrams)) == len(bigrams)
+
+
 def test_model_structure_follows_the_spec():
     cfg = Config(layers=3, d_model=256, n_protos=32)
     model = ProtoT(cfg, 1000)
@@ -223,6 +335,8 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert len(res["labels"]["cards"]) == 2 * 32 and res["ppl"]["proto"]["tokens"] == 10_000 - 1  # all of val
     assert len(res["find_prototype"]["ranking"]) == 10 and "ppl_change" in res["find_prototype"]["ranking"][0]
     assert set(res["robustness"]) == set(protot.PERTURBATIONS)
+    assert all(-1 <= r["proto"]["spearman"] <= 1 for r in res["robustness"].values())
+    assert sum(" Spearman " in ln for ln in out.splitlines() if ln.startswith("robustness ")) == len(protot.PERTURBATIONS)
     assert list(res["samples"]) == ["proto"] and len(res["samples"]["proto"]) == 1  # per model, one per prompt
     assert res["samples"]["proto"][0].startswith("ROSALIND:\n") and len(res["samples"]["proto"][0]) > 100
     report = (tmp_path / "report.html").read_text()
@@ -273,6 +387,13 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     (["--device", "meta"], 1, "--device meta: expected auto, cpu, cuda, cuda:N or mps"),  # torch.device takes it
     (["--device", "xpu"], 1, "--device xpu: expected auto"),
     (["--seed", "-1"], 1, "--seed must be in [0, 2**32)"),
+    (["--top-p", "0"], 1, "--top-p must be in (0, 1]"), (["--top-p", "1.5"], 1, "--top-p must be in (0, 1]"),
+    (["--top-p", "nan"], 1, "--top-p must be in (0, 1]"),
+    (["--repetition-penalty", "0"], 1, "--repetition-penalty must be > 0 and finite"),
+    (["--repetition-penalty", "inf"], 1, "--repetition-penalty must be > 0 and finite"),
+    (["--no-repeat-ngram-size", "-1"], 1, "--no-repeat-ngram-size must be >= 0"),
+    (["--temperature", "0"], 1, "--temperature must be > 0 and finite"), (["--top-k", "-1"], 1, "--top-k must be >= 0"),
+    (["--top-p", "0.9x"], 2, "argument --top-p: invalid float value: '0.9x'"),
     (["--bench", "--d-model", "36", "--layers", "1"], 1, "must split into --heads 4 heads"),  # bench times attention
     (["--out-dir", "/dev/null/x"], 1, "--out-dir /dev/null/x: cannot write there"),
     (["--ctx", "20000", *SMALL_CORPUS], 1, "--ctx 20000: the val split has 10,000 tokens, fewer than ctx + 1"),
@@ -422,9 +543,39 @@ def test_robustness_compares_both_mixers_and_routing(data):
     for row in res.values():
         assert row["pairs"] == 3 and set(row) == {"pairs", "proto", "attention"}
         assert 0 <= row["proto"]["js"] <= np.log(2) + 1e-6 and 0 <= row["attention"]["top1"] <= 1
+        assert all(-1 <= row[m]["spearman"] <= 1 for m in ("proto", "attention"))
         assert len(row["proto"]["route_js_per_layer"]) == 2 and "route_js_per_layer" not in row["attention"]
     assert protot.PERTURBATIONS["contraction"]("And it is not so", None) == "And 'tis not so"
     assert protot.PERTURBATIONS["punctuation"]("No, sir.", None) == "No sir"
+
+
+def test_spearman_is_the_rank_correlation_with_ties_averaged():
+    x = torch.tensor([0.3, -1.0, 2.5, 0.7, 0.1, 4.0])
+    assert protot.spearman(x, x).item() == pytest.approx(1)
+    assert protot.spearman(x, -x).item() == pytest.approx(-1)
+    assert protot.spearman(torch.arange(6.0), torch.arange(6.0).flip(0)).item() == pytest.approx(-1)  # reversed
+    assert protot.spearman(x, torch.exp(3 * x) + 7).item() == pytest.approx(1)  # any increasing map: ranks unchanged
+    assert protot.spearman(torch.softmax(x, 0), x).item() == pytest.approx(1)
+    # ties share the mean of the ranks they span: a -> 2, 3.5, 3.5, 6, 6, 6, 1 and b -> 6, 1, 5, 2.5, 2.5, 7, 4,
+    # then the Pearson correlation of those ranks
+    a = torch.tensor([1.0, 2.0, 2.0, 3.0, 3.0, 3.0, 0.0])
+    b = torch.tensor([5.0, 1.0, 4.0, 2.0, 2.0, 7.0, 3.0])
+    want = np.corrcoef([2, 3.5, 3.5, 6, 6, 6, 1], [6, 1, 5, 2.5, 2.5, 7, 4])[0, 1]
+    assert protot.spearman(a, b).item() == pytest.approx(want, abs=1e-12) and abs(want) < 0.5
+    assert torch.isnan(protot.spearman(torch.ones(5), x[:5]))  # a constant side has no ranks to correlate
+
+
+def test_spearman_matches_scipy_on_probabilities_with_ties():
+    stats = pytest.importorskip("scipy.stats")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        logits = torch.randn(2, 5000, generator=g).round(decimals=1)  # many ties, as underflowed probabilities have
+        p, q = torch.softmax(3 * logits, -1)
+        want = stats.spearmanr(p.numpy(), q.numpy()).statistic
+        assert protot.spearman(p, q).item() == pytest.approx(want, abs=1e-10)
+    q = torch.softmax(4 * logits[0] + 0.3 * torch.randn(5000, generator=g), -1)  # two correlated distributions
+    r = protot.spearman(p, q).item()
+    assert r == pytest.approx(stats.spearmanr(p.numpy(), q.numpy()).statistic, abs=1e-10) and 0.5 < r < 1
 
 
 def test_prompts_from_a_user_file(tmp_path, data):
@@ -478,12 +629,15 @@ def test_report_says_how_to_read_its_tables(tmp_path):
     """The configuration shows what "auto" became; robustness and the prototype search say their units, direction,
     the paper's figures and where a column is measured."""
     fp = {"target": "woman", "prompts": 8, "ranking": [{"unit": "L1 P3", "mean": -0.1, "max_drop": -0.2}]}
-    rob = {"typo": {"pairs": 3, "proto": {"js": 0.01, "top10": 0.9, "top1": 1.0, "route_js_per_layer": [0.1]}}}
+    rob = {"typo": {"pairs": 3, "proto": {"js": 0.01, "spearman": 0.8766, "top10": 0.9, "top1": 1.0,
+                                          "route_js_per_layer": [0.1]}}}
     path = protot.write_report(tmp_path, Config(), {"preset": "cpu", "device": "cpu", "find_prototype": fp,
                                                     "robustness": rob}, {})
     report = path.read_text()
     assert "<td>auto → cpu</td>" in report
     assert "in nats (0 to ln 2 = 0.693), lower = more robust" in report and "typo .207 / .227" in report
+    assert "<th>JS</th><th>Spearman</th>" in report and "<td>0.0100</td><td>0.877</td>" in report
+    assert "rank correlation of the two distributions over the whole vocabulary (-1 to 1)" in report
     assert f"change on {protot.PPL_WINDOWS} val windows, measured for the top three only" in report
 
 
@@ -566,3 +720,5 @@ def test_unused_flags_are_noted():
         "label)"]
     assert notes({"sample_tokens"}, train=False) == ["note: --sample-tokens"]
     assert notes({"sample_tokens"}, train=False, sample="KING:") == []
+    assert notes({"top_p", "no_repeat_ngram_size"}, train=False) == ["note: --top-p", "note: --no-repeat-ngram-size"]
+    assert notes({"top_p", "repetition_penalty", "temperature"}) == []  # a training run samples
