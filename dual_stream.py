@@ -1640,19 +1640,24 @@ def hub_growth(model: DualStream) -> Optional[dict]:
     its mass in the first layer ("growth"; the paper's 3.5× read as the hub's own strength growing with depth), the
     hub ratios of both layers (the other reading: the hub against the other heads, per layer), and the median growth
     of random N(0, 1) matrix pairs (chance; above 1, since h is the deepest layer's largest column)."""
-    maps = kronecker_maps(model)
-    out = {}
+    maps, out = kronecker_maps(model), {}
+    chance = chance_hub_growth(model.cfg.heads) if maps else None
     for kind in ("V", "O"):
         layers = [(i, A) for i, name, A in maps if name == kind]
         if len(layers) < 2:
             continue
         (first, A0), (deep, A1) = layers[0], layers[-1]
-        hub, ratio, col = hub_ratio(A1)
-        _, ratio0, col0 = hub_ratio(A0)
-        out[kind] = {"head": hub, "first layer": first, "deepest layer": deep,
-                     "growth": (col[hub] / col0[hub].clamp_min(1e-12)).item(), "chance growth":
-                     chance_hub_growth(A1.shape[0]), "hub ratio first": ratio0, "hub ratio deepest": ratio}
+        hub, growth, ratio0, ratio = _hub_growth(A0, A1)
+        out[kind] = {"head": hub, "first layer": first, "deepest layer": deep, "growth": growth,
+                     "chance growth": chance, "hub ratio first": ratio0, "hub ratio deepest": ratio}
     return out or None
+
+
+def _hub_growth(A0: torch.Tensor, A1: torch.Tensor) -> tuple[int, float, float, float]:
+    """(hub head h of A1, its column mass in A1 over that in A0, hub ratio of A0, hub ratio of A1)."""
+    hub, ratio, col = hub_ratio(A1)
+    _, ratio0, col0 = hub_ratio(A0)
+    return hub, (col[hub] / col0[hub].clamp_min(1e-12)).item(), ratio0, ratio
 
 
 def chance_hub_growth(H: int, draws: int = 2000) -> float:
@@ -1660,9 +1665,8 @@ def chance_hub_growth(H: int, draws: int = 2000) -> float:
     g = torch.Generator().manual_seed(0)
 
     def growth():
-        hub, _, col = hub_ratio(torch.randn(H, H, generator=g))
-        col0 = hub_ratio(torch.randn(H, H, generator=g))[2]
-        return (col[hub] / col0[hub].clamp_min(1e-12)).item()
+        A1 = torch.randn(H, H, generator=g)  # the deep matrix first: the draws' order fixes the figure
+        return _hub_growth(torch.randn(H, H, generator=g), A1)[1]
     return torch.tensor([growth() for _ in range(draws)]).median().item()
 
 
