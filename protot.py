@@ -38,10 +38,16 @@ What differs from the official code, and why
     cl100k tokens and not comparable with the paper's 90.5 / 78.7.
   * Perplexity is token-weighted over the whole val split (every token predicted once); the official metric,
     exp of the mean of per-batch means, is not reported (spec §9.6 asks for both).
-  * A fixed budget of --max-iters steps, warmup + cosine, and the analyses on the last weights; the official
-    run_clm.py trains 10 epochs, stops at the first epoch whose dev perplexity rises and reloads the best
-    checkpoint. A GPU default run (10,000 steps × 32 × 256 = 81.9M tokens) on the embedded plays (1.18M
-    training tokens) is about 69 epochs with no early stopping; `--dataset fineweb-edu` (online) is closer.
+  * A budget of --max-iters steps (warmup + cosine), evaluated every --eval-interval steps, not 10 epochs. As in
+    the official run_clm.py, the final evaluation and every analysis use the best evaluation's weights (the
+    checkpoint keeps them beside the last ones, which --resume continues), and the log names their step. Its
+    early stopping, at the first epoch whose dev perplexity rises, is `--early-stop 1`; the default is 0 (off):
+    an evaluation here is not an epoch but --eval-iters random val batches, noisy enough that one worse
+    estimate would stop a run that still improves, and the CPU preset's four evaluations would cut its cosine
+    decay, which gives the last gains. The best-weights reload keeps the paper's model selection without that.
+    A GPU default run (10,000 steps × 32 × 256 = 81.9M tokens) on the embedded plays (1.18M training tokens) is
+    about 69 epochs; `--early-stop N` (N evaluations without a new best) ends it once it overfits, and
+    `--dataset fineweb-edu` (online) is closer to the paper's data.
   * Warmup rises linearly from lr/warmup_steps, not from 1e-8 × lr (the official start factor): a simpler
     schedule that differs only over the first 2% of steps.
   * Labelling scans --label-windows contiguous val windows of 32 tokens (1024; 512 in the CPU preset), not
@@ -73,6 +79,7 @@ Commands
     python protot.py --no-train --sample "HAMLET:\n"              # generation with the O(1) cache
     python protot.py --bench                     # tokens/s vs context, decode ms/token, scan kernel vs chunked
     python protot.py --dataset fineweb-edu --max-tokens 250000000 # the paper's data (online)
+    python protot.py --early-stop 1              # the paper's early stopping: at the first evaluation with no new best
     torchrun --standalone --nproc_per_node=8 protot.py           # DDP
 
 Expected (CPU preset, 2 cores, 2026-12-01): `python protot.py --layers 6` takes about 5 minutes, the loss falls
@@ -164,6 +171,8 @@ class Config:
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on matrices"})
     grad_clip: float = field(default=0.0, metadata={"help": "max gradient norm (0: off, as in the paper)"})
     eval_interval: int = field(default=500, metadata={"help": "steps between evaluations and checkpoints"})
+    early_stop: int = field(default=0, metadata={
+        "help": "stop after this many evaluations without improvement (0: off; 1: the paper's rule)"})
     eval_iters: int = field(default=20, metadata={"help": "val batches per evaluation"})
     log_interval: int = field(default=50, metadata={"help": "steps between log lines"})
     seed: int = field(default=1337, metadata={"help": "random seed"})
@@ -1170,14 +1179,23 @@ def restore_optimizer(optimizer, state: dict) -> None:
 # What shapes the weights a resumed run continues to (not the eval and log cadence): a value typed with --resume
 # that differs from the checkpoint's means the result is no longer that of one uninterrupted run.
 RESUME_KEYS = ("max_iters", "lr", "min_lr_ratio", "warmup_frac", "batch_size", "ctx", "weight_decay", "grad_clip",
-               "dropout")
+               "dropout", "early_stop")
 
 
-def resume_note(saved: dict, cfg: Config, step: int) -> Optional[str]:
-    """The line a resumed run logs when it cannot equal an uninterrupted one: nothing left to train, or settings
-    changed since the checkpoint (the usual case: a smaller --max-iters first, then --resume with a larger one,
-    whose cosine schedule the first steps did not follow). None when it resumes as if never stopped. A checkpoint
-    past --max-iters is check_steps' error, before anything trains."""
+def resume_note(saved: dict, cfg: Config, step: int, stopped: bool = False) -> Optional[str]:
+    """The line a resumed run logs when it cannot equal an uninterrupted one: nothing left to train (at
+    --max-iters, or the run had stopped early), or settings changed since the checkpoint (the usual case: a smaller
+    --max-iters first, then --resume with a larger one, whose cosine schedule the first steps did not follow).
+    None when it resumes as if never stopped. A checkpoint past --max-iters is check_steps' error, before anything
+    trains."""
+    if stopped and saved.get("early_stop") == cfg.early_stop:
+        return (f"note: the checkpoint's run stopped early at step {step} (no val improvement in --early-stop "
+                f"{cfg.early_stop} evaluations): nothing left to train (raise --early-stop, or 0 turns it off, to "
+                "continue)")
+    if stopped:  # a --early-stop typed now, which the checkpoint's run did not stop by
+        return (f"note: the checkpoint at step {step} has gone --early-stop {cfg.early_stop} evaluations without a val "
+                f"improvement (its run had --early-stop {saved.get('early_stop')}), so it stops at once: nothing left "
+                "to train")
     if step >= cfg.max_iters:
         return (f"note: the checkpoint is at step {step}, --max-iters {cfg.max_iters}: nothing left to train (raise "
                 "--max-iters to continue)")
@@ -1288,12 +1306,15 @@ RNG_KEYS = ("torch", "data", "cuda")                               # save_checkp
 
 
 def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: float, data_rng, data,
-                    history) -> None:
-    """One file: written to a temporary name, then renamed (a crash never leaves half a checkpoint)."""
+                    history, best_weights: Optional[dict] = None) -> None:
+    """One file: written to a temporary name, then renamed (a crash never leaves half a checkpoint). `model` is
+    the last state (what --resume continues); `best_weights` = {"step", "model"}, the best evaluation's weights
+    (val loss `best`), stored under "best" only when they are not the last ones, so the file doubles only after
+    an evaluation without improvement (best_of reads it back)."""
     state = {
         "format": "glassbox-checkpoint/1", "script": "protot", "config": asdict(cfg),
         "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "best_val_loss": best,
-        "tokenizer": data.tokenizer.state_dict(), "history": history,
+        "best": best_weights, "tokenizer": data.tokenizer.state_dict(), "history": history,
         "rng": {"torch": torch.get_rng_state(), "data": data_rng,
                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
     }
@@ -1337,14 +1358,37 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     return ck, merged
 
 
+def best_of(ck: dict) -> dict:
+    """{"step", "model"}: the best evaluation's weights, which the final evaluation and the analyses use (spec §3.2:
+    the best checkpoint is reloaded). "best" is None when they are the last weights; a checkpoint written before
+    --early-stop has no "best", and its last weights stand for the best (the earlier ones were not kept)."""
+    return ck.get("best") or {"step": ck["step"], "model": ck["model"]}
+
+
+def evals_since_best(history: dict, best_step: int) -> int:
+    """Evaluations after the best one, --early-stop's count: recomputed from the history, so no counter is saved
+    and a checkpoint from before --early-stop resumes with it too."""
+    return sum(s > best_step for s in history.get("step", []))
+
+
+def budget_steps(ck: dict) -> int:
+    """The steps a checkpoint's run was given (BUDGET_KEYS' "step"): --max-iters once it finished, there or by
+    --early-stop, else the step it reached (an interrupted run). As in the paper, --compare sets models of one
+    budget side by side, each with its best evaluation's weights, wherever each stopped."""
+    c = ck["config"]
+    stopped = bool(c.get("early_stop")) and evals_since_best(ck["history"], best_of(ck)["step"]) >= c["early_stop"]
+    return c["max_iters"] if stopped else ck["step"]
+
+
 def build_model(cfg: Config, vocab_size: int, device) -> ProtoT:
     torch.manual_seed(cfg.seed)
     return ProtoT(cfg, vocab_size).to(device)
 
 
 def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print, ck=None) -> tuple[ProtoT, dict]:
-    """The nanoGPT-shaped loop. Returns the trained (unwrapped) model and its history. With cfg.resume it
-    continues from `ck`, the checkpoint already loaded by the caller (read from out_dir when not given)."""
+    """The nanoGPT-shaped loop. Returns the trained (unwrapped) model, with the best evaluation's weights (its step
+    as `model.weights_step`), and its history. With cfg.resume it continues from `ck`, the checkpoint already
+    loaded by the caller (read from out_dir when not given)."""
     rank, world = dist_info["rank"], dist_info["world"]
     if cfg.batch_size % world:
         raise RunError(f"--batch-size {cfg.batch_size} must be divisible by the {world} ranks")
@@ -1353,6 +1397,8 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
     model = build_model(cfg, data.vocab_size, device)
     optimizer = make_optimizer(model, cfg, device.type)
     step, best, history = 0, float("inf"), {"step": [], "train": [], "val": []}
+    best_weights = None  # {"step", "model"}: the best evaluation's weights, a CPU copy (val loss `best`)
+    stopped = False  # a resumed run that had already stopped early trains no further
     if rank:  # ranks other than 0 draw their own dropout masks (DDP broadcasts rank 0's initial weights)
         torch.manual_seed(cfg.seed + rank)
     if cfg.resume:
@@ -1361,7 +1407,9 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         load_weights(model, ck["model"], path)
         try:
             restore_optimizer(optimizer, ck["optimizer"])
-            step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
+            step, best, history, best_weights = ck["step"], ck["best_val_loss"], ck["history"], best_of(ck)
+            if "best" not in ck:  # from before --early-stop: its last weights stand for the best, so their val
+                best = history["val"][-1]  # loss is the one to beat (not an earlier minimum whose weights are gone)
             torch.set_rng_state(ck["rng"]["torch"])
             data.set_rng_state(ck["rng"]["data"])
         except (RuntimeError, ValueError, TypeError, KeyError) as e:
@@ -1376,7 +1424,8 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         if rank:  # the checkpoint holds rank 0's generator: the other ranks keep dropout masks of their own
             torch.manual_seed(cfg.seed + rank + world * step)  # distinct per (rank, step)
         log(f"resumed from {path} at step {step}")
-        note = resume_note(ck["config"], cfg, step)
+        stopped = bool(cfg.early_stop) and evals_since_best(history, best_weights["step"]) >= cfg.early_stop
+        note = resume_note(ck["config"], cfg, step, stopped)
         if note:
             log(note)
     raw = model
@@ -1397,7 +1446,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
     x, y = data.get_batch("train", micro, cfg.ctx)
     t0, t0_step, mfu_ema, start = time.time(), step, None, step
     bad = torch.zeros((), dtype=torch.bool, device=device)  # any non-finite loss since the last check
-    while True:
+    while not stopped:
         if step > start and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
             if any_rank(bad):
                 raise RunError(nan_message(step, path))
@@ -1411,10 +1460,18 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
             history["step"].append(step)
             history["val"].append(val)
             log(f"step {step}: val loss {val:.4f} (ppl {math.exp(val):.1f})")
-            best = min(best, val)
+            if val < best:  # the weights change from here on: keep these
+                best = val
+                best_weights = {"step": step,
+                                "model": {k: v.detach().cpu().clone() for k, v in raw.state_dict().items()}}
             if rank == 0:  # the train stream as it was before the prefetch, the val stream as it is now
                 rng = {**data_rng, "val": data.rng_state()["val"]}
-                save_checkpoint(path, raw, optimizer, cfg, step, best, rng, data, history)
+                save_checkpoint(path, raw, optimizer, cfg, step, best, rng, data, history,
+                                best_weights if best_weights["step"] != step else None)
+            # val is all-reduced above, the same float on every rank, so every rank stops at this evaluation
+            if cfg.early_stop and evals_since_best(history, best_weights["step"]) >= cfg.early_stop:
+                log(f"step {step}: no val improvement in {cfg.early_stop} evaluations; early stop")
+                break
             t0, t0_step = time.time(), step  # evaluation time is not training time
         if step >= cfg.max_iters:
             break
@@ -1444,6 +1501,10 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
             history["train"].append([step, lossf])
             log(log_line(step, cfg.max_iters, lossf, lr, dt * 1000, tok_s, mfu_ema))
             t0, t0_step = time.time(), step
+    if best_weights["step"] != step:  # the final evaluation and the analyses get the best weights (spec §3.2)
+        raw.load_state_dict(best_weights["model"])
+        log(f"restored the best evaluation's weights (step {best_weights['step']}, val loss {best:.4f})")
+    raw.weights_step = best_weights["step"]
     return raw, history
 
 
@@ -2012,8 +2073,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, ste
         parts.append(f'<h2>Training</h2><img src="data:image/png;base64,{loss_figure(histories)}">')
     if "ppl" in results:
         parts.append("<h2>Perplexity (val, every token once)</h2>" + table_html(
-            [{"model": k, "ppl": f"{v['ppl']:.2f}", "tokens": v["tokens"]} for k, v in results["ppl"].items()],
-            ["model", "ppl", "tokens"]))
+            [{"model": k, "ppl": f"{v['ppl']:.2f}", "tokens": v["tokens"], "weights of step": v.get("step", "")}
+             for k, v in results["ppl"].items()], ["model", "ppl", "tokens", "weights of step"]))
         if "ratio" in results:
             parts.append(f"<p>ProtoT / attention perplexity ratio: {results['ratio']:.3f} (paper: 90.5 / 78.7 = 1.150)</p>")
         elif "ratio_skipped" in results:
@@ -2122,6 +2183,7 @@ def validate(cfg: Config) -> None:
               (0 <= cfg.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
               (0 <= cfg.warmup_frac <= 1, "--warmup-frac must be in [0, 1]"),
               (cfg.weight_decay >= 0, "--weight-decay must be >= 0"), (cfg.grad_clip >= 0, "--grad-clip must be >= 0"),
+              (cfg.early_stop >= 0, "--early-stop must be >= 0 (0: off)"),
               (cfg.conv_layers >= 0, "--conv-layers must be >= 0"), (cfg.label_windows >= 1, "--label-windows must be >= 1"),
               (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"), (cfg.heads >= 1, "--heads must be >= 1"),
               (0 < cfg.temperature < math.inf, "--temperature must be > 0 and finite"),
@@ -2206,9 +2268,13 @@ def load_weights(model: nn.Module, state: dict, path: Path) -> None:
 
 
 def load_model(ck: dict, c: Config, data, device, path: Path) -> ProtoT:
+    """The checkpoint's model for the analyses: the best evaluation's weights (best_of), their step as
+    `model.weights_step`."""
     check_tokenizer(ck, data, path)
     model = ProtoT(c, data.vocab_size).to(device)
-    load_weights(model, ck["model"], path)
+    best = best_of(ck)
+    load_weights(model, best["model"], path)
+    model.weights_step = best["step"]
     return model
 
 
@@ -2302,7 +2368,10 @@ def run(cfg: Config, explicit) -> int:
         else:
             path, ck, c = loaded[mixer]
             models[mixer], histories[mixer] = load_model(ck, c, data, device, path), ck["history"]
-            budgets[mixer] = {**ck["config"], "step": ck["step"]}  # as trained, whatever this command typed
+            budgets[mixer] = {**ck["config"], "step": budget_steps(ck)}  # as trained, whatever this command typed
+            if "best" not in ck:
+                log(f"note: {path} predates --early-stop: the analyses use its last weights (step {ck['step']}), "
+                    "the best evaluation's were not kept")
     if dist_info["ddp"]:  # the analyses run on rank 0 alone, over the whole val split
         torch.distributed.destroy_process_group()
         data.rank, data.world_size = 0, 1
@@ -2310,8 +2379,10 @@ def run(cfg: Config, explicit) -> int:
         return 0
     results["ppl"] = {}
     for mixer, m in models.items():
-        results["ppl"][mixer] = evaluate_ppl(m, data, cfg.ctx, autocast)
-        log(f"{mixer}: val perplexity {results['ppl'][mixer]['ppl']:.2f} over {results['ppl'][mixer]['tokens']:,} tokens")
+        results["ppl"][mixer] = {**evaluate_ppl(m, data, cfg.ctx, autocast), "step": m.weights_step}
+        ppl = results["ppl"][mixer]
+        log(f"{mixer}: val perplexity {ppl['ppl']:.2f} over {ppl['tokens']:,} tokens with the weights of step "
+            f"{m.weights_step}, the best evaluation's (the analyses use them too)")
     differ = budget_diff(budgets["proto"], budgets["attention"]) if cfg.compare else ""
     if differ:  # e.g. --no-train --compare beside a baseline trained apart: a ratio would not compare the mixers
         results["ratio_skipped"] = f"ProtoT and attention were trained on different budgets ({differ})"
@@ -2358,7 +2429,7 @@ def run(cfg: Config, explicit) -> int:
         if len(rob_models) == 1 and ckpt_path(oc).exists():  # the other mixer's checkpoint, when not in memory
             try:  # trained on the same data, or no comparison (a token map alone does not tell the corpus)
                 ck, oc = load_checkpoint(ckpt_path(oc), oc, ("dataset", "tokenizer", "compact", "max_tokens"))
-                differ = budget_diff(next(iter(budgets.values())), {**ck["config"], "step": ck["step"]})
+                differ = budget_diff(next(iter(budgets.values())), {**ck["config"], "step": budget_steps(ck)})
                 if differ:  # side by side, a model trained on other tokens would pass for the other mixer's figure
                     raise RunError(f"{ckpt_path(oc)} was trained on another budget: {differ}")
                 rob_models[other] = load_model(ck, oc, data, device, ckpt_path(oc))

@@ -270,6 +270,20 @@ def tiny_cfg(tmp_path, cache_dir, **kw):
     return Config(**{**base, **kw})
 
 
+def keep_checkpoint_at(monkeypatch, step: int, folder: Path):
+    """Patch save_checkpoint to copy the checkpoint of `step` into `folder` too (a run cut there); -> the real
+    save_checkpoint, to put back."""
+    real_save = protot.save_checkpoint
+
+    def save_and_keep(path, *a, **k):
+        real_save(path, *a, **k)
+        if a[3] == step:
+            folder.mkdir()
+            shutil.copy(path, folder / path.name)
+    monkeypatch.setattr(protot, "save_checkpoint", save_and_keep)
+    return real_save
+
+
 def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch):
     dist = dict(ddp=False, rank=0, local_rank=0, world=1)
     dev, auto = torch.device("cpu"), torch.autocast("cpu", enabled=False)
@@ -279,14 +293,7 @@ def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch):
     straight, hist_a = protot.train(tiny_cfg(tmp_path / "a", cache_dir), fresh_data(), dev, auto, dist,
                                     log=lambda m: None)
 
-    real_save = protot.save_checkpoint
-
-    def save_and_keep(path, *a, **k):  # keep a copy of the step-10 checkpoint
-        real_save(path, *a, **k)
-        if a[3] == 10:
-            (tmp_path / "b10").mkdir()
-            shutil.copy(path, tmp_path / "b10" / path.name)
-    monkeypatch.setattr(protot, "save_checkpoint", save_and_keep)
+    real_save = keep_checkpoint_at(monkeypatch, 10, tmp_path / "b10")
     protot.train(tiny_cfg(tmp_path / "b", cache_dir), fresh_data(), dev, auto, dist, log=lambda m: None)
     monkeypatch.setattr(protot, "save_checkpoint", real_save)
     lines = []
@@ -381,6 +388,7 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     (["--device", "tpu"], 1, "--device tpu: expected auto, cpu, cuda, cuda:N or mps"),
     (["--dtype", "bfloat16"], 1, "--dtype bfloat16 is bf16 autocast on CUDA"),
     (["--warmup-frac", "2"], 1, "--warmup-frac must be in [0, 1]"),
+    (["--early-stop", "-1"], 1, "--early-stop must be >= 0 (0: off)"),
     (["--dataset", "fineweb-edu"], 1, "needs the Hugging Face hub, which is unreachable"),
     (["--kernels", "triton"], 1, "--kernels triton needs a CUDA device"),
     (["--mixer", "attention", "--find-prototype", "queen"], 1, "need --mixer proto"),
@@ -606,6 +614,157 @@ def test_non_finite_weights_are_never_saved(tmp_path, cache_dir, monkeypatch):
                      torch.autocast("cpu", enabled=False), dict(ddp=False, rank=0, local_rank=0, world=1),
                      log=lambda m: None)
     assert torch.load(protot.ckpt_path(cfg), weights_only=True)["step"] == 10
+
+
+# ---------------------------------------------------------------- early stopping, the best weights (spec §3.2)
+
+VALS = [5.0, 4.0, 4.5, 3.9, 4.2, 4.3, 4.1, 4.0, 3.8, 3.7]  # forced val losses of evaluations 1, 2, ...
+
+
+def forced_vals(monkeypatch, vals, weights=None):
+    """estimate_loss returns `vals` in turn (and raises past them); `weights` collects the model's weights at each
+    evaluation."""
+    it = iter(vals)
+
+    def fake(model, *a, **k):
+        if weights is not None:
+            weights.append({n: t.detach().clone() for n, t in model.state_dict().items()})
+        return next(it)
+    monkeypatch.setattr(protot, "estimate_loss", fake)
+
+
+def train_tiny(cfg, log=lambda m: None):
+    return protot.train(cfg, common.load_data(cache_dir=cfg.cache_dir), torch.device("cpu"),
+                        torch.autocast("cpu", enabled=False), dict(ddp=False, rank=0, local_rank=0, world=1), log=log)
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("n,stop,best", [(1, 6, 4), (2, 12, 8), (0, 20, 20)])
+def test_early_stop_stops_at_the_right_evaluation_and_keeps_the_best_weights(tmp_path, cache_dir, monkeypatch, n,
+                                                                             stop, best):
+    """--early-stop N stops at the N-th evaluation in a row without a new best val loss (N = 1: the paper's first
+    rise), 0 never; the model returned holds the best evaluation's weights, not the last, and so does the
+    checkpoint's "best", while its "model" stays the last (what --resume continues)."""
+    weights, lines = [], []
+    forced_vals(monkeypatch, VALS, weights)
+    cfg = tiny_cfg(tmp_path, cache_dir, eval_interval=2, early_stop=n)
+    model, hist = train_tiny(cfg, lines.append)
+    assert hist["step"] == list(range(2, stop + 1, 2)) and hist["val"] == VALS[:stop // 2]
+    assert (f"step {stop}: no val improvement in {n} evaluations; early stop" in lines) == (n > 0)
+    at_best = weights[best // 2 - 1]
+    assert model.weights_step == best and same_weights(model.state_dict(), at_best)
+    assert same_weights(model.state_dict(), weights[-1]) == (best == stop)  # the weights did move after the best
+    assert (f"restored the best evaluation's weights (step {best}, val loss {VALS[best // 2 - 1]:.4f})" in lines) \
+        == (best != stop)
+    ck = torch.load(protot.ckpt_path(cfg), weights_only=True)
+    assert ck["step"] == stop and same_weights(ck["model"], weights[-1]) and ck["best_val_loss"] == VALS[best // 2 - 1]
+    assert (ck["best"] is None) == (best == stop)  # kept apart only when not the last weights: one file, not two
+    assert protot.best_of(ck)["step"] == best and same_weights(protot.best_of(ck)["model"], at_best)
+
+
+def test_resume_after_an_early_stop_trains_no_further(tmp_path, cache_dir, monkeypatch):
+    """A resumed run that had stopped early says so and trains nothing (its checkpoint untouched); a larger
+    --early-stop continues it from the last weights, the evaluations since the best counted, the best kept."""
+    forced_vals(monkeypatch, VALS)
+    cfg = tiny_cfg(tmp_path, cache_dir, eval_interval=2, early_stop=1)
+    first, _ = train_tiny(cfg)  # stops at step 6, best step 4
+    saved = protot.ckpt_path(cfg).read_bytes()
+    forced_vals(monkeypatch, [])  # an evaluation now would raise
+    lines = []
+    model, hist = train_tiny(dataclasses.replace(cfg, resume=True), lines.append)
+    assert "note: the checkpoint's run stopped early at step 6 (no val improvement in --early-stop 1 evaluations): " \
+        "nothing left to train (raise --early-stop, or 0 turns it off, to continue)" in lines
+    assert hist["step"] == [2, 4, 6] and protot.ckpt_path(cfg).read_bytes() == saved
+    assert model.weights_step == 4 and same_weights(model.state_dict(), first.state_dict())
+    # the same checkpoint resumed with --early-stop 2: one evaluation since the best already, so one more stops it
+    weights, lines = [], []
+    forced_vals(monkeypatch, [4.1], weights)
+    model, hist = train_tiny(dataclasses.replace(cfg, resume=True, early_stop=2), lines.append)
+    assert any(ln.startswith("note: resuming with early_stop 1 -> 2") for ln in lines)
+    assert hist["step"] == [2, 4, 6, 8] and "step 8: no val improvement in 2 evaluations; early stop" in lines
+    assert not same_weights(weights[0], first.state_dict())  # it trained on, from step 6
+    assert model.weights_step == 4 and same_weights(model.state_dict(), first.state_dict())
+
+
+def test_resume_through_a_checkpoint_whose_best_is_not_its_last_is_bit_exact(tmp_path, cache_dir, monkeypatch):
+    """Cut at step 10 (best: step 8, kept apart in the checkpoint) and resumed, the run stops where the
+    uninterrupted one does, with the same last weights and the same best ones."""
+    forced_vals(monkeypatch, VALS)
+    straight, hist_a = train_tiny(tiny_cfg(tmp_path / "a", cache_dir, eval_interval=2, early_stop=2))
+    real_save = keep_checkpoint_at(monkeypatch, 10, tmp_path / "b10")
+    forced_vals(monkeypatch, VALS)
+    train_tiny(tiny_cfg(tmp_path / "b", cache_dir, eval_interval=2, early_stop=2))
+    monkeypatch.setattr(protot, "save_checkpoint", real_save)
+    cut = torch.load(tmp_path / "b10" / "ckpt-proto.pt", weights_only=True)
+    assert cut["step"] == 10 and cut["best"]["step"] == 8
+    forced_vals(monkeypatch, VALS[5:])
+    resumed, hist = train_tiny(tiny_cfg(tmp_path / "b10", cache_dir, eval_interval=2, early_stop=2, resume=True))
+    assert hist == hist_a and hist["step"][-1] == 12 and resumed.weights_step == straight.weights_step == 8
+    assert same_weights(resumed.state_dict(), straight.state_dict())
+    a, b = (torch.load(p / "ckpt-proto.pt", weights_only=True) for p in (tmp_path / "a", tmp_path / "b10"))
+    assert same_weights(a["model"], b["model"]) and same_weights(a["best"]["model"], b["best"]["model"])
+
+
+QUIET = ["--layers", "1", "--d-model", "32", "--n-protos", "4", "--ctx", "32", "--batch-size", "4", "--eval-iters",
+         "1", "--log-interval", "5", "--no-robustness", "--no-report", "--find-prototype", "off", "--sample-tokens",
+         "4", *SMALL_CORPUS]
+
+
+def test_the_final_evaluation_and_the_analyses_use_the_best_weights(tmp_path, cache_dir, capsys, monkeypatch):
+    """After training and with --no-train: the perplexity, the labelling and the samples all get the best
+    evaluation's weights (step 10 of 20 here), and the log and the results say which step's."""
+    weights, seen = [], {}
+    forced_vals(monkeypatch, [5.0, 4.0, 4.5, 4.6], weights)
+    real_ppl, real_samples = protot.evaluate_ppl, protot.sample_texts
+
+    def record(name, real=None):
+        def fn(model, *a, **k):
+            seen[name] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+            return real(model, *a, **k) if real else {}
+        return fn
+    monkeypatch.setattr(protot, "evaluate_ppl", record("ppl", real_ppl))
+    monkeypatch.setattr(protot, "label_prototypes", record("labels"))
+    monkeypatch.setattr(protot, "sample_texts", record("samples", real_samples))
+    out = ["--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)]
+    rc, err = call_main(protot.main, [*QUIET, *out, "--max-iters", "20", "--eval-interval", "5"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert set(seen) == {"ppl", "labels", "samples"} and all(same_weights(w, weights[1]) for w in seen.values())
+    assert not same_weights(weights[1], weights[-1])
+    assert json.loads((tmp_path / "results.json").read_text())["ppl"]["proto"]["step"] == 10
+    assert "with the weights of step 10, the best evaluation's" in (tmp_path / "log-proto.txt").read_text()
+    seen.clear()
+    rc, err = call_main(protot.main, ["--no-train", *QUIET, *out], capsys, monkeypatch)
+    assert rc == 0, err
+    assert set(seen) == {"ppl", "labels"} and all(same_weights(w, weights[1]) for w in seen.values())
+    assert json.loads((tmp_path / "analysis.json").read_text())["ppl"]["proto"]["step"] == 10
+
+
+def test_a_checkpoint_from_before_early_stop_loads_and_resumes(tmp_path, cache_dir, capsys, monkeypatch):
+    """A checkpoint without "best" (nor early_stop in its config): --no-train analyses its last weights and says
+    so; --resume --early-stop 1 takes those weights' val loss as the one to beat, not an earlier minimum whose
+    weights are gone (4.2 after 4.0, 4.5 improves on 4.5, so it trains on)."""
+    out = ["--out-dir", str(tmp_path), "--cache-dir", str(cache_dir), "--no-labels"]
+    forced_vals(monkeypatch, [4.0, 4.5])
+    rc, err = call_main(protot.main, [*QUIET, *out, "--max-iters", "10", "--eval-interval", "5"], capsys, monkeypatch)
+    assert rc == 0, err
+    path = tmp_path / "ckpt-proto.pt"
+    ck = torch.load(path, weights_only=True)
+    assert ck["best"]["step"] == 5  # the new format keeps the best apart; the old one had only the last weights
+    del ck["best"], ck["config"]["early_stop"]
+    torch.save(ck, path)
+    rc, err = call_main(protot.main, ["--no-train", *QUIET, *out], capsys, monkeypatch)
+    assert rc == 0, err
+    log = (tmp_path / "log-proto.txt").read_text()
+    assert "predates --early-stop: the analyses use its last weights (step 10)" in log
+    assert "with the weights of step 10" in log
+    forced_vals(monkeypatch, [4.2, 4.3])
+    rc, err = call_main(protot.main, ["--resume", "--max-iters", "20", "--early-stop", "1", *out], capsys, monkeypatch)
+    assert rc == 0, err
+    ck = torch.load(path, weights_only=True)
+    assert ck["step"] == 20 and ck["history"]["val"] == [4.0, 4.5, 4.2, 4.3] and ck["best"]["step"] == 15
 
 
 @pytest.mark.gpu
