@@ -84,10 +84,16 @@ offline corpus are fixed)
   * Head specialisation has no published definition (spec §7): distinctiveness is the mean pairwise
     Jensen–Shannon divergence (base 2, in [0, 1]) between heads' attention rows, per layer; the coreference probe
     is a built-in set of two-name sentences where a pronoun refers to one of them, scored per head by the
-    attention mass from the pronoun to the right name minus the mass to the other one. --head-sweep trains
-    H = 2, 3, 6, 12 at fixed d on the same batches and compares both per H (spec §7, §10.5). The spec's
-    per-head logit gap is left out: the templates put the pronoun mid-sentence (a verb follows it), so no
-    position's next token is a name and a gap between the two names' logits would not score the reference.
+    attention mass from the pronoun to the right name minus the mass to the other one. The spec's logit gap has
+    a family of its own, COREF_GAP_TEMPLATES (in the attention probe's a verb follows the pronoun, so no next
+    token there is a name): short scenes closed by a question such as "The one who wept was", so that the next
+    token is the antecedent, the one name of the pronoun's gender. It is scored as logit(right name's first
+    token) − logit(wrong name's) at the last position (mean, standard error, fraction above 0), and per head by
+    direct logit attribution (Wang et al. 2022): the head's write (Mix_O of its output alone) through CLN_f, its
+    per-slice scale frozen at that position, and the tied head, on E[right] − E[wrong]. That is well defined in
+    every mode, token-factor included, since the readout reads x_t + x_e, the sum of every write; it counts a
+    head's direct effect only, not what later layers make of its write. --head-sweep trains H = 2, 3, 6, 12 at
+    fixed d on the same batches and compares both probes per H (spec §7, §10.5).
     Hubs are reported per Kronecker matrix and layer, and their growth across depth ("amplified about 3.5× in
     deeper layers", spec §7, §10.4; hub_growth): the deepest layer's hub head, its off-diagonal column mass there
     over its mass in the first layer, beside the median of the same growth for random matrices and the hub ratios
@@ -253,7 +259,7 @@ class Config:
     ablation: bool = field(default=True, metadata={"help": "stream ablation (remove x_t or x_e)"})
     ablate_at: Literal["readout", "all"] = field(
         default="readout", metadata={"help": "remove a stream at the readout; all: also rows with its writes dropped in every block"})
-    specialization: bool = field(default=True, metadata={"help": "head distinctiveness, Kronecker hubs, coreference probe"})
+    specialization: bool = field(default=True, metadata={"help": "head distinctiveness, Kronecker hubs, coreference probes"})
     analysis_windows: int = field(default=128, metadata={"help": "val windows for the amplification and ablation losses"})
     sample: Optional[str] = field(default=None, metadata={"help": "generate from this prompt"})
     sample_tokens: int = field(default=100, metadata={
@@ -700,6 +706,8 @@ class ChannelLayerNorm(nn.Module):
     """CLN(x)_{h,i} = γ_{h,i} (x_{h,i} - μ_h) / sqrt(σ_h² + ε) + β_{h,i}, μ_h and σ_h² over the d_h entries of head h
     (kernels.py's grouped LayerNorm). per_group_gain: one γ (and β) per head, broadcast over its d_h entries."""
 
+    eps = 1e-5
+
     def __init__(self, dim: int, groups: int, per_group_gain: bool = False, bias: bool = False, backend="auto"):
         super().__init__()
         self.groups, self.backend = groups, backend
@@ -712,7 +720,16 @@ class ChannelLayerNorm(nn.Module):
 
     def forward(self, x):
         D = x.shape[-1]
-        return layer_norm(x, self._full(self.weight, D), self._full(self.bias, D), self.groups, 1e-5, self.backend)
+        return layer_norm(x, self._full(self.weight, D), self._full(self.bias, D), self.groups, self.eps, self.backend)
+
+    def frozen(self, x, c):
+        """The norm linearised at x with its scale frozen (direct logit attribution): γ ⊙ (c − μ_h(c)) / σ_h(x) for
+        a term c [..., D] of x, σ_h(x) = sqrt(var_h(x) + ε) per head slice h. Linear in c, so the terms of x add up to
+        CLN(x) − β exactly; the centring is the norm's own (a projection per slice), only σ is frozen."""
+        D = x.shape[-1]
+        sigma = (x.unflatten(-1, (self.groups, -1)).var(-1, unbiased=False, keepdim=True) + self.eps).sqrt()
+        cg = c.unflatten(-1, (self.groups, -1))
+        return ((cg - cg.mean(-1, keepdim=True)) / sigma).flatten(-2) * self._full(self.weight, D)
 
 
 def mixing_points(cfg: Config) -> tuple[str, str, str, str]:
@@ -1461,18 +1478,22 @@ def sweep_table(models: dict, ppl: dict, compare: bool = True) -> list[dict]:
 
 
 def head_sweep_table(models: dict, ppl: dict, spec: dict) -> list[dict]:
-    """Per H: val loss, distinctiveness (mean over layers, and per layer) and the coreference probe's best head
-    (its accuracy, right name ahead, and margin; chance 50%, 0)."""
+    """Per H: val loss, distinctiveness (mean over layers, and per layer), the coreference probe's best head
+    (its accuracy, right name ahead, and margin; chance 50%, 0) and the logit gap (mean, standard error, fraction
+    above 0, chance 50%) with its best head by direct logit attribution."""
     rows = []
     for name, m in models.items():
-        s, c = spec[name], spec[name]["coreference"]
-        b = c.get("best", {})
+        s, c, g = spec[name], spec[name]["coreference"], spec[name]["coreference_gap"]
+        b, gb = c.get("best", {}), g.get("best", {})
         rows.append({"heads": m.cfg.heads, "d_h": m.cfg.d_model // m.cfg.heads, "val loss": ppl[name]["loss"],
                      "distinctiveness": sum(s["distinctiveness"]) / max(len(s["distinctiveness"]), 1),
                      "per layer": per_layer(s["distinctiveness"]),
                      "coref best head": f"L{b['layer']}h{b['head']}" if b else "",
                      "coref accuracy": b.get("accuracy", ""), "coref margin": b.get("margin", ""),
-                     "coref prompts": c.get("prompts", 0)})
+                     "coref prompts": c.get("prompts", 0), "logit gap": g.get("gap", ""),
+                     "logit gap stderr": g.get("stderr", ""), "logit gap > 0": g.get("accuracy", ""),
+                     "gap best head": f"L{gb['layer']}h{gb['head']}" if gb else "", "gap best head DLA": gb.get("gap", ""),
+                     "gap prompts": g.get("prompts", 0)})
     return rows
 
 
@@ -1715,13 +1736,21 @@ COREF_NAMES = (("Romeo", "Juliet"), ("Hamlet", "Ophelia"), ("Orlando", "Rosalind
                ("Antonio", "Portia"), ("Sebastian", "Viola"))
 COREF_TEMPLATES = ("{A} met {B} in the garden, and {p} said", "{A} wrote to {B} at night, and then {p} wept",
                    "When {A} saw {B} at the gate, {p} smiled", "{A} gave {B} a ring because {p} loved")
+# The logit gap's family (spec §7: "score the logit gap ... per head"): a scene with the pronoun's clause closed,
+# then a question whose answer is the next token: the pronoun's antecedent, the one name of its gender. In
+# COREF_TEMPLATES a verb follows the pronoun, so no position's next token is a name there. Short, so that even in
+# bytes every prompt fits a context of 64 (the longest, with the shared " Be" of Benedick/Beatrice: 64 tokens).
+COREF_GAP_TEMPLATES = ("{A} met {B}, and {p} spoke. The one who spoke was",
+                       "{A} saw {B}, and {p} smiled. The one who smiled was",
+                       "{A} wrote to {B}; {p} wept. The one who wept was",
+                       "{A} kissed {B}; {p} sighed. The one who sighed was")
 
 
-def coref_prompts() -> list[tuple[str, str, str, str]]:
+def coref_prompts(templates=COREF_TEMPLATES) -> list[tuple[str, str, str, str]]:
     """(text, pronoun, right name, wrong name): every pair, both orders, pronoun pointing at either name."""
     out = []
     for m, f in COREF_NAMES:
-        for t in COREF_TEMPLATES:
+        for t in templates:
             for a, b in ((m, f), (f, m)):
                 for right, pron in ((m, "he"), (f, "she")):
                     out.append((t.format(A=a, B=b, p=pron), pron, right, f if right == m else m))
@@ -1745,8 +1774,34 @@ def coref_positions(tok, text: str, pron: str, right: str, wrong: str):
     return ids, q[-1], r, w
 
 
+def coref_gap_tokens(tok, text: str, right: str, wrong: str):
+    """-> (context ids, right name's token, wrong name's token): the prompt's tokens, then those the two names
+    " right" and " wrong" share (none in cl100k, where each name's first token differs; the space in bytes), so
+    that the next token is each name's first distinct one (a multi-token name is scored by it). None when the
+    prompt does not decode as typed (a token lost to the vocabulary compaction), a name merges into the prompt's
+    last token, or a scored token is the compaction's unknown id (then the gap compares nothing)."""
+    ids = tok.encode(text)
+    r, w = tok.encode(f"{text} {right}"), tok.encode(f"{text} {wrong}")
+    if tok.decode(ids) != text or r[:len(ids)] != ids or w[:len(ids)] != ids:
+        return None
+    k = next((i for i in range(len(ids), min(len(r), len(w))) if r[i] != w[i]), None)
+    if k is None or tok.unk in (r[k], w[k]) or not f"{text} {right}".startswith(tok.decode(r[:k])):
+        return None
+    return r[:k], r[k], w[k]
+
+
+def over_prompts(values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-prompt scores [n, ...] -> (mean, its standard error, fraction of prompts above 0: chance 50%)."""
+    x = torch.stack(values)
+    mean = x.mean(0)
+    stderr = (((x - mean) ** 2).mean(0) / max(len(values) - 1, 1)).sqrt()
+    return mean, stderr, (x > 0).float().mean(0)
+
+
 NO_COREF = ("coreference probe: no usable prompt (each has a token lost to the vocabulary compaction, so it does "
             "not decode token by token, or is longer than --ctx)")
+NO_COREF_GAP = ("coreference logit gap: no usable prompt (each has a token lost to the vocabulary compaction, or "
+                "is longer than --ctx)")
 
 
 @torch.no_grad()
@@ -1755,8 +1810,8 @@ def coreference(model: DualStream, tok, device) -> dict:
     tokens minus the mass to the wrong name's, and the fraction of prompts where the right name gets more (chance
     50%). The best head is the largest of L·H noisy means: its standard error and the mean over heads come with it."""
     model.eval()
-    L, H = len(model.blocks), model.cfg.heads
-    margin, margin_sq, correct, n = torch.zeros(L, H), torch.zeros(L, H), torch.zeros(L, H), 0
+    H = model.cfg.heads
+    margins = []
     for prompt in coref_prompts():
         pos = coref_positions(tok, *prompt)
         if pos is None or len(pos[0]) > model.cfg.ctx:
@@ -1765,26 +1820,102 @@ def coreference(model: DualStream, tok, device) -> dict:
         with model.probe(keep_maps=True):
             model(torch.tensor([ids], device=device))
             maps = torch.stack([a.last["maps"][0, :, q].float().cpu() for a in model.attentions()])  # [L, H, T]
-        m_right, m_wrong = maps[..., r].sum(-1), maps[..., w].sum(-1)
-        margin += m_right - m_wrong
-        margin_sq += (m_right - m_wrong) ** 2
-        correct += (m_right > m_wrong).float()
-        n += 1
-    if n == 0:
+        margins.append(maps[..., r].sum(-1) - maps[..., w].sum(-1))
+    if not margins:
         return {"prompts": 0}
-    margin, correct = margin / n, correct / n
-    stderr = ((margin_sq / n - margin ** 2).clamp_min(0) / max(n - 1, 1)).sqrt()
+    margin, stderr, correct = over_prompts(margins)
     best = int(margin.flatten().argmax())
-    return {"prompts": n, "margin": margin.tolist(), "accuracy": correct.tolist(), "mean_margin": margin.mean().item(),
+    return {"prompts": len(margins), "margin": margin.tolist(), "accuracy": correct.tolist(),
+            "mean_margin": margin.mean().item(),
             "best": {"layer": best // H, "head": best % H, "margin": margin.flatten()[best].item(),
                      "stderr": stderr.flatten()[best].item(), "accuracy": correct.flatten()[best].item()},
             "layer_best_margin": margin.max(1).values.tolist()}
 
 
+# Direct logit attribution of the gap, per head (Wang et al. 2022, IOI's per-head "logit difference"). The readout
+# reads the sum of every write, x = embedding + Σ_l (attention_l + FFN_l), in each mode (token-factor: attention
+# writes x_t and the FFN x_e, and CLN_f reads x_t + x_e; FTS: both write x_e; single: one stream), and Mix_O is
+# linear without bias, so head h's write is Mix_O applied to y with every other head's slice zeroed (under
+# Kronecker mixing A[:, h] spreads it over every slice, still the head's own). With CLN_f's per-slice scale frozen
+# at the last position (ChannelLayerNorm.frozen), each term c scores (E[right] − E[wrong]) · frozen(x, c), and the
+# terms plus the bias's term (E[right] − E[wrong]) · β sum to the model's gap. A head's score is its direct effect
+# only: what it does through later layers' Q, K and V is not counted.
+@torch.no_grad()
+def logit_gap_attribution(model: DualStream, ids: list[int], right: int, wrong: int, device) -> dict:
+    """One prompt: the model's gap logit[right] − logit[wrong] at the last position, and its terms: the embedding,
+    each (layer, head) [L, H], each layer's FFN [L] and the norm's bias."""
+    model.eval()
+    writes, hooks = {}, []
+
+    def keep(key):
+        def hook(module, inputs, output):
+            writes[key] = (inputs, output)
+        return hook
+    hooks.append(model.drop.register_forward_hook(keep("embed")))   # the embedding as x starts (FTS: normalised)
+    hooks.append(model.ln_f.register_forward_hook(keep("x")))
+    for i, b in enumerate(model.blocks):
+        hooks.append(b.attn.mix_o.register_forward_hook(keep(("y", i))))
+        hooks.append(b.ffn.register_forward_hook(keep(("ffn", i))))
+    try:
+        logits = model(torch.tensor([ids], device=device))[0, -1]
+    finally:
+        for h in hooks:
+            h.remove()
+    ln, H = model.ln_f, model.cfg.heads
+    x = writes["x"][0][0][0, -1]
+    direction = model.wte.weight[right] - model.wte.weight[wrong]     # the tied head's row difference
+
+    def score(c):
+        return ln.frozen(x, c) @ direction
+    heads = []
+    for i, b in enumerate(model.blocks):
+        y = writes[("y", i)][0][0][0, -1]                              # [d]: the heads' outputs before Mix_O
+        only = torch.eye(H, dtype=y.dtype, device=y.device).repeat_interleave(y.shape[-1] // H, 1) * y   # [H, d]
+        heads.append(score(b.attn.mix_o(only)))
+    bias = 0.0 if ln.bias is None else (ln._full(ln.bias, x.shape[-1]) @ direction).item()
+    return {"gap": (logits[right] - logits[wrong]).item(), "embed": score(writes["embed"][1][0, -1]).item(),
+            "heads": torch.stack(heads).double().cpu(), "bias": bias,
+            "ffn": torch.stack([score(writes[("ffn", i)][1][0, -1]) for i in range(len(model.blocks))]).double().cpu()}
+
+
+@torch.no_grad()
+def coreference_gap(model: DualStream, tok, device) -> dict:
+    """Over COREF_GAP_TEMPLATES' prompts: the model's logit gap, right name's first token minus the wrong one's at
+    the last position (mean, standard error, fraction of prompts above 0: chance 50%), and its direct logit
+    attribution per (layer, head) with the best head, beside the embedding's, each FFN's and the bias's terms."""
+    terms = [logit_gap_attribution(model, *pos, device) for pos in
+             (coref_gap_tokens(tok, text, right, wrong) for text, _, right, wrong in coref_prompts(COREF_GAP_TEMPLATES))
+             if pos is not None and len(pos[0]) <= model.cfg.ctx]
+    if not terms:
+        return {"prompts": 0}
+    H = model.cfg.heads
+    gap, gap_se, gap_pos = over_prompts([torch.tensor(t["gap"], dtype=torch.float64) for t in terms])
+    heads, heads_se, heads_pos = over_prompts([t["heads"] for t in terms])
+    best = int(heads.flatten().argmax())
+    return {"prompts": len(terms), "gap": gap.item(), "stderr": gap_se.item(), "accuracy": gap_pos.item(),
+            "heads": heads.tolist(), "heads_accuracy": heads_pos.tolist(),
+            "best": {"layer": best // H, "head": best % H, "gap": heads.flatten()[best].item(),
+                     "stderr": heads_se.flatten()[best].item(), "accuracy": heads_pos.flatten()[best].item()},
+            "embed": sum(t["embed"] for t in terms) / len(terms), "bias": sum(t["bias"] for t in terms) / len(terms),
+            "ffn": over_prompts([t["ffn"] for t in terms])[0].tolist()}
+
+
+def gap_text(g: dict) -> str:
+    """The logit gap's summary, one line (log and report)."""
+    if not g.get("prompts"):
+        return NO_COREF_GAP
+    b = g["best"]
+    return (f"coreference logit gap ({g['prompts']} prompts, right name's first token minus the wrong one's): "
+            f"{g['gap']:+.3f} ± {g['stderr']:.3f}, right name ahead in {g['accuracy']:.0%} (chance 50%); per head, "
+            f"direct logit attribution: best L{b['layer']}h{b['head']} {b['gap']:+.3g} ± {b['stderr']:.2g} (> 0 in {b['accuracy']:.0%}), "
+            f"embedding {g['embed']:+.3g}, FFN per layer " + " ".join(f"{v:+.3g}" for v in g["ffn"]))
+
+
 @torch.no_grad()
 def head_specialization(model: DualStream, data, device) -> dict:
     return {"distinctiveness": distinctiveness(model, data), "hubs": hubs(model), "hub_growth": hub_growth(model),
-            "coreference": coreference(model, data.tokenizer, device)}
+            "coreference": coreference(model, data.tokenizer, device),
+            "coreference_gap": coreference_gap(model, data.tokenizer, device)}
 
 
 def sample_text(model, tok, prompt: str, n: int, device, seed: int) -> str:
@@ -2039,6 +2170,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                          + " ".join(f"{v:+.3f}" for v in c["layer_best_margin"]) + "</p>")
         else:
             parts.append(f"<p>{NO_COREF}</p>")
+        parts.append(f"<p>{html.escape(gap_text(s['coreference_gap']))}</p>")
     for m, samples in results.get("samples", {}).items():
         parts.append(f"<h2>Samples ({html.escape(m)})</h2>" + "".join(f"<pre>{html.escape(s)}</pre>" for s in samples))
     path = out_dir / f"{name}.html"
@@ -2351,6 +2483,7 @@ def run(cfg: Config, explicit) -> int:
                          f"{c['best']['accuracy']:.0%} (chance 50%); mean over heads {c['mean_margin']:+.3f}")
             else:
                 line += f"; {NO_COREF}"
+            line += f"; {gap_text(s['coreference_gap'])}"
             log(f"specialisation, {name}: {line}")
     if cfg.head_sweep:
         rows = results["head_sweep"] = head_sweep_table(models, ppl, results["specialization"])
@@ -2358,6 +2491,9 @@ def run(cfg: Config, explicit) -> int:
         for r in rows:
             coref = (f"coreference best head {r['coref best head']} right name first in {r['coref accuracy']:.0%} "
                      f"(margin {r['coref margin']:+.3f})" if r["coref prompts"] else "coreference: no usable prompt")
+            coref += (f"  logit gap {r['logit gap']:+.3f} ± {r['logit gap stderr']:.3f}, > 0 in {r['logit gap > 0']:.0%}"
+                      f", best head by DLA {r['gap best head']} ({r['gap best head DLA']:+.3g})" if r["gap prompts"]
+                      else "  logit gap: no usable prompt")
             log(f"  H={r['heads']:<3} d_h={r['d_h']:<4} val loss {r['val loss']:.4f}  distinctiveness {r['distinctiveness']:.3f} "
                 f"(per layer {r['per layer']})  {coref}")
     if cfg.sample is not None or cfg.train:

@@ -4,6 +4,7 @@ the ablations, the analyses, training (resume, NaN, DDP), checkpoints, the comma
 works when copied alone."""
 import json
 import math
+import re
 import shutil
 import types
 from dataclasses import fields, replace
@@ -657,6 +658,106 @@ def test_coreference_scores_an_oracle_head(monkeypatch):
     assert res["margin"][1][2] == 0.0 and res["accuracy"][1][2] == 0.0
 
 
+def test_coref_gap_prompts_end_before_the_antecedent():
+    """The logit gap's family: one pronoun, of the right name's gender and not the wrong one's, and the prompt
+    ends where a name comes next: in cl100k the next token is each name's own first token (distinct within a
+    pair); in bytes the space, then the first letters where they differ (Benedick/Beatrice: " Be", then n vs a)."""
+    prompts = ds.coref_prompts(ds.COREF_GAP_TEMPLATES)
+    assert len(prompts) == len(ds.COREF_NAMES) * len(ds.COREF_GAP_TEMPLATES) * 4 and len(set(prompts)) == len(prompts)
+    male = {m for m, _ in ds.COREF_NAMES}
+    cl100k, raw = common.Tokenizer("cl100k"), common.Tokenizer("bytes")
+    for text, pron, right, wrong in prompts:
+        assert re.findall(r"\b(?:he|she|him|his|her|hers)\b", text, re.I) == [pron]  # one pronoun, nothing else
+        assert (pron == "he") == (right in male) != (wrong in male)
+        assert text.count(right) == text.count(wrong) == 1 and text.endswith(" was")
+        ids, r, w = ds.coref_gap_tokens(cl100k, text, right, wrong)
+        assert ids == cl100k.encode(text) and r != w
+        assert f" {right}".startswith(cl100k.decode([r])) and f" {wrong}".startswith(cl100k.decode([w]))
+        ids, r, w = ds.coref_gap_tokens(raw, text, right, wrong)
+        k = next(i for i, (a, b) in enumerate(zip(right, wrong)) if a != b)
+        assert raw.decode(ids) == f"{text} {right[:k]}" and (r, w) == (ord(right[k]), ord(wrong[k]))
+    # a multi-token name is scored by its first token: " Ophelia" is " O", "ph", "elia" in cl100k
+    ids, r, w = ds.coref_gap_tokens(cl100k, *[p for p in prompts if p[2] == "Ophelia"][0][::2], "Hamlet")
+    assert cl100k.decode([r]) == " O" and cl100k.decode([w]) == " Ham"
+
+
+def test_coref_gap_skips_names_lost_to_the_compaction():
+    """Compacted to one prompt's tokens plus " Romeo": the right name's " Juliet" (in the prompt only as the
+    sentence's first word, "Juliet") is the unknown id, so that prompt is skipped; a prompt whose own tokens
+    are lost does not decode as typed and is skipped too; with " Juliet" kept it is scored."""
+    enc = common.Tokenizer("cl100k").enc
+    text = "Juliet met Romeo, and she spoke. The one who spoke was"
+    assert (text, "she", "Juliet", "Romeo") in ds.coref_prompts(ds.COREF_GAP_TEMPLATES)
+    kept = sorted(set(enc.encode(text)) | set(enc.encode(" Romeo")))
+    tok = common.Tokenizer("cl100k", kept)
+    assert ds.coref_gap_tokens(tok, text, "Juliet", "Romeo") is None
+    assert ds.coref_gap_tokens(tok, text.replace("met", "saw"), "Juliet", "Romeo") is None
+    tok = common.Tokenizer("cl100k", sorted(set(kept) | set(enc.encode(" Juliet"))))
+    ids, r, w = ds.coref_gap_tokens(tok, text, "Juliet", "Romeo")
+    assert tok.decode(ids) == text and tok.decode([r]) == " Juliet" and tok.decode([w]) == " Romeo"
+
+
+def test_coref_gap_equals_the_logits_by_hand(monkeypatch):
+    """On a tiny random model (random norm gains and biases): each prompt's gap is logit(right) − logit(wrong) at
+    the last position of the prompt and the names' shared bytes, the byte ids picked by hand; the summary is their
+    mean, standard error and fraction above 0. Two pairs (32 prompts, one pair sharing " Be") keep it fast."""
+    monkeypatch.setattr(ds, "COREF_NAMES", (("Romeo", "Juliet"), ("Benedick", "Beatrice")))
+    tok = common.Tokenizer("bytes")
+    m = tiny_model(tok.vocab_size, ctx=128, cln_bias=True)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p))
+    gaps = []
+    for text, _, right, wrong in ds.coref_prompts(ds.COREF_GAP_TEMPLATES):
+        k = next(i for i, (a, b) in enumerate(zip(right, wrong)) if a != b)
+        with torch.no_grad():
+            logits = m(torch.tensor([list(f"{text} {right[:k]}".encode())]))[0, -1]
+        gaps.append((logits[ord(right[k])] - logits[ord(wrong[k])]).item())
+    gaps = torch.tensor(gaps, dtype=torch.float64)
+    res = ds.coreference_gap(m, tok, "cpu")
+    assert res["prompts"] == len(gaps) == 32 and 0 < res["accuracy"] < 1
+    assert res["gap"] == pytest.approx(gaps.mean().item(), abs=1e-12)
+    assert res["stderr"] == pytest.approx((gaps.std() / math.sqrt(len(gaps))).item(), rel=1e-9)
+    assert res["accuracy"] == pytest.approx((gaps > 0).double().mean().item())
+    assert ds.coreference_gap(tiny_model(tok.vocab_size, ctx=32), tok, "cpu") == {"prompts": 0}  # longer than ctx
+    assert ds.NO_COREF_GAP in ds.gap_text({"prompts": 0})
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(mixing="dense", cln_bias=True), dict(mixing="independent", mode="fts"),
+                                dict(mode="single", mixing="dense", norm="layernorm", cln_bias=True),
+                                dict(cln_gain="head", pos="alibi", attn_out_mixing="independent")])
+def test_logit_gap_attribution_sums_to_the_gap(kw):
+    """Direct logit attribution: embedding + every head + every FFN + the norm's bias = the model's gap (norm
+    scale frozen at the last position); each layer's heads add up to that layer's whole attention write scored
+    alone; a head whose write is zero (its Mix_O column cleared) scores exactly 0."""
+    tok = common.Tokenizer("bytes")
+    m = tiny_model(tok.vocab_size, ctx=128, layers=3, **kw)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.copy_(1 + torch.randn_like(p))
+        o = m.blocks[1].attn.mix_o  # layer 1's head 2 writes nothing: its part of Mix_O cleared
+        {"dense": lambda: o.weight[:, 16:], "kronecker": lambda: o.weight[:, 2], "independent": lambda: o.weight[2]
+         }[o.kind]().zero_()
+    writes = []
+    hooks = [b.attn.register_forward_hook(lambda mod, i, o: writes.append(o[0, -1])) for b in m.blocks]
+    hooks.append(m.ln_f.register_forward_hook(lambda mod, i, o: writes.append(i[0][0, -1])))
+    text, _, right, wrong = ds.coref_prompts(ds.COREF_GAP_TEMPLATES)[7]
+    ids, r, w = ds.coref_gap_tokens(tok, text, right, wrong)
+    t = ds.logit_gap_attribution(m, ids, r, w, "cpu")
+    for h in hooks:
+        h.remove()
+    assert t["heads"].shape == (3, 3) and t["ffn"].shape == (3,) and (t["bias"] != 0) == m.cfg.cln_bias
+    total = t["embed"] + t["heads"].sum().item() + t["ffn"].sum().item() + t["bias"]
+    assert total == pytest.approx(t["gap"], abs=1e-10) and abs(t["gap"]) > 1e-3
+    x, direction = writes[-1], m.wte.weight[r] - m.wte.weight[w]
+    for layer in range(3):
+        whole = (m.ln_f.frozen(x, writes[layer]) @ direction).item()
+        assert t["heads"][layer].sum().item() == pytest.approx(whole, abs=1e-12)
+    assert t["heads"][1, 2] == 0.0 and (t["heads"][1, :2] != 0).all()
+
+
 # ---------------------------------------------------------------- training, checkpoints, command line
 
 def tiny_cfg(tmp_path, cache_dir, **kw):
@@ -768,6 +869,9 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert [(r["stream"], r["at"]) for r in res["ablation"]["kronecker"]] == [("x_t", "readout"), ("x_e", "readout")]
     spec = res["specialization"]["kronecker"]
     assert len(spec["distinctiveness"]) == 2 and len(spec["hubs"]) == 4 and spec["coreference"]["prompts"] > 0
+    gap = spec["coreference_gap"]  # the logit gap (spec §7): the model's, and per head by direct attribution
+    assert gap["prompts"] > 0 and 0 <= gap["accuracy"] <= 1 and len(gap["heads"]) == 2 and len(gap["heads"][0]) == 3
+    assert f"; coreference logit gap ({gap['prompts']} prompts, right name's first token minus" in out
     assert set(spec["hub_growth"]) == {"V", "O"} and spec["hub_growth"]["O"]["deepest layer"] == 1
     assert "; A_O hub growth L0→L1 " in out and "A_O hub growth across depth" in (tmp_path / "report.html").read_text()
     assert amp["windows"] == 4 and amp["tokens"] == 4 * 64 and res["ablation"]["kronecker"][0]["windows"] == 4
@@ -780,7 +884,7 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert "\n  greedy at α=1: " in out and "\n  greedy at α=16: " in out
     report = (tmp_path / "report.html").read_text()
     for needle in ("Attention amplification", "Stream ablation", "Head specialisation", "data:image/png;base64",
-                   "<td>auto → cpu</td>"):
+                   "<td>auto → cpu</td>", f"coreference logit gap ({gap['prompts']} prompts"):
         assert needle in report, needle
 
     arch = ["--layers", "2", "--d-model", "24", "--heads", "3"]
@@ -855,6 +959,8 @@ def test_head_sweep_from_the_command_line(tmp_path, cache_dir):
     rows = json.loads((tmp_path / "results.json").read_text())["head_sweep"]
     assert [(row["heads"], row["d_h"]) for row in rows] == [(2, 12), (3, 8), (6, 4), (12, 2)]
     assert all(0 <= row["distinctiveness"] <= 1 and row["coref prompts"] > 0 for row in rows)
+    assert all(row["gap prompts"] > 0 and row["gap best head"] and 0 <= row["logit gap > 0"] <= 1 for row in rows)
+    assert r.stdout.count(", best head by DLA L0h") == 4
     assert "head sweep (spec §7, §10.5" in r.stdout and "  H=12  d_h=2    val loss" in r.stdout
     assert len(list(tmp_path.glob("ckpt-*.pt"))) == 4 and (tmp_path / "log-head-sweep-token-factor-kronecker-"
                                                          "layers-1-d-model-24.txt").is_file()

@@ -173,6 +173,8 @@ def _op_shapes():
     for T in (64, 256):                                       # dual_stream --bench: d_h = 64, bf16
         q, k, v = (torch.randn(1, 2, T, 64, dtype=bf16, requires_grad=True) for _ in range(3))
         dual_stream.amp_attention(q, k, v, 1.0, backend="triton")[0].float().sum().backward()
+        # --pos alibi: the bias is a constexpr branch (HAS_BIAS) of all three kernels, so a launch of its own
+        dual_stream.amp_attention(q, k, v, 1.0, backend="triton", slopes=dual_stream.alibi_slopes(2))[0].float().sum().backward()
     for d_h in (16, 128):                                     # dual_stream's narrowest and widest heads
         for dtype in (torch.float32, bf16):
             q, k, v = (torch.randn(1, 2, 70, d_h, dtype=dtype, requires_grad=True) for _ in range(3))
