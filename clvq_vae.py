@@ -82,11 +82,21 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
   * An encoder is first fine-tuned on the training passages with a linear head on its top-layer [CLS] (§5.3: the
     paper's encoders are fine-tuned per dataset; HF Trainer's defaults, 3 epochs, 2 in the CPU preset), and the
     activations, the fidelity classifier and the concept cards all come from the fine-tuned model
-    (--finetune-epochs 0: the pretrained weights and a linear head). Decoder LMs are not fine-tuned either, and
-    this is not the paper's zero-shot use: no prompt template is applied (the paper prompts LLaMA/Qwen, §5.2)
-    and the classifier IG explains is the frozen LM + a trained linear head on its mean-pooled top-layer token
-    states (fit_head), not the prompted LM's label-token logit (§6.1). A deviation: the prompt/label-token path
-    would need per-dataset prompts and label words; the head gives both model kinds one classifier interface.
+    (--finetune-epochs 0: the pretrained weights and a linear head). Decoder LMs (any HF causal LM: LLaMA, Qwen,
+    GPT-2) are used zero-shot as the paper's (--decoder-prompt paper, default; §5.2, §6.1): each passage is
+    wrapped in the dataset's prompt in the paper's pattern ("Classify ... Respond with 0 for ..., 1 for ....
+    PASSAGE: {x}. CLASSIFICATION: "; one each for the plays (written from --genres), ag_news and imdb), and the
+    classifier IG explains is the LM's next-token logits of the label tokens "0", "1", ... at the prompt's last
+    token (the LM head's rows of those tokens, checked once against the LM's own logits), predicted class = their
+    argmax; no trained head. IG keeps this file's settings (Gauss-Legendre, --ig-steps, where the paper's LLM
+    runs take 100 Riemann steps; the pad baseline pads the template's tokens too, as the official script, but
+    keeps BOS). The activations come from the prompted pass ("over the whole prompted string"), but the rows are
+    the passage's own words only: under causal attention the template's prefix states are identical in every
+    passage, and on the unfiltered dev set ~20 template rows would join every sentence's mean-pooled r and its
+    salient-word candidates (choice; the data section's prompt comment). §6.1's excluded last token is then the
+    template's end, so the passage's last word may be the salient one. The cache key holds the prompt.
+    --decoder-prompt none: the bare passage, and a linear head trained on the frozen LM's mean-pooled top-layer
+    token states (fit_head), what this file did before. Encoders ignore the switch (a typed one is noted).
   * Adam with L2 weight decay 1e-4 on the weights (not the biases; the codebook is a buffer; --optimizer adamw
     for decoupled decay, the code's --use_adamw and the other scripts' optimizer), lr 5e-3, batches of
     128 sentences, gradient clip 2.0, bf16 autocast for the decoder alone on CUDA (distances and EMA stay fp32).
@@ -231,10 +241,15 @@ class Config:
     finetune_epochs: int = field(default=3, metadata={
         "help": "fine-tune an encoder with a linear [CLS] head on the training passages first, as the paper's "
                 "BERT/RoBERTa (§5.3); 0 = the pretrained weights, frozen, and a linear head (decoders: never "
-                "fine-tuned, the frozen LM + a trained linear head, no prompt: not the paper's prompted zero-shot "
-                "use)"})
+                "fine-tuned, see --decoder-prompt)"})
     finetune_lr: float = field(default=5e-5, metadata={"help": "fine-tuning: AdamW peak lr, linear decay to 0"})
     finetune_batch: int = field(default=16, metadata={"help": "fine-tuning: passages per step"})
+    decoder_prompt: Literal["paper", "none"] = field(default="paper", metadata={
+        "help": "decoder LMs: paper = zero-shot as the paper (§5.2): every passage is wrapped in the dataset's "
+                "prompt, the word rows come from the prompted pass (the passage's words only, not the template's), "
+                "and the classifier IG explains is the LM's next-token logits of the label tokens '0', '1', ... at "
+                "the prompt's last token (§6.1); none = the bare passage, and a linear head trained on the "
+                "mean-pooled top layer. Encoders ignore it"})
     # training (spec §4: the official main.py for BERT/RoBERTa-base)
     preset: Literal["auto", "cpu", "paper"] = field(default="auto", metadata={
         "help": "auto: paper on a GPU, cpu otherwise"})
@@ -334,7 +349,7 @@ CPU_PRESET = dict(finetune_epochs=2, codebook_size=128, dec_layers=2, dec_ffn=51
 ARCH_KEYS = ("d_model", "codebook_size", "top_k", "alpha_init", "fixed_alpha", "enc_init", "dec_layers", "dec_heads",
              "dec_ffn", "dec_mask", "dec_memory", "model", "dataset", "genres", "layer_l", "layer_h", "per_class",
              "dev_per_class", "val_frac", "max_words", "max_examples", "min_count", "max_per_type",
-             "finetune_epochs", "finetune_lr", "finetune_batch")
+             "finetune_epochs", "finetune_lr", "finetune_batch", "decoder_prompt")
 ANALYSIS_KEYS = ("baselines", "kmeans_iters", "kmeans_restarts", "sae_latents", "sae_k", "sae_l1", "sae_steps",
                  "sae_batch", "sae_lr", "sae_ablation", "sae_ablate_k", "fidelity", "fidelity_sentences", "probe_folds",
                  "probe_patience", "probe_epochs", "probe_standardise", "fidelity_projection", "ig_steps", "ig_baseline",
@@ -1062,6 +1077,90 @@ class SourceModel:
     fingerprint: str
     device: torch.device
     head: Optional[nn.Module] = None  # the classifier head on the top layer's [CLS], once fine-tuned
+    lm: Optional[nn.Module] = None  # decoders loaded for the prompt: the causal LM whose base `model` is
+    prompt: Optional["Prompt"] = None  # decoders, --decoder-prompt paper: every text is wrapped in it (§5.2)
+
+    @property
+    def readout(self) -> str:
+        """Which top-layer position the classifier reads (_pool): the prompt's last token (the next-token logits,
+        §6.1), else [CLS] (encoders) or the mean of the words (decoders)."""
+        return "last" if self.prompt is not None else self.kind
+
+
+# ---- prompts for decoder LMs (spec §5.2, §6.1 step 1)
+#
+# The paper uses its decoders (LLaMA-2, Qwen2.5) zero-shot: each passage goes into a per-dataset template ending
+# in "CLASSIFICATION: ", the predicted class is the argmax over the next-token logits of the label tokens
+# "0", "1", ... there, and IG explains that logit. The official prompt files are summarised in the spec (the
+# movie one: "Classify the sentiment ... Respond with 1 for positive ... 0 for negative. REVIEW: {x}.
+# CLASSIFICATION: "); the texts below follow that pattern, one per dataset this script loads, and the plays' one
+# is written from --genres. Label token = the vocabulary entry of the label word itself, as the official IG
+# script (convert_tokens_to_ids): a word that is not one token is an error.
+#
+# Which rows enter the concept model: "activations are taken over the whole prompted string" (§5.2) is honoured by
+# running the model on the prompted string, so each word's state has seen the instruction before it; the rows are
+# the passage's own words only, the template's words are not rows. In a causal LM the template's prefix states
+# are the same in every passage (they cannot see it), so its rows would be identical copies in every sentence;
+# the dev set is unfiltered, so ~20 template rows would join every dev sentence's mean-pooled r (§6.1 step 3) and
+# its salient-word candidates; and pos, words and the cards keep meaning "the passage's word i" as for encoders.
+
+# dataset -> (template, the label names the template's classes are written for, in class order)
+PROMPTS = {
+    "imdb": ("Classify the sentiment of the following movie review. Respond with 1 for positive or 0 for "
+             "negative. REVIEW: {x}. CLASSIFICATION: ", ("neg", "pos")),
+    "ag_news": ("Classify the topic of the following news article. Respond with 0 for World, 1 for Sports, 2 for "
+                "Business or 3 for Sci/Tech. ARTICLE: {x}. CLASSIFICATION: ", ("World", "Sports", "Business",
+                                                                                "Sci/Tech")),
+}
+PLAYS_PROMPT = ("Classify the genre of the following passage from a Shakespeare play. Respond with {choices}. "
+                "PASSAGE: {{x}}. CLASSIFICATION: ")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A template with one {x} (the passage: its words joined by single spaces) and the label word of each class
+    (labels[c] for class c), each one token of the model's vocabulary."""
+    template: str
+    labels: tuple
+
+    def parts(self) -> tuple[str, str]:
+        """(prefix, suffix) around {x}."""
+        pre, _, post = self.template.partition("{x}")
+        return pre, post
+
+
+def dataset_prompt(dataset: str, label_names) -> Prompt:
+    """The prompt of a dataset (the plays: written from the genres, i.e. the label names, in class order)."""
+    from common import DataError
+
+    n = len(label_names)
+    if n > 10:
+        raise DataError(f"{n} classes: the prompt's label tokens are the digits 0-9 (§6.1); --decoder-prompt none")
+    labels = tuple(str(c) for c in range(n))
+    if dataset == "shakespeare":
+        choices = ", ".join(f"{c} for {g}" for c, g in enumerate(label_names[:-1]))
+        choices += f" or {n - 1} for {label_names[-1]}"
+        return Prompt(PLAYS_PROMPT.format(choices=choices), labels)
+    if dataset not in PROMPTS:
+        raise DataError(f"no prompt for dataset '{dataset}' (prompts: shakespeare, {', '.join(PROMPTS)}); "
+                        "--decoder-prompt none")
+    template, names_for = PROMPTS[dataset]
+    if tuple(label_names) != names_for:
+        raise DataError(f"dataset '{dataset}' has labels {list(label_names)}, its prompt is written for "
+                        f"{list(names_for)}; --decoder-prompt none")
+    return Prompt(template, labels)
+
+
+def label_token_ids(src: "SourceModel", words) -> list[int]:
+    """The vocabulary id of each label word (one token each, distinct), or a one-line DataError."""
+    from common import DataError
+
+    vocab = src.tokenizer.get_vocab()
+    bad = [w for w in words if w not in vocab]
+    if bad:
+        raise DataError(f"label word(s) {', '.join(map(repr, bad))} are not single tokens of {src.name}'s vocabulary; "
+                        "the prompted classifier reads one next-token logit per class (§6.1); --decoder-prompt none")
+    return [int(vocab[w]) for w in words]
 
 
 def _packaged_folder(name: str) -> Path | None:
@@ -1101,13 +1200,16 @@ def _model_fingerprint(model, tokenizer) -> str:
     return h.hexdigest()
 
 
-def load_source_model(name: str = DEFAULT_MODEL, device="cpu") -> SourceModel:
+def load_source_model(name: str = DEFAULT_MODEL, device="cpu", causal_lm: bool = False) -> SourceModel:
     """The frozen source LM: the packaged MiniLM (default), a local folder (what save_pretrained writes), or a
-    hub id (online, or already in the HF cache). Problems a user can fix raise DataError with one line."""
+    hub id (online, or already in the HF cache). Problems a user can fix raise DataError with one line.
+    causal_lm: a decoder is loaded with its LM head (src.lm, for the prompt's label-token logits); src.model is
+    then its base model, the same weights and fingerprint as without (encoders ignore it)."""
     import transformers
     from common import DataError, hub_reachable
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
     transformers.utils.logging.set_verbosity_error()  # "weights not used"/"newly initialised" chatter
     transformers.utils.logging.disable_progress_bar()
@@ -1126,7 +1228,23 @@ def load_source_model(name: str = DEFAULT_MODEL, device="cpu") -> SourceModel:
             raise DataError(f"model {name} is an encoder-decoder ({config.model_type}); use an encoder or a decoder")
         tokenizer = AutoTokenizer.from_pretrained(where, **kw)
         dtype = torch.float32 if device.type == "cpu" else "auto"  # LLMs keep their bf16/fp16 on GPU
-        model = AutoModel.from_pretrained(where, dtype=dtype, **kw)
+        # Encoder = a masked-LM family (BERT, RoBERTa, DeBERTa...): bidirectional, [CLS] summarises the sentence.
+        # Everything else AutoModel loads here (GPT-2, LLaMA, Qwen...) is a causal decoder.
+        kind = "encoder" if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES else "decoder"
+        lm = None
+        if causal_lm and kind == "decoder":
+            if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+                raise DataError(f"decoder {name} ({config.model_type}) has no causal-LM head class for the prompt's "
+                                "label-token logits; --decoder-prompt none")
+            lm, info = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, output_loading_info=True, **kw)
+            out = lm.get_output_embeddings()
+            head_name = next((n for n, m in lm.named_modules() if m is out), None)
+            if out is None or head_name and any(k.startswith(head_name + ".") for k in info["missing_keys"]):
+                raise DataError(f"model {name} has no trained LM head (its weights lack '{head_name}'), which the "
+                                "prompt's label-token logits need; --decoder-prompt none")
+            model = lm.base_model
+        else:
+            model = AutoModel.from_pretrained(where, dtype=dtype, **kw)
     except DataError:
         raise
     except Exception as e:  # OSError (no such repo, gated, offline), hub HTTP errors, bad config/tokenizer files
@@ -1137,16 +1255,13 @@ def load_source_model(name: str = DEFAULT_MODEL, device="cpu") -> SourceModel:
         raise DataError(f"model '{name}' could not be loaded ({type(e).__name__}: {first[:200]})") from None
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(f"model {name} has no fast tokenizer; word alignment needs character offsets")
-    model.to(device).eval().requires_grad_(False)
-    # Encoder = a masked-LM family (BERT, RoBERTa, DeBERTa...): bidirectional, [CLS] summarises the sentence.
-    # Everything else AutoModel loads here (GPT-2, LLaMA, Qwen...) is a causal decoder.
-    kind = "encoder" if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES else "decoder"
+    (lm if lm is not None else model).to(device).eval().requires_grad_(False)
     if kind == "encoder" and tokenizer.cls_token_id is None:
         raise DataError(f"encoder {name} has no [CLS]/<s> token; the sentence-start row (§5.1) needs one")
     limits = [int(tokenizer.model_max_length), int(getattr(config, "max_position_embeddings", 0) or 0)]
     max_tokens = min(x for x in limits if 0 < x < 10**9) if any(0 < x < 10**9 for x in limits) else 4096
     return SourceModel(model, tokenizer, str(name), kind, int(config.num_hidden_layers), int(config.hidden_size),
-                       max_tokens, _model_fingerprint(model, tokenizer), device)
+                       max_tokens, _model_fingerprint(model, tokenizer), device, lm=lm)
 
 
 # ---- fine-tuning an encoder on the task (spec §5.3)
@@ -1157,9 +1272,9 @@ def load_source_model(name: str = DEFAULT_MODEL, device="cpu") -> SourceModel:
 # head(_pool(...)) for both kinds) are trained with HF Trainer's defaults: AdamW at 5e-5 with linear decay to 0,
 # no weight decay, gradient clip 1.0, 3 epochs, the model's own dropout; batches of 16 passages. The result is
 # cached (weights + head, keyed by the base weights, texts, labels and settings) and the fingerprint then names
-# the fine-tuned weights, so the activation cache can never mix the two. Decoders are not fine-tuned and keep the
-# frozen LM + a trained linear head (fit_head) on mean-pooled top-layer states, with no prompt template: not the
-# paper's prompted zero-shot use (§5.2, §6.1 label-token logit), a deviation (module docstring).
+# the fine-tuned weights, so the activation cache can never mix the two. Decoders are not fine-tuned: their classifier
+# is the prompted LM, zero-shot, as the paper's (--decoder-prompt paper: the prompts above, label_token_head), or
+# with --decoder-prompt none the frozen LM + a trained linear head (fit_head) on mean-pooled top-layer states.
 
 FINETUNE_FORMAT = "glassbox-clvq-finetuned/1"
 
@@ -1420,6 +1535,32 @@ def align_words(words: list[str], offsets: list[tuple[int, int]], special: list[
     return [t if t >= 0 and reach[i] >= spans[i][1] else -1 for i, t in enumerate(last)]
 
 
+def _encode(src: SourceModel, texts: list[str]):
+    """What the model sees of each text: the Moses-like words joined by single spaces, wrapped in src.prompt when
+    there is one. -> (words, the tokenizer's encoding), with offset_mapping in the joined words' characters, so
+    that align_words and word_scores see the same units with or without a prompt: a template token's span
+    clips to empty (end <= start: no word's, both skip it), one straddling the boundary (BPE's "Ġthe" after
+    "PASSAGE:", the last word's "." merged with the template's ".") is clipped to the words. A prompted text is
+    never truncated (the label position is its end): one longer than the model's window is a DataError."""
+    from common import DataError
+
+    words = [split_words(t) for t in texts]
+    joined = [" ".join(ws) for ws in words]
+    kw = dict(add_special_tokens=True, return_offsets_mapping=True, return_special_tokens_mask=True)
+    if src.prompt is None:
+        return words, src.tokenizer(joined, truncation=True, max_length=src.max_tokens, **kw)
+    pre, post = src.prompt.parts()
+    enc = src.tokenizer([pre + j + post for j in joined], **kw)
+    lengths = [len(i) for i in enc["input_ids"]]
+    if lengths and max(lengths) > src.max_tokens:
+        raise DataError(f"{sum(n > src.max_tokens for n in lengths)} prompted passages are longer than {src.name}'s "
+                        f"{src.max_tokens} tokens (the longest {max(lengths)}); lower --max-words")
+    n0 = len(pre)
+    enc["offset_mapping"] = [[(max(a - n0, 0), min(b - n0, len(j))) for a, b in offs]  # clipped to the words
+                             for offs, j in zip(enc["offset_mapping"], joined)]
+    return words, enc
+
+
 @torch.no_grad()
 def check_layer_range(src: SourceModel, lo: int, hi: int) -> None:
     """0 <= l <= h <= n_layers (0 = the embeddings), as a one-line DataError."""
@@ -1444,9 +1585,7 @@ def extract_activations(src: SourceModel, texts: list[str], labels: list[int] | 
     labels = list(labels) if labels is not None else [0] * len(texts)
     t0 = time.time()
     tok = src.tokenizer
-    words = [split_words(t) for t in texts]
-    enc = tok([" ".join(ws) for ws in words], add_special_tokens=True, truncation=True, max_length=src.max_tokens,
-              return_offsets_mapping=True, return_special_tokens_mask=True)
+    words, enc = _encode(src, texts)  # with src.prompt: the prompted strings, offsets in the passage's words
     ids, offs, smask = enc["input_ids"], enc["offset_mapping"], enc["special_tokens_mask"]
     last_tok = [align_words(ws, o, sp) for ws, o, sp in zip(words, offs, smask)]
     encoder = src.kind == "encoder"
@@ -1524,12 +1663,15 @@ def _slug(s: str) -> str:
 def activation_cache_path(src: SourceModel, dataset: str, texts: list[str], labels: list[int], layers,
                           min_count: int, max_per_type: int | None, cache_dir=None) -> tuple[Path, dict]:
     """(file, spec). The key hashes everything the rows depend on: the weights (fingerprint), the exact texts
-    and labels, layers, filter settings, the word splitter and the format, so a stale file is never reused."""
+    and labels, layers, filter settings, the word splitter, the format and the prompt (src.prompt's template; the
+    key of an unprompted model has no prompt entry, as before prompts existed), so a stale file is never reused."""
     from common import default_cache_dir
 
     spec = dict(format=ACTS_FORMAT, model=src.name, model_fingerprint=src.fingerprint, max_tokens=src.max_tokens,
                 dataset=dataset, texts=_texts_hash(texts, labels), n=len(texts), layers=[int(x) for x in layers],
                 min_count=min_count, max_per_type=max_per_type, word_re=WORD_RE.pattern)
+    if src.prompt is not None:
+        spec["prompt"] = src.prompt.template
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     name = f"{_slug(src.name)}-{_slug(dataset)}-l{layers[0]}h{layers[1]}-{key}.pt"
@@ -2004,6 +2146,7 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         if ok:
             saved = dict(ck["config"])
             saved.setdefault("val_frac", 0.0)  # checkpoints from before --val-frac validated on the dev set
+            saved.setdefault("decoder_prompt", "none")  # and before --decoder-prompt, decoders had no prompt
             missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
     except Exception as e:  # truncated file, not a checkpoint, unpickling refused
         raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None
@@ -2318,10 +2461,11 @@ def fit(cfg: Config, train_acts: Activations, dev_acts: Activations, device, log
 #                      is its argmax latent, ablated as the span of its top-`sae_ablate_k` encoder rows (TMLR)
 #
 # Fidelity (§6.1): the "model" whose predicted class Integrated Gradients explains is the fine-tuned encoder and its
-# [CLS] head (the data section's cached_finetune, as the paper's fine-tuned BERT/RoBERTa), or, with
-# --finetune-epochs 0 and for decoders (no prompt; the paper prompts them zero-shot), the frozen LM plus a linear
-# head trained on the top layer's sentence representation ([CLS] for encoders, the mean of the word tokens for
-# decoders). IG runs
+# [CLS] head (the data section's cached_finetune, as the paper's fine-tuned BERT/RoBERTa); for decoders (default
+# --decoder-prompt paper) the prompted LM itself, zero-shot: the next-token logits of the label tokens at the
+# prompt's last token (label_token_head, §6.1 step 1); with --finetune-epochs 0 (encoders) or --decoder-prompt
+# none, the frozen LM plus a linear head trained on the top layer's sentence representation ([CLS] for encoders,
+# the mean of the word tokens for decoders). IG runs
 # from a baseline to the layer-l states (a hook replaces the output of block l and the blocks above run as usual);
 # per sentence the top-1 word (last unit excluded) gives one concept per method; that concept's vector (subspace)
 # is projected out of the layer-l sentence representation r (§6.1 step 3-4); an MLP probe trained on the
@@ -2516,19 +2660,14 @@ def _blocks(model, n_layers: int) -> nn.ModuleList:
                    "which Integrated Gradients hooks; pass --no-fidelity for this model")
 
 
-def _encode(src: SourceModel, texts: list[str]):
-    """The tokenisation extract_activations used: the Moses-like words joined by single spaces."""
-    words = [split_words(t) for t in texts]
-    enc = src.tokenizer([" ".join(ws) for ws in words], add_special_tokens=True, truncation=True,
-                        max_length=src.max_tokens, return_offsets_mapping=True, return_special_tokens_mask=True)
-    return words, enc
-
-
 def _pool(hs, special, kind: str):
-    """The sentence representation the classifier reads at the top layer: [CLS] (encoders) or the mean of the
-    non-special tokens (decoders). hs [B, T, d]; special [B, T] bool, True on specials and padding."""
+    """The sentence representation the classifier reads at the top layer (kind = SourceModel.readout): [CLS]
+    (encoder), the mean of the non-special tokens (decoder) or the last non-special token (last: the prompt's
+    end, where the LM predicts the label token). hs [B, T, d]; special [B, T] bool, True on specials and padding."""
     if kind == "encoder":
         return hs[:, 0].float()
+    if kind == "last":  # argmax of the running count = the first position where it peaks = the last real token
+        return hs[torch.arange(hs.shape[0], device=hs.device), (~special).long().cumsum(1).argmax(1)].float()
     w = (~special).to(hs.dtype)[..., None]
     return ((hs * w).sum(1) / w.sum(1).clamp_min(1)).float()
 
@@ -2543,7 +2682,7 @@ def top_features(src: SourceModel, texts: list[str], batch: int = 16) -> torch.T
         sp = enc["special_tokens_mask"][b:b + batch]
         spec = torch.tensor([s + [1] * (inp.shape[1] - len(s)) for s in sp]).bool()
         hs = src.model(input_ids=inp, attention_mask=att, output_hidden_states=True).hidden_states[-1]
-        out.append(_pool(hs, spec.to(src.device), src.kind).cpu())
+        out.append(_pool(hs, spec.to(src.device), src.readout).cpu())
     return torch.cat(out)
 
 
@@ -2569,6 +2708,36 @@ def fit_head(feats: torch.Tensor, labels, n_classes: int, seed: int, steps: int 
     return head.requires_grad_(False)
 
 
+@torch.no_grad()
+def label_token_head(src: SourceModel, probe_text: str) -> nn.Linear:
+    """The prompted LM as a classifier (§6.1 step 1, decoders with a prompt): logit_c = the next-token logit of
+    class c's label token at the prompt's last token, i.e. the LM head's rows of the label tokens as one Linear on
+    the final top-layer state (so IG's classifier stays head(_pool(...)) for every kind); predicted class = the
+    argmax over them. No training. Checked once against the LM's own logits on probe_text: a model whose
+    forward changes the logits after its head (soft-capping, a logit scale) or whose tokenizer appends a token
+    after the prompt fails here with one line instead of explaining another classifier."""
+    if src.lm is None or src.prompt is None:
+        raise RunError(f"{src.name}: the prompted classifier needs the causal LM and a prompt (load_source_model("
+                       "causal_lm=True), src.prompt)")
+    ids = label_token_ids(src, src.prompt.labels)
+    out = src.lm.get_output_embeddings()
+    head = nn.Linear(src.d_model, len(ids)).to(src.device)
+    head.weight.copy_(out.weight[ids].float())
+    bias = getattr(out, "bias", None)
+    head.bias.copy_(bias[ids].float() if bias is not None else torch.zeros(len(ids)))
+    _, enc = _encode(src, [probe_text])
+    inp = torch.tensor(enc["input_ids"], device=src.device)
+    want = src.lm(input_ids=inp).logits[0, -1, ids].float()
+    hs = src.model(input_ids=inp, output_hidden_states=True).hidden_states[-1]
+    got = head(_pool(hs, torch.tensor(enc["special_tokens_mask"], device=src.device).bool(), "last"))[0]
+    tol = (1e-4 if hs.dtype == torch.float32 else 3e-2) * (1 + float(want.abs().max()))
+    if float((got - want).abs().max()) > tol:
+        raise RunError(f"{src.name}: the LM head's label-token rows on the prompt's last token give {got.tolist()}, "
+                       f"the LM's own next-token logits {want.tolist()}; its logits are not lm_head(last state) "
+                       "here: --decoder-prompt none")
+    return head.requires_grad_(False)
+
+
 def integrated_gradients(src: SourceModel, head: nn.Module, input_ids: list[int], special: list[int], layer: int,
                          steps: int = 50, baseline: str = "pad", batch: int = 25) -> dict:
     """Layer Integrated Gradients at the output of block `layer` (= hidden_states[layer], §6.1 step 1), target =
@@ -2576,14 +2745,17 @@ def integrated_gradients(src: SourceModel, head: nn.Module, input_ids: list[int]
 
         a_t = Σ_dims (x_t - b_t) ⊙ ∫₀¹ ∂f(b + α(x - b)) / ∂h_t dα,       Σ_t a_t ≈ f(x) - f(b)   (completeness)
 
-    f = the target logit of head(pool(top layer)); the integral by `steps` Gauss-Legendre nodes (exact for
+    f = the target logit of head(pool(top layer)) (with a prompt: the label token's next-token logit at the
+    prompt's last token, label_token_head); the integral by `steps` Gauss-Legendre nodes (exact for
     polynomials of degree 2·steps - 1, so completeness holds tightly at modest step counts). A forward hook on
     block layer-1 replaces its output with the interpolated states (leaves that require grad), and the blocks
     above run unchanged: Captum's LayerIntegratedGradients without the dependency. The baseline b: `pad` = the
     layer-l states of the same sentence with every non-special token replaced by the pad token (Captum's BERT
-    recipe: [CLS] [PAD] … [PAD] [SEP]); `zeros` = 0 (in a post-LN model the blocks above are scale-invariant
-    along the straight path from 0 except within ~LN-eps of α = 0, so f nearly jumps there, the quadrature
-    misses it and completeness fails: measured on the tiny test BERT, Σa ≈ 0 against a gap of 0.48; use pad).
+    recipe: [CLS] [PAD] … [PAD] [SEP]; with a prompt the template's tokens are padded too, BOS kept: the official
+    decoder script pads every position, BOS included, §6.1's "pad baseline"); `zeros` = 0 (in a post-LN model
+    the blocks above are scale-invariant along the straight path from 0 except within ~LN-eps of α = 0, so f
+    nearly jumps there, the quadrature misses it and completeness fails: measured on the tiny test BERT, Σa ≈ 0
+    against a gap of 0.48; use pad).
     -> dict(attr [T] (raw, unnormalised), target, f_x, f_base)."""
     import numpy as np
 
@@ -2605,7 +2777,7 @@ def integrated_gradients(src: SourceModel, head: nn.Module, input_ids: list[int]
         with torch.no_grad():
             out = model(input_ids=ids, output_hidden_states=True)
             x = out.hidden_states[layer][0]
-            target = int(head(_pool(out.hidden_states[-1], spec, src.kind)).argmax(-1))
+            target = int(head(_pool(out.hidden_states[-1], spec, src.readout)).argmax(-1))
             if baseline == "pad":
                 pad = src.tokenizer.pad_token_id
                 pad = pad if pad is not None else (src.tokenizer.unk_token_id or 0)
@@ -2624,14 +2796,14 @@ def integrated_gradients(src: SourceModel, head: nn.Module, input_ids: list[int]
             interp = (base[None] + al[:, None, None] * (x - base)[None]).detach().requires_grad_(True)
             state["replace"] = interp
             out = model(input_ids=ids.expand(len(al), -1), output_hidden_states=True)
-            f = head(_pool(out.hidden_states[-1], spec.expand(len(al), -1), src.kind))[:, target]
+            f = head(_pool(out.hidden_states[-1], spec.expand(len(al), -1), src.readout))[:, target]
             (g,) = torch.autograd.grad(f.sum(), interp)
             grad_sum += (wts[a0:a0 + batch].to(src.device)[:, None, None] * g.float()).sum(0)
         with torch.no_grad():
             for name, a in (("f_x", 1.0), ("f_base", 0.0)):
                 state["replace"] = (base + a * (x - base))[None]
                 out = model(input_ids=ids, output_hidden_states=True)
-                f_at[name] = float(head(_pool(out.hidden_states[-1], spec, src.kind))[0, target])
+                f_at[name] = float(head(_pool(out.hidden_states[-1], spec, src.readout))[0, target])
     finally:
         handle.remove()
     attr = (grad_sum * (x - base).float()).sum(-1).cpu()
@@ -2659,7 +2831,8 @@ def word_scores(attr: torch.Tensor, words: list[str], offsets, special) -> torch
 
 def salient_rows(cfg, src: SourceModel, head: nn.Module, acts: Activations, log=print) -> dict:
     """Per dev sentence, the row (word occurrence) of its most salient unit by IG (§6.1 step 1): the best-scored
-    among the sentence's rows except the last (the last token is excluded: [SEP] for encoders); the
+    among the sentence's rows except the last (the last token is excluded: [SEP] for encoders; with a prompt the
+    last token is the template's end, no row, so every word of the passage is a candidate); the
     sentence-start token scores as itself. The dev set is unfiltered, so every aligned word has a row; a word
     without one (truncated) is skipped and the next best taken. -> dict(rows [S] (-1: no row), targets [S])."""
     layer = acts.layers[0]
@@ -2676,7 +2849,7 @@ def salient_rows(cfg, src: SourceModel, head: nn.Module, acts: Activations, log=
                                   base, batch)
         ws = word_scores(ig["attr"], words[s], enc["offset_mapping"][s], enc["special_tokens_mask"][s])
         a0 = (ig["attr"] / ig["attr"].norm().clamp_min(1e-30)).abs()[0]
-        cand = range(lo, hi - 1) if hi - lo > 1 else range(lo, hi)
+        cand = range(lo, hi - 1) if hi - lo > 1 and src.prompt is None else range(lo, hi)
         score = [float(a0) if int(acts.pos[r]) == -1 else
                  float(ws[int(acts.pos[r])]) if 0 <= int(acts.pos[r]) < len(words[s]) else float("-inf")
                  for r in cand]
@@ -2882,12 +3055,17 @@ def _first_sentences(acts: Activations, n: int) -> Activations:
 
 def run_fidelity(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activations,
                  methods: list[ConceptMethod], log=print) -> tuple[list[dict], dict]:
-    """§6.1 end to end on the dev set: classifier head (train passages) -> IG salient row per dev sentence -> each
+    """§6.1 end to end on the dev set: classifier (fine-tuned head, a head fit on the train passages, or the
+    prompted LM's label-token logits) -> IG salient row per dev sentence -> each
     method's concept subspace for that row -> probe CV on the layer-l sentence representation."""
     seed = cfg.analysis_seed
     n_classes = max(max(train_acts.labels), max(dev_acts.labels)) + 1
     t0 = time.time()
-    if src.head is not None:  # the fine-tuned model's own head
+    if src.prompt is not None:  # the prompted LM itself, zero-shot (§6.1)
+        head = label_token_head(src, train_acts.texts[0]).cpu()
+        what = (f"the prompted LM's next-token logits of {', '.join(map(repr, src.prompt.labels))} at the prompt's "
+                "last token (zero-shot, no trained head)")
+    elif src.head is not None:  # the fine-tuned model's own head
         head, what = src.head.cpu(), "the fine-tuned model and its head"
     else:
         head, what = fit_head(top_features(src, train_acts.texts), train_acts.labels, n_classes, seed), \
@@ -2938,7 +3116,7 @@ def run_fidelity(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
     for w in salient:
         freq[w] = freq.get(w, 0) + 1
     scored = Counter(dev_acts.labels[int(s)] for s in keep)  # the probe's chance: always the majority class
-    info = dict(projection=cfg.fidelity_projection, head_dev_accuracy=head_acc, sentences=len(keep),
+    info = dict(projection=cfg.fidelity_projection, classifier=what, head_dev_accuracy=head_acc, sentences=len(keep),
                 probe_chance=max(scored.values()) / len(keep), ig_seconds=sal["seconds"],
                 salient_special=int((~word).sum()), fidelity_words_only=words_only,
                 salient_rows=rows.tolist(),
@@ -3457,14 +3635,21 @@ def load_activations(cfg: Config, device, dist_info, log) -> tuple[SourceModel, 
         kw = dict(genres=genres, max_words=cfg.max_words, seed=cfg.seed, max_examples=cfg.max_examples)
         tr = load_passages(cfg.dataset, "train", cfg.per_class, **kw)  # before the model: a hub dataset fails fast
         dv = load_passages(cfg.dataset, "val", cfg.dev_per_class, **kw)
-        src = load_source_model(cfg.model, device)
+        prompted = cfg.decoder_prompt == "paper"
+        src = load_source_model(cfg.model, device, causal_lm=prompted)
         check_layers(cfg, src)
         if cfg.finetune_epochs and src.kind == "encoder":
             cached_finetune(src, tr.texts, tr.labels, len(tr.label_names), cfg.finetune_epochs, cfg.finetune_lr,
                             cfg.finetune_batch, cfg.seed, cfg.cache_dir, log)
-        elif cfg.finetune_epochs:
+        elif cfg.finetune_epochs and not prompted:
             log(f"fine-tuning: {cfg.model} is a decoder, not fine-tuned: the frozen LM + a trained linear head, "
                 "no prompt (not the paper's prompted zero-shot use, §5.2)")
+        if src.kind == "decoder" and prompted:  # before extraction: a bad label word fails before minutes of it
+            src.prompt = dataset_prompt(cfg.dataset, tr.label_names)
+            label_token_ids(src, src.prompt.labels)
+            log(f"prompt: {cfg.model} is a decoder, used zero-shot as the paper's (§5.2; not fine-tuned): each "
+                f"passage is wrapped in {src.prompt.template!r}, label tokens "
+                + ", ".join(map(repr, src.prompt.labels)))
         tag = cfg.dataset if cfg.dataset != "shakespeare" else "shakespeare-" + "-".join(genres)
         layers = (cfg.layer_l, cfg.layer_h)
         a = cached_activations(src, tag + "-train", tr.texts, tr.labels, layers, cfg.min_count, cfg.max_per_type,
@@ -3524,6 +3709,8 @@ def run(cfg: Config, explicit) -> int:
     log("config: " + json.dumps(asdict(cfg)))  # only now: the settings this run uses, d_model included
     for note in unused_flags(cfg, explicit):
         log(note)
+    if "decoder_prompt" in explicit and src.kind == "encoder":  # known only now that the model is loaded
+        log(f"note: --decoder-prompt has no effect in this run ({cfg.model} is an encoder, fine-tuned per task)")
     log(f"source model {cfg.model}: {src.kind}, {src.n_layers} layers, d = {src.d_model}; codes in R^{src.d_model}, "
         f"layer {cfg.layer_l} -> layer {cfg.layer_h}")
     if cfg.d_model % cfg.dec_heads:

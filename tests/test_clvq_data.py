@@ -35,12 +35,12 @@ def _save_tiny_bert(folder, seed=0, layers=2):
     return folder
 
 
-def _save_tiny_gpt2(folder):
-    """A byte-level BPE decoder whose tokenizer prepends a BOS <s> (as LLaMA's does), trained on a few lines."""
+def _tiny_bpe_tokenizer():
+    """A byte-level BPE tokenizer that prepends a BOS <s> (as LLaMA's does), trained on a few lines (the digits
+    are single tokens: the byte alphabet)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import GPT2Config, GPT2Model, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    folder.mkdir(parents=True, exist_ok=True)
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -48,9 +48,17 @@ def _save_tiny_gpt2(folder):
                             trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "<pad>"],
                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", pad_token="<pad>")
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", pad_token="<pad>")
+
+
+def _save_tiny_gpt2(folder):
+    """A byte-level BPE decoder (_tiny_bpe_tokenizer) without an LM head, 64 positions."""
+    from transformers import GPT2Config, GPT2Model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = _tiny_bpe_tokenizer()
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=bpe.get_vocab_size(), n_embd=32, n_layer=2, n_head=2, n_positions=64,
+    cfg = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=64,
                      bos_token_id=0, eos_token_id=0)
     GPT2Model(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -311,13 +319,13 @@ def test_corrupt_finetune_cache_is_one_line(tmp_path, damage):
 
 
 def test_decoders_are_not_finetuned(gpt2, tmp_path, monkeypatch):
-    """load_activations fine-tunes encoders only; a decoder is left frozen (a trained linear head, no prompt: not the
-    paper's prompted zero-shot use) and says so."""
+    """load_activations fine-tunes encoders only; a decoder is left frozen and says so (here --decoder-prompt none: a
+    trained linear head, no prompt; the prompted default is tests/test_clvq_prompt.py's)."""
     monkeypatch.setattr(C, "cached_finetune", lambda *a, **k: (_ for _ in ()).throw(AssertionError("fine-tuned")))
     monkeypatch.setattr(C, "load_source_model", lambda *a, **k: gpt2)
     lines = []
     cfg = C.Config(model="tiny-gpt2", cache_dir=str(tmp_path), per_class=3, dev_per_class=2, max_words=60,
-                   min_count=1, layer_l=1, layer_h=2)
+                   min_count=1, layer_l=1, layer_h=2, decoder_prompt="none")
     src, tr, _ = C.load_activations(cfg, torch.device("cpu"), dict(ddp=False, rank=0, local_rank=0, world=1),
                                     lines.append)
     assert src.head is None and len(tr.texts) == 6
