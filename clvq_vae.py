@@ -3562,7 +3562,9 @@ def validate(cfg: Config, explicit=()) -> None:
               (0 < cfg.ema_decay < 1, "--ema-decay must be in (0, 1)"), (cfg.ema_eps > 0, "--ema-eps must be > 0"),
               (cfg.beta >= 0, "--beta must be >= 0"), (cfg.dead_threshold >= 0, "--dead-threshold must be >= 0"),
               (cfg.init_iters >= 1 and cfg.init_restarts >= 1, "--init-iters and --init-restarts must be >= 1"),
-              (cfg.init_rows is None or cfg.init_rows >= cfg.codebook_size,
+              # only a fresh run seeds the codebook (--resume keeps it, --no-train loads it): without training the
+              # K typed here need not be the checkpoint's, so it is not checked against
+              (not cfg.train or cfg.resume or cfg.init_rows is None or cfg.init_rows >= cfg.codebook_size,
                f"--init-rows must be at least --codebook-size ({cfg.codebook_size})"),
               (cfg.dec_layers >= 1, "--dec-layers must be >= 1"), (cfg.dec_heads >= 1, "--dec-heads must be >= 1"),
               (cfg.dec_ffn >= 1, "--dec-ffn must be >= 1"), (0 <= cfg.dropout < 1, "--dropout must be in [0, 1)"),

@@ -372,10 +372,12 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     assert ck["config"]["codebook_size"] == 8 and ck["config"]["d_model"] == 32 and ck["step"] == 6
     assert ck["config"]["batch_size"] == 8 and ck["config"]["max_iters"] == 6
     assert torch.load(tmp_path / "ckpt-vq-l1-h1.pt", weights_only=True)["config"]["layer_h"] == 1
-    # --no-train: both models come back from their checkpoints, bit for bit, and no k-means runs
+    # --no-train: both models come back from their checkpoints, bit for bit, and no k-means runs (so a typed
+    # --init-rows is not held against the preset's K, 128, which is not the checkpoint's 8)
     calls.clear()
     named = ["--layer-l", "1", "--layer-h", "2", "--out-dir", str(tmp_path)]  # the variant is named by its layers
-    rc, err = call_main(cv.main, ["--no-train", *named, "--cache-dir", str(cache_dir)], capsys, monkeypatch)
+    rc, err = call_main(cv.main, ["--no-train", "--init-rows", "8", *named, "--cache-dir", str(cache_dir)], capsys,
+                        monkeypatch)
     assert rc == 0, err
     for a, b in ((model, calls[0]["model"]), (base, calls[0]["base"])):
         for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
