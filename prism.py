@@ -26,8 +26,9 @@ Analyses (the default run does all of them and writes out/prism/report.html):
     decomposition of a generated text into prototype slices plus the residual slice (§1, §5.4);
   * training-data attribution (§5.3): a cache of per-sequence prototype-space gradient summaries
     g_{m,i} = Σ_t a_{t,i} δ_t with an inverted index prototype -> sequences, block-diagonal curvature
-    A_ii·S + λ; baselines: exact prototype-space gradients with the damped empirical Fisher inverted exactly,
-    dense gradient similarity, EK-FAC through kronfluence (with --ekfac, when kronfluence is installed);
+    A_ii·S + λ; baselines: exact prototype-space gradients with the damped true Fisher (targets sampled from the
+    model; --attr-exact-curvature empirical: the empirical Fisher) inverted exactly, dense gradient similarity,
+    EK-FAC through kronfluence (with --ekfac, when kronfluence is installed);
   * suppression (§2.4, §6.3): drop keyword-matched prototypes' terms, keeping r from the unsuppressed ẑ;
   * a sparse linear controller over active prototypes vs the same controller over a top-k SAE on the twin (§6.3).
 
@@ -63,10 +64,14 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     fraction of val tokens whose nearest prototype has cos ≥ τ.
   * Attribution (§5.3, reconstructed): the cache holds g_{m,i} = Σ_t a_{t,i} δ_t with a held fixed (the
     linear-layer view), δ_t = Wᵀ(softmax(W z_t) - e_y); the exact baseline keeps a's dependence on P and
-    inverts the damped empirical Fisher of sequence gradients (Woodbury); each damping is relative to the mean
+    inverts a damped Fisher of window gradients (Woodbury); each damping is relative to the mean (non-zero)
     eigenvalue of its own curvature. The exact reference is the spec's "full prototype-space gradients" baseline
-    with the empirical-Fisher curvature (the same δδᵀ statistics as §5.3's S, taken over window gradients), not
-    a Gauss–Newton Hessian: its overlaps measure agreement with that reference. The cached curvature (block and
+    with --attr-exact-curvature fisher (default): the true Fisher E_{ỹ~p_model}[g̃ g̃ᵀ], which for softmax CE is
+    the Gauss–Newton matrix §5.3 reads the curvature as, sampled as kronfluence's EK-FAC does (S =
+    --attr-fisher-samples targets ỹ drawn from the model's softmax at every position of each window, seeded by
+    --seed; the scores still take the true-label gradients). --attr-exact-curvature empirical inverts the
+    empirical Fisher of the true-label window gradients instead, a known poor stand-in for it (Kunstner et al.
+    2019). The overlaps measure agreement with the chosen reference. The cached curvature (block and
     kfac) is cross-entropy only: §5.3's local per-prototype terms from R1 (≈2I per nearest prototype) and REC
     (a_i a_j) are left out, and the damping λ stands in for them. Dense TracIn runs twice: recomputing the
     training gradients per query batch, and from a cache of CountSketched training gradients with the prototype
@@ -77,7 +82,9 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     n/M (a random ranking of the M windows). Two diagnostics split the gap to exact into its two causes, each with
     the other held equal: the cached vs exact gradients with no curvature in either ranking (plain dot products)
     and with the cache's curvature in both; and the exact gradients ranked with the cache's curvature vs the
-    exact ranking (the curvature alone). On the CPU preset the curvature alone loses as much as the whole cached
+    exact ranking (the curvature alone: the cache's true-label token statistics against the exact reference's
+    curvature, whichever it is). Measured with the empirical reference (before the fisher default), on the CPU
+    preset the curvature alone loses as much as the whole cached
     method (0.42/0.65 top-10/100 against its 0.43/0.65), the fixed-a gradients alone less (0.79/0.89 kept with
     the cache's curvature in both, 0.84/0.95 with none): the two losses do not compound.
   * Suppression keywords default to `auto`: of the words (4+ letters) that live cards are about, the one the
@@ -107,7 +114,9 @@ eight runs) for the twin, PRISM and every analysis, with the same figures in eve
 above the twin's (6.79 vs 6.70 nats, cl100k compacted to 19,447 ids, 410k training tokens each; +0.55% with
 --revive-dead), and a cached attribution query is ~2,000x faster than dense TracIn for one query alone (1.80-1.99
 x 10^3 in three runs; 116-128x per query in a batch of 16, 18-23x against dense TracIn from a gradient sketch of
-the cache's size).
+the cache's size). Rerun 2026-12-03 on a machine whose training numerics differ slightly, with the true-Fisher
+exact reference (the default since): 7 min 03 s; 6.81 vs 6.72 nats (+1.41%); the cached ranking keeps 0.49/0.67 of
+the exact top-10/top-100 (0.42/0.65 against the empirical-Fisher reference on the same checkpoint).
 """
 from __future__ import annotations
 
@@ -232,6 +241,8 @@ class Config:
     attr_ctx: int = field(default=256, metadata={"help": "length of the attribution set's training windows (<= ctx)"})
     attr_damping: float = field(default=1e-3, metadata={"help": "curvature damping λ, relative to the mean eigenvalue"})
     attr_curvature: Literal["block", "kfac"] = field(default="block", metadata={"help": "cached curvature: per-prototype blocks or with co-usage"})
+    attr_exact_curvature: Literal["empirical", "fisher"] = field(default="fisher", metadata={"help": "the exact reference's curvature: fisher, the true Fisher (= Gauss-Newton for softmax CE; targets drawn from the model's softmax), or empirical, the Fisher of the true-label gradients"})
+    attr_fisher_samples: int = field(default=1, metadata={"help": "targets drawn per training window for --attr-exact-curvature fisher (S: the curvature's rank is M·S)"})
     ekfac: bool = field(default=False, metadata={"help": "also rank with EK-FAC through kronfluence (if installed)"})
     suppress_keywords: str = field(default="auto", metadata={"help": "WORD[,WORD..]: suppress prototypes whose live cards match; auto: of the words live cards are about, the one generated most (not when --suppress is typed alone); '' off"})
     suppress: str = field(default="", metadata={"help": "ID[,ID..]: suppress these prototypes"})
@@ -254,8 +265,8 @@ CPU_PRESET = dict(layers=4, d_model=128, heads=4, n_protos=512, topk=8, ctx=128,
 ARCH_KEYS = ("head", "layers", "d_model", "heads", "n_protos", "topk", "act", "resid_grad", "ctx", "dataset",
              "tokenizer", "compact", "max_tokens")
 ANALYSIS_KEYS = ("cards", "card_windows", "attribution", "attr_seqs", "attr_queries", "attr_ctx", "attr_damping",
-                 "attr_curvature", "ekfac", "suppress_keywords", "suppress", "suppress_factor", "controller",
-                 "controller_l1", "sample", "sample_tokens")
+                 "attr_curvature", "attr_exact_curvature", "attr_fisher_samples", "ekfac", "suppress_keywords",
+                 "suppress", "suppress_factor", "controller", "controller_l1", "sample", "sample_tokens")
 RUNTIME_KEYS = ("head", "preset", "device", "dtype", "compile", "kernels", "out_dir", "cache_dir", "resume", "train",
                 "twin", "bench", "report") + ANALYSIS_KEYS
 MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS)
@@ -1673,7 +1684,8 @@ def suppression_effect(r: dict) -> str:
 # λ = attr_damping × mean(diag A) × mean eig(S) = attr_damping × the mean eigenvalue of A ⊗ S.
 # Scores are ranked in descending order (proponents first: a positive score means a gradient step on m
 # lowers the query's loss). Baselines: the exact prototype-space estimator (exact per-sequence gradients,
-# the activations' dependence on P included, with the damped empirical Fisher inverted by Woodbury), dense
+# the activations' dependence on P included, with a damped Fisher of window gradients inverted by Woodbury:
+# the true Fisher of targets sampled from the model, or the empirical one of the true labels), dense
 # TracIn over every parameter (recomputed per query batch, and from a CountSketch cache of the same bytes as
 # the prototype cache), and EK-FAC through kronfluence (optional).
 # Every prototype-space gradient here is taken along ẑ with r held fixed: δ_t from the closed form, ∇_P by a
@@ -1683,6 +1695,8 @@ def suppression_effect(r: dict) -> str:
 
 PROTOTYPE_ANALYSES = ("cards", "attribution", "ekfac", "suppress", "suppress_keywords", "controller")  # PRISM's
 ROUTING_LABEL = "prototype path, r held fixed (spec §2.3 A)"  # what the gradients are under --resid-grad full
+EXACT_CURVATURE_LABEL = {"fisher": "damped true Fisher (≈ Gauss–Newton), targets drawn from the model",
+                         "empirical": "damped empirical Fisher of the true-label gradients"}
 ATTR_CHUNK = 2 ** 24  # elements of the largest temporary (N×V probabilities, posting products): 64 MB in fp32
 ATTR_TOKENS = 16384   # tokens per batched forward pass
 
@@ -1708,6 +1722,21 @@ def token_deltas(z, y, W, chunk=ATTR_CHUNK):
         p[torch.arange(p.shape[0], device=p.device), y[s:s + step]] -= 1
         out[s:s + step] = p @ W
     return out
+
+
+@torch.no_grad()
+def sample_targets(z, W, u, chunk=ATTR_CHUNK):
+    """ỹ_t ~ softmax(W z_t) for z [N, d], one draw per token by inverse CDF from the uniforms u [N] in [0, 1) ->
+    [N] int64. u comes from a seeded CPU generator, so the draws are the same on every device (up to the cumsum's
+    rounding) and do not touch the global RNG; the CDF is scaled by its last entry, so a sum a few ulps off 1 cannot
+    push a draw past the vocabulary."""
+    W = W.float()
+    out = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
+    step = max(1, chunk // W.shape[0])
+    for s in range(0, z.shape[0], step):
+        cdf = torch.softmax(z[s:s + step].float() @ W.T, dim=-1).cumsum(-1)
+        out[s:s + step] = torch.searchsorted(cdf, u[s:s + step, None] * cdf[:, -1:]).squeeze(1)
+    return out.clamp_max_(W.shape[0] - 1)
 
 
 def sequence_sums(seq_of_token, idx, a, delta, K: int, chunk=ATTR_CHUNK):
@@ -1911,82 +1940,124 @@ class ExactAttr:
     approximation. The exact per-sequence gradients g_m = ∇_P L_m along the prototype path (proto_vjp), stored
     row-sparse in the same CSR index (a sequence's gradient is non-zero only on the rows of the prototypes it
     activates, so this is the cache's size, where the dense [M, K·d] matrix would be 103 GB at M = 4096,
-    K = 8192, d = 768), and the Cholesky factor of M λ' I + G Gᵀ (M×M) for Woodbury: with H = GᵀG/M + λ'I,
-        G H⁻¹ g_q = (1/λ') [I − G Gᵀ (M λ' I + G Gᵀ)⁻¹] G g_q = M (M λ' I + G Gᵀ)⁻¹ G g_q.
-    λ' = attr_damping × |G|²_F / M², the mean *non-zero* eigenvalue of GᵀG/M (its rank is at most M, so the
-    mean over all K·d eigenvalues would be ~M/(Kd) smaller and leave the inverse effectively undamped). Each
+    K = 8192, d = 768). The curvature is F = G̃ᵀG̃/N over N row-sparse gradients G̃, inverted by Woodbury:
+      empirical  G̃ = G (N = M), the true-label gradients themselves; with the Cholesky factor of M λ' I + G Gᵀ,
+                     G (F + λ'I)⁻¹ g_q = (1/λ') [I − G Gᵀ (M λ' I + G Gᵀ)⁻¹] G g_q = M (M λ' I + G Gᵀ)⁻¹ G g_q.
+      fisher     the true Fisher E_{ỹ~p_model}[g̃ g̃ᵀ] (= the Gauss–Newton matrix for softmax CE, spec §5.3's
+                 reading), sampled: G̃ holds S gradients per window (row m·S + s), same routing and a(P), with
+                 targets ỹ_t drawn from the model's softmax at every position (N = M·S). The scores still take the
+                 true-label G and g_q, so the push-through form above does not apply; with the Cholesky factor of
+                 N λ' I + G̃ G̃ᵀ (N×N) and the cross Gram C = G G̃ᵀ (M×N),
+                     G (F + λ'I)⁻¹ g_q = (1/λ') [G g_q − C (N λ' I + G̃ G̃ᵀ)⁻¹ G̃ g_q].
+    λ' = attr_damping × |G̃|²_F / N², the mean *non-zero* eigenvalue of F (its rank is at most N, so the
+    mean over all K·d eigenvalues would be ~N/(Kd) smaller and leave the inverse effectively undamped). Each
     method's λ is relative to the mean eigenvalue of its own curvature, so a rescaled curvature ranks alike."""
     index: ProtoIndex
-    L: torch.Tensor  # [M, M] float64, Cholesky factor of M λ' I + G Gᵀ
+    L: torch.Tensor  # [N, N] float64, Cholesky factor of N λ' I + G̃ G̃ᵀ
     lam: float
     M: int
+    curvature: str = "empirical"
+    fisher: Optional[ProtoIndex] = None   # fisher: G̃, the sampled-target gradients, N = M·S rows
+    C: Optional[torch.Tensor] = None      # fisher: [M, N] float64, G G̃ᵀ
+    targets: Optional[torch.Tensor] = None  # fisher: [M, S, T] the drawn ỹ (int32), kept to audit G̃ (not scored)
 
     def nbytes(self) -> int:
-        return self.index.nbytes() + tensor_bytes(self.L)
+        return self.index.nbytes() + tensor_bytes(self.L, self.C) + (self.fisher.nbytes() if self.fisher else 0)
 
 
-def gram(index: ProtoIndex, M: int, chunk=4 * ATTR_CHUNK):
-    """G Gᵀ [M, M] from the row-sparse G: the columns of a few prototypes at a time made dense ([M, c·d]),
-    then one GEMM each, never the whole [M, K·d] matrix."""
+def gram(index: ProtoIndex, M: int, other: Optional[ProtoIndex] = None, N: int = 0, chunk=4 * ATTR_CHUNK):
+    """G Gᵀ [M, M] from the row-sparse G, or with `other` (N rows) the cross Gram G G̃ᵀ [M, N]: the columns of a
+    few prototypes at a time made dense ([M, c·d]), then one GEMM each, never the whole [M, K·d] matrix."""
     K, d = len(index.indptr) - 1, index.G.shape[1]
-    out = torch.zeros(M, M, device=index.G.device)
-    c = max(1, chunk // (M * d))
-    proto = index.proto_of_rows()
+    sides = [(index, M, index.proto_of_rows())]
+    if other is not None:
+        sides.append((other, N, other.proto_of_rows()))
+    out = torch.zeros(M, N if other is not None else M, device=index.G.device)
+    c = max(1, chunk // (max(M, N) * d))
+
+    def dense(ix, rows, proto, i0, i1):
+        r0, r1 = int(ix.indptr[i0]), int(ix.indptr[i1])
+        if r0 == r1:
+            return None
+        D = torch.zeros(rows, i1 - i0, d, device=ix.G.device)
+        D[ix.seq[r0:r1].long(), proto[r0:r1] - i0] = ix.G[r0:r1]
+        return D.view(rows, -1)
     for i0 in range(0, K, c):
         i1 = min(K, i0 + c)
-        r0, r1 = int(index.indptr[i0]), int(index.indptr[i1])
-        if r0 == r1:
-            continue
-        D = torch.zeros(M, i1 - i0, d, device=index.G.device)
-        D[index.seq[r0:r1].long(), proto[r0:r1] - i0] = index.G[r0:r1]
-        D = D.view(M, -1)
-        out += D @ D.T
+        D = [dense(*side, i0, i1) for side in sides]
+        if all(x is not None for x in D):
+            out += D[0] @ D[-1].T
     return out
 
 
 @torch.no_grad()
-def build_exact(model: PRISM, windows, damping: float = 1e-3) -> ExactAttr:
+def build_exact(model: PRISM, windows, damping: float = 1e-3, curvature: str = "empirical", samples: int = 1,
+                seed: int = 0) -> ExactAttr:
     """The exact gradient of every training sequence (z and δ batched without grad, then one prototype-path
-    vector-Jacobian product per sequence), its non-zero rows kept; then G Gᵀ and its damped Cholesky factor."""
+    vector-Jacobian product per sequence), its non-zero rows kept; for the fisher curvature also `samples`
+    gradients per sequence with targets drawn from the model's softmax (uniforms from a CPU generator seeded with
+    `seed`: the same draws in every run); then the curvature's Gram and its damped Cholesky factor."""
     model.eval()
     K, d = model.P.shape
     device = model.P.device
     W = model.wte.weight.float()
     M, T = windows.shape[0], windows.shape[1] - 1
-    keys, vecs = [], []
+    fisher = curvature == "fisher"
+    S = samples if fisher else 1
+    gen = torch.Generator().manual_seed(seed)
+    true, sampled = ([], []), ([], [])  # (keys, rows) of G and of G̃
+    targets = torch.zeros(M, S, T, dtype=torch.int32) if fisher else None
+
+    def keep(out, n, g):
+        rows = g.ne(0).any(-1).nonzero().squeeze(1)  # U(m): the rows this sequence's gradient reaches
+        out[0].append(n * K + rows)
+        out[1].append(g[rows])
     B = max(1, ATTR_TOKENS // T)
     for s in range(0, M, B):
         w = windows[s:s + B].to(device)
         z = model.hidden(w[:, :-1]).float()
         delta = token_deltas(z.flatten(0, 1), w[:, 1:].flatten(), W).view(z.shape)
         for b in range(w.shape[0]):  # one vector-Jacobian product per sequence: its own gradient
-            g = proto_vjp(model, z[b], delta[b])
-            rows = g.ne(0).any(-1).nonzero().squeeze(1)  # U(m): the rows this sequence's gradient reaches
-            keys.append((s + b) * K + rows)
-            vecs.append(g[rows])
-    index = ProtoIndex.from_keys(torch.cat(keys), torch.cat(vecs), K)
-    # GᵀG/M has rank <= M: its mean *non-zero* eigenvalue is ~|G|²/M², the scale λ' is relative to
-    lam = damping * index.G.pow(2).sum().item() / (M * M)
+            keep(true, s + b, proto_vjp(model, z[b], delta[b]))
+        for j in range(S if fisher else 0):  # ỹ ~ softmax(W z_t) at every position, then the same gradient
+            u = torch.rand(z.shape[0] * T, generator=gen).to(device)
+            y = sample_targets(z.flatten(0, 1), W, u)
+            targets[s:s + w.shape[0], j] = y.view(-1, T).cpu().int()
+            delta = token_deltas(z.flatten(0, 1), y, W).view(z.shape)
+            for b in range(w.shape[0]):
+                keep(sampled, (s + b) * S + j, proto_vjp(model, z[b], delta[b]))
+    index = ProtoIndex.from_keys(torch.cat(true[0]), torch.cat(true[1]), K)
+    curv = ProtoIndex.from_keys(torch.cat(sampled[0]), torch.cat(sampled[1]), K) if fisher else index
+    N = M * S
+    # G̃ᵀG̃/N has rank <= N: its mean *non-zero* eigenvalue is ~|G̃|²/N², the scale λ' is relative to
+    lam = damping * curv.G.pow(2).sum().item() / (N * N)
     if not lam > 0:
         raise RunError("every training sequence has a zero prototype-space gradient: nothing to attribute")
-    GGt = gram(index, M).double()
-    L, info = torch.linalg.cholesky_ex(GGt + M * lam * torch.eye(M, dtype=torch.float64, device=device))
+    L, info = torch.linalg.cholesky_ex(gram(curv, N).double() + N * lam * torch.eye(N, dtype=torch.float64,
+                                                                                     device=device))
     if info.item():
-        raise RunError(f"the exact baseline's M λ' I + G Gᵀ is not positive definite in float precision; "
-                       f"raise --attr-damping (now {damping:g})")
-    return ExactAttr(index, L, lam, M)
+        raise RunError(f"the exact baseline's N λ' I + G̃ G̃ᵀ ({curvature}) is not positive definite in float "
+                       f"precision; raise --attr-damping (now {damping:g})")
+    if not fisher:
+        return ExactAttr(index, L, lam, M)
+    return ExactAttr(index, L, lam, M, curvature, curv, gram(index, M, curv, N).double(), targets)
 
 
 @torch.no_grad()
 def exact_scores(ex: ExactAttr, g_q, curvature: bool = True):
-    """Woodbury scores M (M λ' I + G Gᵀ)⁻¹ G g_q for one query's exact gradient g_q [K, d] -> [M]. G g_q reads
-    only the postings of the rows where g_q is non-zero; the M×M solve then touches every sequence.
+    """Woodbury scores G (F + λ'I)⁻¹ g_q for one query's exact gradient g_q [K, d] -> [M] (ExactAttr: M (M λ' I +
+    G Gᵀ)⁻¹ G g_q for the empirical curvature, (1/λ') [G g_q − C (N λ' I + G̃ G̃ᵀ)⁻¹ G̃ g_q] for the sampled
+    fisher). G g_q (and G̃ g_q) read only the postings of the rows where g_q is non-zero; the solve then touches
+    every sequence.
     curvature=False: G g_q alone, the plain gradient dot products (the diagnostic without curvature)."""
     rows_q = g_q.ne(0).any(-1).nonzero().squeeze(1)
     Gg = score_postings(ex.index, rows_q, g_q[rows_q], ex.M, torch.float64)[0]
     if not curvature:
         return Gg.float()
-    return (ex.M * torch.cholesky_solve(Gg[:, None], ex.L)[:, 0]).float()
+    if ex.fisher is None:
+        return (ex.M * torch.cholesky_solve(Gg[:, None], ex.L)[:, 0]).float()
+    Fg = score_postings(ex.fisher, rows_q, g_q[rows_q], len(ex.L), torch.float64)[0]  # G̃ g_q
+    return ((Gg - ex.C @ torch.cholesky_solve(Fg[:, None], ex.L)[:, 0]) / ex.lam).float()
 
 
 @torch.no_grad()
@@ -1994,7 +2065,8 @@ def exact_scores_with_cache_curvature(ex: ExactAttr, cache: AttrCache, g_q):
     """The exact gradients (query g_q [K, d] and every g_m) ranked with the cache's curvature, Σ g_qᵀ (H + λI)⁻¹ g_m
     with H = A_ii S blocks or A ⊗ S -> [M]: the diagnostic that tells the cache's two approximations apart. Against
     the cached scores only the gradients differ (a held fixed or not); against the exact scores only the
-    curvature (the cache's token statistics or the damped Fisher of the window gradients)."""
+    curvature (the cache's token statistics or the exact reference's damped Fisher of window gradients, true or
+    empirical)."""
     rows_q = g_q.ne(0).any(-1).nonzero().squeeze(1)
     return score_postings(ex.index, *precondition(cache, rows_q, g_q[rows_q]), ex.M)[0]
 
@@ -2236,7 +2308,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     add_row(cached_name, torch.stack(scores), 1e3 * sum(times) / Q, cache.nbytes(), touched, setup)
     # 3. exact prototype-space gradients
     t0 = attr_clock(device)
-    ex = build_exact(model, windows, cfg.attr_damping)
+    ex = build_exact(model, windows, cfg.attr_damping, cfg.attr_exact_curvature, cfg.attr_fisher_samples, cfg.seed)
     setup = attr_clock(device) - t0
     exact_query_grad(model, xq[0], yq[0])
     scores, times, exact_dots, exact_cache_curv = [], [], [], []
@@ -2249,7 +2321,8 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
         exact_cache_curv.append(exact_scores_with_cache_curvature(ex, cache, g_q))
     add_row("prototype-space exact", torch.stack(scores), 1e3 * sum(times) / Q, ex.nbytes(), M, setup)
     # Diagnostics: the cached and exact rankings differ in two ways, the gradients (a held fixed in the cache) and
-    # the curvature (the cache's A_ii·S or A ⊗ S of token statistics vs the damped Fisher of window gradients).
+    # the curvature (the cache's A_ii·S or A ⊗ S of true-label token statistics vs the exact reference's damped
+    # Fisher of window gradients: the true Fisher of sampled targets, or the empirical one of the true labels).
     # Each is measured with the other held equal: no curvature in either (the same cache at damping 1e9:
     # (C + λI)⁻¹ -> I/λ, plain dot products), or the cache's curvature in both; and the curvature alone, the exact
     # gradients ranked with the cache's curvature against the exact ranking.
@@ -2302,12 +2375,16 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     full = model.cfg.resid_grad == "full"  # CE gives P no gradient: every prototype-space gradient is §2.3 A's
     gradients = ROUTING_LABEL if full else f"CE's gradient through ẑ (--resid-grad {model.cfg.resid_grad})"
     label = f"; gradients: {gradients}" if full else ""
+    exact_curv = EXACT_CURVATURE_LABEL[cfg.attr_exact_curvature]
+    if cfg.attr_exact_curvature == "fisher":
+        exact_curv += f", {cfg.attr_fisher_samples} draw{'s' * (cfg.attr_fisher_samples > 1)} per window"
     summary = (f"cached prototype attribution ({cfg.attr_curvature}{label}) "
                f"takes {c['ms/query']:.2f} ms per query, one "
                "query at a time (setup excluded for every method): " + ", ".join(alone) + ", each also one query at a "
                "time" + ("; against per-query times of one batched pass over " + f"{Q} queries (which favours them): "
                          + ", ".join(batch) if batch else "")
-               + f"; it keeps {c['top-10 overlap']:.0%} of the exact prototype-space top-10 and "
+               + f"; it keeps {c['top-10 overlap']:.0%} of the exact prototype-space top-10 (curvature: "
+               f"{exact_curv}) and "
                f"{c['top-100 overlap']:.0%} of its top-100 (chance {chance[10]:.0%} and {chance[100]:.0%}; {Q} "
                f"queries, {M} training windows of {cfg.ctx} tokens; paper: ~470x faster than EK-FAC, ~80% of the "
                "top sequences preserved)")
@@ -2319,7 +2396,8 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     log(f"attribution, one approximation at a time: with the cache's {cfg.attr_curvature} curvature in both rankings, "
         f"cached vs exact gradients {same_curvature['top-10 overlap']:.2f}/{same_curvature['top-100 overlap']:.2f} "
         f"(the fixed-a gradients alone); exact gradients ranked with the cache's curvature vs the exact ranking "
-        f"{curvature_only['top-10 overlap']:.2f}/{curvature_only['top-100 overlap']:.2f} (the curvature alone)")
+        f"{curvature_only['top-10 overlap']:.2f}/{curvature_only['top-100 overlap']:.2f} (the curvature alone: the "
+        f"cache's true-label token statistics vs the exact {exact_curv})")
     # the first query's most influential training windows, decoded (for the report)
     tok = data.tokenizer
     first = ranked[cached_name][0]
@@ -2330,12 +2408,16 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     return {"table": table, "summary": summary, "queries": Q, "seqs": M, "ctx": cfg.ctx,
             "chance": {"top-10 overlap": chance[10], "top-100 overlap": chance[100]},
             "curvature": cfg.attr_curvature, "gradients": gradients,
+            "exact_curvature": {"curvature": cfg.attr_exact_curvature, "label": exact_curv,
+                                "samples": cfg.attr_fisher_samples if ex.fisher is not None else None},
             "damping": {"cached": cache.lam, "exact": ex.lam},
             "gradients_only": gradients_only, "same_curvature": same_curvature, "curvature_only": curvature_only,
             "speedup": speed, "cache": {"postings": len(cache.index.seq), "bytes": cache.nbytes(),
                                         "prototypes per sequence": len(cache.index.seq) / M},
             "memory_notes": {cached_name: "the cache (index, A_ii, S's eigenbasis; A's for kfac)",
-                             "prototype-space exact": "row-sparse exact gradients + M×M Cholesky factor",
+                             "prototype-space exact": "row-sparse exact gradients + M×M Cholesky factor" if
+                             ex.fisher is None else "row-sparse exact gradients, and sampled-target ones (M·S rows) "
+                             "+ their M·S×M·S Cholesky factor + the M×M·S cross Gram",
                              "dense TracIn (all parameters)": dense_mem_note,
                              sketch_name: f"the M x D training-gradient sketches, D = {sk['D']:,} (the hash is "
                                           "computed from the parameter index each query: no other state)",
@@ -2874,6 +2956,9 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                          f"gradients {g['top-10 overlap']:.2f}/{g['top-100 overlap']:.2f} (the gradients alone); "
                          f"the exact gradients ranked with the cache's curvature vs the exact ranking "
                          f"{cv['top-10 overlap']:.2f}/{cv['top-100 overlap']:.2f} (the curvature alone).</p>")
+        if a.get("exact_curvature"):
+            parts.append(f"<p>The exact reference's curvature: {html.escape(a['exact_curvature']['label'])} "
+                         f"(--attr-exact-curvature {html.escape(a['exact_curvature']['curvature'])}).</p>")
     for r in results.get("suppression", []):
         row = {"prototypes": r["prototypes"], "share of the bank": f"{r['fraction']:.2%}", "factor": r["factor"],
                "generations": r["generations"], "keyword rate before (per 1k words)": r["rate_before"],
@@ -2966,6 +3051,7 @@ def validate(cfg: Config) -> None:
               (cfg.init_steps >= 0, "--init-steps must be >= 0"), (cfg.push_interval >= 0, "--push-interval must be >= 0"),
               (cfg.card_windows >= 1 and cfg.attr_seqs >= 2 and cfg.attr_queries >= 1 and cfg.attr_ctx >= 1,
                "--card-windows, --attr-queries, --attr-ctx must be >= 1 and --attr-seqs >= 2"),
+              (cfg.attr_fisher_samples >= 1, "--attr-fisher-samples must be >= 1"),
               (0 < cfg.attr_damping <= 1e6, "--attr-damping must be in (0, 1e6]"), (cfg.controller_l1 >= 0, "--controller-l1 must be >= 0"),
               (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"),
               (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file")]
@@ -3009,7 +3095,9 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
     why = {"suppress_factor": (suppression, "no suppression runs: "
                                "--suppress and --suppress-keywords are empty, or --head dense"),
            **{k: attribution for k in ("attr_seqs", "attr_queries", "attr_ctx", "attr_damping", "attr_curvature",
-                                         "ekfac")},
+                                         "attr_exact_curvature", "ekfac")},
+           "attr_fisher_samples": (attribution_runs(cfg) and cfg.attr_exact_curvature == "fisher", "no sampled "
+                                   "curvature: --attr-exact-curvature empirical, --no-attribution or --head dense"),
            "controller_l1": (prism and cfg.controller, "the controllers are off: --no-controller, or --head dense"),
            "card_windows": (prism and bool(cfg.cards or cfg.suppress_keywords), "no cards are built: --no-cards and "
                             "no --suppress-keywords, or --head dense"),

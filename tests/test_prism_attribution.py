@@ -1,6 +1,6 @@
 """prism.py's training-data attribution (spec §5.3): the cache, its block and Kronecker-factored scores, the exact
-prototype-space baseline (Woodbury), the dense TracIn baseline and the experiment, each against a brute-force
-reference on a tiny model."""
+prototype-space baseline (Woodbury, with the empirical or the sampled true Fisher), the dense TracIn baseline and
+the experiment, each against a brute-force reference on a tiny model."""
 import sys
 
 import numpy as np
@@ -192,6 +192,119 @@ def test_exact_baseline_gradients_and_woodbury(assert_close):
         assert_close(f"woodbury q{q}", G @ torch.linalg.solve(H, g_q.double().reshape(-1)),
                      prism.exact_scores(ex, g_q), ratio=1e-4)
         assert_close(f"plain dots q{q}", G @ g_q.double().reshape(-1), prism.exact_scores(ex, g_q, curvature=False))
+
+
+def test_sampled_targets_follow_the_models_softmax():
+    """ỹ ~ softmax(W z) by inverse CDF: over 20,000 draws at one hidden state, every token's frequency lies within
+    5 standard errors of its probability (an off-by-one in the CDF lookup shifts mass to a neighbour and fails)."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(V, 16, generator=g)
+    z = torch.randn(1, 16, generator=g).expand(20000, 16)
+    p = torch.softmax(z[0] @ W.T, -1).double()
+    y = prism.sample_targets(z, W, torch.rand(20000, generator=g), chunk=V * 999)  # several chunks
+    freq = torch.bincount(y, minlength=V).double() / len(y)
+    se = (p * (1 - p) / len(y)).sqrt()
+    assert ((freq - p).abs() / se).max() < 5 and y.min() >= 0 and y.max() < V
+    assert ((freq.roll(1) - p).abs() / se).max() > 5  # the same check rejects a shifted draw
+    assert prism.sample_targets(z[:3], W, torch.tensor([0.0, 1 - 1e-7, 0.5])).tolist()[:2] == \
+        [int(p.gt(0).nonzero()[0]), int(p.gt(0).nonzero()[-1])]  # the CDF's two ends: the first and last tokens
+
+
+def test_fisher_curvature_is_the_empirical_fisher_of_the_sampled_targets(assert_close):
+    """--attr-exact-curvature fisher: G̃ holds S = 2 exact gradients per window, each the full forward's CE
+    gradient w.r.t. P with the window's labels replaced by the drawn targets (so G̃ᵀG̃/N is the empirical Fisher
+    of those samples, N = M·S); λ' is relative to its mean non-zero eigenvalue, and the Woodbury scores are
+    G (G̃ᵀG̃/N + λ'I)⁻¹ g_q with the true-label G and g_q, against a direct dense solve."""
+    model = tiny()
+    K, d = model.P.shape
+    M, S, T = 6, 2, 8
+    w = windows_of(M, T, seed=7)
+    ex = prism.build_exact(model, w, damping=1e-2, curvature="fisher", samples=S, seed=3)
+    emp = prism.build_exact(model, w, damping=1e-2)
+    assert ex.curvature == "fisher" and ex.targets.shape == (M, S, T) and len(ex.L) == M * S
+    assert not torch.equal(ex.targets[:, 0].long(), w[:, 1:])  # drawn, not the labels
+    G, Gt = dense_rows(ex.index, M, K), dense_rows(ex.fisher, M * S, K)
+    assert_close("true-label G", dense_rows(emp.index, M, K), G)
+    for m in range(M):
+        logits = model(w[m:m + 1, :-1])[0].float()
+        for j in range(S):
+            ref = torch.autograd.grad(F.cross_entropy(logits, ex.targets[m, j].long(), reduction="sum"), model.P,
+                                      retain_graph=True)[0]
+            assert_close(f"g̃_{m},{j}", ref, Gt[m * S + j].float())
+    G, Gt = G.reshape(M, -1), Gt.reshape(M * S, -1)
+    lam = 1e-2 * Gt.pow(2).sum() / (M * S) ** 2
+    assert ex.lam == pytest.approx(lam.item(), rel=1e-5)
+    H = Gt.T @ Gt / (M * S) + lam * torch.eye(K * d, dtype=torch.float64)
+    xq = windows_of(2, T, seed=8)
+    for q in range(2):
+        g_q = prism.exact_query_grad(model, xq[q, :-1], xq[q, -1])
+        ref = G @ torch.linalg.solve(H, g_q.double().reshape(-1))
+        got = prism.exact_scores(ex, g_q)
+        assert_close(f"fisher woodbury q{q}", ref, got, ratio=1e-4)
+        assert_close(f"plain dots q{q}", G @ g_q.double().reshape(-1), prism.exact_scores(ex, g_q, curvature=False))
+        # the curvature matters: the empirical reference ranks with another matrix
+        assert (prism.exact_scores(emp, g_q) - got).abs().max() > 1e-3 * got.abs().max()
+    assert ex.nbytes() > emp.nbytes()
+
+
+def test_fisher_draws_are_deterministic_under_the_seed():
+    """The same seed draws the same targets and gives the same scores; another seed other draws; the global RNG
+    is left alone (the draws come from their own generator)."""
+    model = tiny()
+    w = windows_of(5, 8, seed=9)
+    state = torch.get_rng_state()
+    a, b = (prism.build_exact(model, w, 1e-2, "fisher", 1, seed=11) for _ in range(2))
+    c = prism.build_exact(model, w, 1e-2, "fisher", 1, seed=12)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(a.targets, b.targets) and torch.equal(a.fisher.G, b.fisher.G) and torch.equal(a.L, b.L)
+    assert not torch.equal(a.targets, c.targets)
+    g_q = prism.exact_query_grad(model, w[0, :-1], w[0, -1])
+    assert torch.equal(prism.exact_scores(a, g_q), prism.exact_scores(b, g_q))
+    assert not torch.equal(prism.exact_scores(a, g_q), prism.exact_scores(c, g_q))
+
+
+@pytest.mark.parametrize("args,code,needle", [
+    (["--attr-exact-curvature", "ggn"], 2, "invalid choice: 'ggn'"),
+    (["--attr-fisher-samples", "0"], 1, "error: --attr-fisher-samples must be >= 1"),
+])
+def test_bad_exact_curvature_is_one_line(tmp_path, args, code, needle, capsys, monkeypatch):
+    from conftest import call_main
+    rc, err = call_main(prism.main, [*args, "--out-dir", str(tmp_path)], capsys, monkeypatch)
+    assert rc == code and needle in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_fisher_samples_flag_is_noted_when_nothing_is_sampled():
+    """--attr-fisher-samples only shapes the fisher curvature: typed beside the empirical one it gets a note."""
+    def notes(**kw):
+        return [n.split(" has no effect")[0] for n in prism.unused_flags(Config(**kw), {"attr_fisher_samples"})]
+    assert notes(attr_exact_curvature="empirical") == ["note: --attr-fisher-samples"]
+    assert notes(attr_exact_curvature="fisher") == [] and notes() == []  # fisher is the default
+    assert notes(attribution=False) == ["note: --attr-fisher-samples"]
+
+
+@pytest.mark.parametrize("curvature", ["empirical", "fisher"])
+def test_experiment_reports_the_exact_curvature(curvature, tmp_path, monkeypatch):
+    """A tiny run says which curvature the exact reference inverted: the JSON, the summary, the curvature-alone
+    log line and the report; and the reference it ranked with was built with that curvature, S and the seed."""
+    cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
+                 attr_seqs=12, attr_queries=2, attr_damping=1e-2, attr_exact_curvature=curvature,
+                 attr_fisher_samples=2, seed=5)
+    built, build = [], prism.build_exact
+    monkeypatch.setattr(prism, "build_exact", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    model, lines = PRISM(cfg, V).eval(), []
+    res = prism.attribution_experiment(model, None, StandIn(), cfg, lines.append)
+    label = prism.EXACT_CURVATURE_LABEL[curvature] + (", 2 draws per window" if curvature == "fisher" else "")
+    assert res["exact_curvature"] == {"curvature": curvature, "label": label,
+                                      "samples": 2 if curvature == "fisher" else None}
+    assert f"(curvature: {label})" in res["summary"] and lines[-1].endswith(f"vs the exact {label})")
+    html_text = prism.write_report(tmp_path, cfg, {"attribution": res}, {}).read_text()
+    assert f"(--attr-exact-curvature {curvature})" in html_text
+    (ex,) = built
+    assert ex.curvature == curvature and len(ex.L) == (24 if curvature == "fisher" else 12)
+    if curvature == "fisher":  # the analysis seed: the draws of a rebuild with --seed 5
+        again = build(model, prism.train_windows(StandIn(), 12, 8), 1e-2, "fisher", 2, seed=5)
+        assert torch.equal(ex.targets, again.targets)
 
 
 @pytest.mark.parametrize("curvature", ["block", "kfac"])
