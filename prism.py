@@ -1709,34 +1709,45 @@ def attr_clock(device) -> float:
 
 
 @torch.no_grad()
-def token_deltas(z, y, W, chunk=ATTR_CHUNK):
+def token_deltas(z, y, W, chunk=ATTR_CHUNK, u=None):
     """δ_t = ∂CE_t/∂ẑ_t = Wᵀ(softmax(W z_t) − e_{y_t}) for z [N, d], y [N] -> [N, d] fp32, in closed form (no
     autograd). Under detach-zhat and detach-r the logits are W(sg(·) + ẑ), so ẑ receives the gradient a dense
     head's z would, and their value is W z (§2.3); under full, ∂CE/∂ẑ with r held fixed (§2.3 A). Token chunks
-    keep the N×V probabilities within `chunk`."""
+    keep the N×V probabilities within `chunk`. With uniforms u [N] instead of labels (y None), the targets are
+    drawn from the same probabilities, ỹ_t ~ softmax(W z_t) (draw_targets), -> (δ, ỹ): one softmax per chunk."""
     W = W.float()
     out = torch.empty(z.shape, dtype=torch.float32, device=z.device)
+    drawn = None if u is None else torch.empty(z.shape[0], dtype=torch.long, device=z.device)
     step = max(1, chunk // W.shape[0])
     for s in range(0, z.shape[0], step):
         p = torch.softmax(z[s:s + step].float() @ W.T, dim=-1)
-        p[torch.arange(p.shape[0], device=p.device), y[s:s + step]] -= 1
+        if u is None:
+            ys = y[s:s + step]
+        else:
+            ys = drawn[s:s + step] = draw_targets(p, u[s:s + step])
+        p[torch.arange(p.shape[0], device=p.device), ys] -= 1
         out[s:s + step] = p @ W
-    return out
+    return out if u is None else (out, drawn)
+
+
+def draw_targets(p, u):
+    """One draw per row of the probabilities p [n, V] by inverse CDF from the uniforms u [n] in [0, 1) -> [n] int64.
+    The CDF is scaled by its last entry, so a sum a few ulps off 1 cannot push a draw past the vocabulary."""
+    cdf = p.cumsum(-1)
+    return torch.searchsorted(cdf, u[:, None] * cdf[:, -1:]).squeeze(1).clamp_max_(p.shape[-1] - 1)
 
 
 @torch.no_grad()
 def sample_targets(z, W, u, chunk=ATTR_CHUNK):
-    """ỹ_t ~ softmax(W z_t) for z [N, d], one draw per token by inverse CDF from the uniforms u [N] in [0, 1) ->
+    """ỹ_t ~ softmax(W z_t) for z [N, d], one draw per token (draw_targets) from the uniforms u [N] in [0, 1) ->
     [N] int64. u comes from a seeded CPU generator, so the draws are the same on every device (up to the cumsum's
-    rounding) and do not touch the global RNG; the CDF is scaled by its last entry, so a sum a few ulps off 1 cannot
-    push a draw past the vocabulary."""
+    rounding) and do not touch the global RNG."""
     W = W.float()
     out = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
     step = max(1, chunk // W.shape[0])
     for s in range(0, z.shape[0], step):
-        cdf = torch.softmax(z[s:s + step].float() @ W.T, dim=-1).cumsum(-1)
-        out[s:s + step] = torch.searchsorted(cdf, u[s:s + step, None] * cdf[:, -1:]).squeeze(1)
-    return out.clamp_max_(W.shape[0] - 1)
+        out[s:s + step] = draw_targets(torch.softmax(z[s:s + step].float() @ W.T, dim=-1), u[s:s + step])
+    return out
 
 
 def sequence_sums(seq_of_token, idx, a, delta, K: int, chunk=ATTR_CHUNK):
@@ -2021,9 +2032,9 @@ def build_exact(model: PRISM, windows, damping: float = 1e-3, curvature: str = "
             keep(true, s + b, proto_vjp(model, z[b], delta[b]))
         for j in range(S if fisher else 0):  # ỹ ~ softmax(W z_t) at every position, then the same gradient
             u = torch.rand(z.shape[0] * T, generator=gen).to(device)
-            y = sample_targets(z.flatten(0, 1), W, u)
+            delta, y = token_deltas(z.flatten(0, 1), None, W, u=u)  # ỹ drawn from the softmax δ takes
+            delta = delta.view(z.shape)
             targets[s:s + w.shape[0], j] = y.view(-1, T).cpu().int()
-            delta = token_deltas(z.flatten(0, 1), y, W).view(z.shape)
             for b in range(w.shape[0]):
                 keep(sampled, (s + b) * S + j, proto_vjp(model, z[b], delta[b]))
     index = ProtoIndex.from_keys(torch.cat(true[0]), torch.cat(true[1]), K)
