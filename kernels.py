@@ -66,6 +66,7 @@ import argparse
 import functools
 import json
 import os
+import sys
 import types
 
 import torch
@@ -657,13 +658,19 @@ def bench(json_path=None):
             json.dump(dict(machine=machine, rows=rows), f, indent=1)
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Generic Triton kernels of glassbox (see the docstring).")
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kernels.py",
+                                     description="Generic Triton kernels of glassbox (see the docstring).")
     parser.add_argument("--bench", action="store_true", help="time Triton vs torch eager (needs a CUDA GPU)")
     parser.add_argument("--bench-json", metavar="PATH", help="run the benchmark and also write its rows as JSON")
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")  # one line, exit 2
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.bench or args.bench_json:
         bench(args.bench_json)
     else:
         parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -179,16 +179,29 @@ def save_envelope(path, script: str, config: dict, history=None) -> None:
                 "rng": {"torch": 0, "data": 0, "cuda": 0}, "config": config}, path)
 
 
-def call_main(main, argv, capsys, monkeypatch):
-    """A script's main(argv) in-process, as `python script.py ...` would run it: offline, without the suite's
-    Triton interpreter. -> (exit status, stderr); argparse's own errors exit through SystemExit."""
+def run_main(main, argv, capsys, monkeypatch, env=None) -> subprocess.CompletedProcess:
+    """A script's main(argv) in-process, as `python script.py ...` would run it (offline, without the suite's
+    Triton interpreter, with `env` on top), returned like run_script's result: returncode, stdout, stderr.
+    argparse's own errors exit through SystemExit. The suite runs a command in-process unless the process is what
+    is under test (a script copied alone, torchrun, a missing package, each script's `python script.py` entry
+    point once): a subprocess pays ~3 s of imports."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    capsys.readouterr()  # what the test printed before is not the command's
     try:
         rc = main(argv)
     except SystemExit as e:
         rc = e.code
-    return rc, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, rc, out, err)
+
+
+def call_main(main, argv, capsys, monkeypatch, env=None):
+    """run_main -> (exit status, stderr)."""
+    r = run_main(main, argv, capsys, monkeypatch, env)
+    return r.returncode, r.stderr
 
 
 @pytest.fixture

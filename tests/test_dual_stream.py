@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 import common
 import dual_stream as ds
-from conftest import SMALL_CORPUS, call_main, check_close, check_cuda_run, check_ddp_weights, run_script, run_one_and_ddp
+from conftest import (SMALL_CORPUS, call_main, check_close, check_cuda_run, check_ddp_weights, run_main, run_script,
+                      run_one_and_ddp)
 from dual_stream import Config, DualStream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -888,8 +889,8 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
         assert needle in report, needle
 
     arch = ["--layers", "2", "--d-model", "24", "--heads", "3"]
-    r = run_script("dual_stream.py", "--no-train", *arch, "--amplify", "1,2", "--ablate-at", "all",
-                   "--no-specialization", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    r = run_main(ds.main, ["--no-train", *arch, "--amplify", "1,2", "--ablate-at", "all", "--no-specialization",
+                           "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "analysis.json").read_text())
     assert [(r["stream"], r["at"]) for r in res["ablation"]["kronecker"]][2:] == [("x_t", "writes"), ("x_t", "all"),
@@ -903,7 +904,7 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert "note: --analysis-windows has no effect in this run" in "".join(
         p.read_text() for p in tmp_path.glob("log-*.txt"))  # typed, and nothing it sizes runs: said, not dropped
     assert (tmp_path / f"analysis-kronecker-{name}.png").is_file() and (tmp_path / f"kronecker-{name}.png").read_bytes() == png
-    # mismatches, in-process (seconds less than a run each)
+    # mismatches
     rc, err = call_main(ds.main, ["--no-train", *arch, "--max-tokens", "30000", "--out-dir", str(tmp_path),
                                   "--cache-dir", str(cache_dir)], capsys, monkeypatch)
     assert rc == 1 and err.count("\n") == 1
@@ -917,13 +918,13 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert rc == 1 and err.count("\n") == 1 and f"holds ckpt-{name}.pt" in err
 
 
-def test_sweep_from_the_command_line(tmp_path, cache_dir):
+def test_sweep_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     """--sweep trains the seven configurations and prints the cost table; --no-train --sweep reads what exists."""
     args = ["--layers", "1", "--d-model", "24", "--heads", "3", "--ctx", "64", "--batch-size", "2", "--max-iters", "4",
             "--eval-interval", "4", "--eval-iters", "1", "--log-interval", "4", "--analysis-windows", "2",
             "--amplify", "1,16", "--no-specialization", "--no-report", "--sample-tokens", "2", "--max-tokens", str(MAX_TOKENS), "--out-dir",
             str(tmp_path), "--cache-dir", str(cache_dir)]
-    r = run_script("dual_stream.py", "--sweep", *args)
+    r = run_main(ds.main, ["--sweep", *args], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "sweep (val loss relative to token-factor dense; paper: Kronecker +2.5%, fully independent +8%; the " \
            "summary: FTS independent +8%)" in r.stdout
@@ -933,28 +934,29 @@ def test_sweep_from_the_command_line(tmp_path, cache_dir):
     assert rows["kronecker"]["params (M)"] < rows["dense"]["params (M)"]
     assert "single-stream dense" not in res["ablation"] and "ablation, single-stream dense: one stream" in r.stdout
     (tmp_path / "ckpt-token-factor-identity-heads-3-layers-1-d-model-24.pt").unlink()
-    r = run_script("dual_stream.py", "--sweep", "--no-train", *args)
+    r = run_main(ds.main, ["--sweep", "--no-train", *args], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(json.loads((tmp_path / "analysis.json").read_text())["models"]) == 6
     assert json.loads((tmp_path / "analysis.json").read_text())["models"][0]["vs dense"] == "+0.00%"
     # one model extended apart (a single run writes the sweep model's file): no cost vs dense, and the run says why
-    r = run_script("dual_stream.py", "--resume", "--mixing", "kronecker", *args, "--max-iters", "6", "--amplify", "",
-                   "--no-ablation")
+    r = run_main(ds.main, ["--resume", "--mixing", "kronecker", *args, "--max-iters", "6", "--amplify", "",
+                           "--no-ablation"], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_script("dual_stream.py", "--sweep", "--no-train", *args, "--amplify", "", "--no-ablation")
+    r = run_main(ds.main, ["--sweep", "--no-train", *args, "--amplify", "", "--no-ablation"], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-3000:]
     assert not any("vs dense" in row for row in json.loads((tmp_path / "analysis.json").read_text())["models"])
     assert "sweep: val loss vs dense not computed: the models were trained on different budgets (step 4 vs 6 " \
            "(kronecker))" in r.stdout
 
 
-def test_head_sweep_from_the_command_line(tmp_path, cache_dir):
+def test_head_sweep_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     """--head-sweep (spec §7, §10.5) trains H = 2, 3, 6, 12 at fixed d into four checkpoints and prints the
     distinctiveness and the coreference best head per H."""
-    r = run_script("dual_stream.py", "--head-sweep", "--layers", "1", "--d-model", "24", "--ctx", "64", "--batch-size",
-                   "2", "--max-iters", "2", "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "2",
-                   "--amplify", "", "--no-ablation", "--no-report", "--sample-tokens", "2", "--tokenizer", "bytes",
-                   "--max-tokens", str(MAX_TOKENS), "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    r = run_main(ds.main, ["--head-sweep", "--layers", "1", "--d-model", "24", "--ctx", "64", "--batch-size", "2",
+                           "--max-iters", "2", "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "2",
+                           "--amplify", "", "--no-ablation", "--no-report", "--sample-tokens", "2", "--tokenizer",
+                           "bytes", "--max-tokens", str(MAX_TOKENS), "--out-dir", str(tmp_path), "--cache-dir",
+                           str(cache_dir)], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["head_sweep"]
     assert [(row["heads"], row["d_h"]) for row in rows] == [(2, 12), (3, 8), (6, 4), (12, 2)]
@@ -966,20 +968,20 @@ def test_head_sweep_from_the_command_line(tmp_path, cache_dir):
                                                          "layers-1-d-model-24.txt").is_file()
 
 
-def test_resume_from_the_command_line(tmp_path, cache_dir):
+def test_resume_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     """--resume takes the run's settings from the checkpoint (not the preset's) and extends a finished run when
     --max-iters is raised; a split mixing pair typed the other way round finds the same checkpoint."""
     args = ["--layers", "1", "--d-model", "24", "--heads", "3", "--ctx", "64", "--batch-size", "2", "--eval-interval",
             "5", "--eval-iters", "1", "--log-interval", "5", "--amplify", "", "--no-ablation", "--no-specialization",
             "--no-report", "--sample-tokens", "2", "--max-tokens", str(MAX_TOKENS), "--cache-dir", str(cache_dir)]
-    r = run_script("dual_stream.py", *[a for a in args if a != "--no-specialization"], "--max-iters", "10",
-                   "--out-dir", str(tmp_path), "--mixing", "kronecker", "--attn-out-mixing", "dense")
+    r = run_main(ds.main, [*[a for a in args if a != "--no-specialization"], "--max-iters", "10", "--out-dir",
+                           str(tmp_path), "--mixing", "kronecker", "--attn-out-mixing", "dense"], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "A_V hubs L0:h" in r.stdout  # V is the only Kronecker map: its hubs are the ones logged
-    r = run_script("dual_stream.py", "--resume", "--max-iters", "15", "--out-dir", str(tmp_path), "--cache-dir",
-                   str(cache_dir), "--amplify", "", "--no-ablation", "--no-specialization", "--no-report",
-                   "--layers", "1", "--d-model", "24", "--heads", "3",  # the architecture names the checkpoint
-                   "--mixing", "dense", "--attn-v-mixing", "kronecker")
+    r = run_main(ds.main, ["--resume", "--max-iters", "15", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir),
+                           "--amplify", "", "--no-ablation", "--no-specialization", "--no-report",
+                           "--layers", "1", "--d-model", "24", "--heads", "3",  # the architecture names the checkpoint
+                           "--mixing", "dense", "--attn-v-mixing", "kronecker"], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-2000:]
     name = "ckpt-token-factor-kronecker-attn-out-mixing-dense-heads-3-layers-1-d-model-24.pt"
     assert "resumed from" in r.stdout and f"{name} at step 10" in r.stdout
@@ -1034,11 +1036,12 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, cache_dir, args, code, need
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_bench_on_cpu(tmp_path):
+def test_bench_on_cpu(tmp_path, capsys, monkeypatch):
     """--bench without a GPU: the mixing throughput table (ratios to dense), and the torch form of the op against
     SDPA and the reference."""
-    r = run_script("dual_stream.py", "--bench", "--layers", "1", "--d-model", "24", "--heads", "3", "--ctx", "16",
-                   "--batch-size", "2", "--out-dir", str(tmp_path), "--attn-out-mixing", "dense")
+    r = run_main(ds.main, ["--bench", "--layers", "1", "--d-model", "24", "--heads", "3", "--ctx", "16",
+                           "--batch-size", "2", "--out-dir", str(tmp_path), "--attn-out-mixing", "dense"], capsys,
+                 monkeypatch)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "training tokens/s: dense" in r.stdout and "kernel (torch, float32) T=1024" in r.stdout
     res = json.loads(r.stdout[r.stdout.index("\n{") + 1:])

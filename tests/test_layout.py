@@ -217,14 +217,28 @@ def test_bench_time_waits_for_the_device_without_triton(script, monkeypatch):
     assert events == ["call"] + ["sync", "call", "sync"] * 2
 
 
-@pytest.mark.parametrize("script", PAPERS)
-def test_script_copied_alone_says_main_needs_common(script, tmp_path):
-    """Copied alone, a script's model runs (each script's own test); its main(), which trains on data read through
-    common.py, says so in one line instead of a ModuleNotFoundError traceback."""
+@pytest.fixture(scope="module")
+def copied_alone(tmp_path_factory):
+    """`python script.py --max-iters 1` for each paper script copied alone into an empty folder, two at a time
+    (each is a single-threaded start-up of seconds): script -> future of its CompletedProcess."""
+    import concurrent.futures
+
     from conftest import run_script
 
-    shutil.copy(ROOT / f"{script}.py", tmp_path / f"{script}.py")
-    r = run_script(f"{script}.py", "--max-iters", "1", cwd=tmp_path, env={"PYTHONPATH": ""}, timeout=300)
+    def run(script):
+        folder = tmp_path_factory.mktemp(f"alone-{script}")
+        shutil.copy(ROOT / f"{script}.py", folder / f"{script}.py")
+        return run_script(f"{script}.py", "--max-iters", "1", cwd=folder, env={"PYTHONPATH": ""}, timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        yield {script: pool.submit(run, script) for script in PAPERS}
+
+
+@pytest.mark.parametrize("script", PAPERS)
+def test_script_copied_alone_says_main_needs_common(script, copied_alone):
+    """Copied alone, a script's model runs (each script's own test); its main(), which trains on data read through
+    common.py, says so in one line instead of a ModuleNotFoundError traceback."""
+    r = copied_alone[script].result()
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith(f"error: {script}.py trains and analyses with glassbox's common.py beside it"), r.stderr
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import common
-from conftest import (SMALL_CORPUS, call_main, check_cuda_run, check_ddp_weights, run_one_and_ddp, run_script,
-                      save_envelope)
+from conftest import (SMALL_CORPUS, call_main, check_cuda_run, check_ddp_weights, run_main, run_one_and_ddp,
+                      run_script, save_envelope)
 import prism
 from prism import Config, PRISM
 
@@ -569,13 +569,13 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
 
     # analyses on the saved checkpoints, without training; then a mismatched architecture
     cards = (tmp_path / "prototypes.json").read_text()
-    r = run_script("prism.py", "--no-train", "--suppress", "0,1", "--no-attribution", "--no-controller",
-                   "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    r = run_main(prism.main, ["--no-train", "--suppress", "0,1", "--no-attribution", "--no-controller",
+                              "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "suppression of 2 prototypes" in r.stdout and "auto keyword" not in r.stdout  # the ids typed, alone
     assert (tmp_path / "analysis-prototypes.html").is_file() and (tmp_path / "prototypes.json").read_text() == cards
     rc, err = call_main(prism.main, ["--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir",
-                                     str(cache_dir)], capsys, monkeypatch)  # in-process: seconds less than a run
+                                     str(cache_dir)], capsys, monkeypatch)
     assert rc == 1 and err.count("\n") == 1
     assert "was trained with layers=1 (asked 3); drop those flags or use another --out-dir" in err
     rc, err = call_main(prism.main, ["--no-train", "--n-protos", "48", "--out-dir", str(tmp_path), "--cache-dir",
@@ -590,18 +590,20 @@ def test_resume_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
             "--batch-size", "4", "--eval-interval", "5", "--eval-iters", "1", "--log-interval", "5", "--init-steps", "3",
             "--no-cards", "--no-attribution", "--no-controller", "--suppress-keywords", "", "--no-report",
             "--sample-tokens", "4", *SMALL_CORPUS, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)]
-    r = run_script("prism.py", *args, "--head", "dense", "--max-iters", "10")  # as if stopped after the twin
+    # as if stopped after the twin
+    r = run_main(prism.main, [*args, "--head", "dense", "--max-iters", "10"], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-2000:]
-    r = run_script("prism.py", "--resume", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir), "--no-cards",
-                   "--no-attribution", "--no-controller", "--suppress-keywords", "", "--no-report")
+    r = run_main(prism.main, ["--resume", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir), "--no-cards",
+                              "--no-attribution", "--no-controller", "--suppress-keywords", "", "--no-report"],
+                 capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed from" in r.stdout and "ckpt-dense.pt at step 10" in r.stdout
     assert "prism: no checkpoint at" in r.stdout and "training it from step 0" in r.stdout
     ck = torch.load(tmp_path / "ckpt-prism.pt", weights_only=True)
     assert ck["step"] == 10 and ck["config"]["batch_size"] == 4 and ck["config"]["max_iters"] == 10
-    r = run_script("prism.py", "--resume", "--max-iters", "15", "--out-dir", str(tmp_path), "--cache-dir",
-                   str(cache_dir), "--no-cards", "--no-attribution", "--no-controller", "--suppress-keywords", "",
-                   "--no-report")
+    r = run_main(prism.main, ["--resume", "--max-iters", "15", "--out-dir", str(tmp_path), "--cache-dir",
+                              str(cache_dir), "--no-cards", "--no-attribution", "--no-controller",
+                              "--suppress-keywords", "", "--no-report"], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-2000:]
     assert torch.load(tmp_path / "ckpt-prism.pt", weights_only=True)["step"] == 15
     assert "ckpt-prism.pt at step 10" in r.stdout
@@ -703,10 +705,11 @@ def test_cpu_preset_message_says_why(tmp_path, capsys, monkeypatch, preset, cuda
     assert needle in out.out and ("no GPU" in out.out) == (not cuda)
 
 
-def test_corrupt_checkpoint_is_one_line(tmp_path, cache_dir):
+def test_corrupt_checkpoint_is_one_line(tmp_path, cache_dir, capsys, monkeypatch):
     (tmp_path / "ckpt-prism.pt").write_bytes(b"not a checkpoint")
-    r = run_script("prism.py", "--no-train", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
-    assert r.returncode == 1 and "is not a readable checkpoint" in r.stderr and r.stderr.count("\n") == 1
+    rc, err = call_main(prism.main, ["--no-train", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys,
+                        monkeypatch)
+    assert rc == 1 and "is not a readable checkpoint" in err and err.count("\n") == 1
 
 
 @pytest.mark.slow
@@ -758,19 +761,20 @@ def test_cuda_tiny_run_and_resume(tmp_path, cache_dir):
     assert "attribution PRISM cached (block)" in out and "suppression of 2 prototypes" in out
 
 
-def test_triton_k_limit_applies_to_the_checkpoints_k(tmp_path, cache_dir):
+def test_triton_k_limit_applies_to_the_checkpoints_k(tmp_path, cache_dir, capsys, monkeypatch):
     """--no-train takes k from the checkpoint, so the Triton kernel's k limit is checked against it (one line, not
     the op's traceback); under the interpreter, so that the CUDA check passes."""
-    r = run_script("prism.py", "--layers", "1", "--d-model", "16", "--heads", "2", "--n-protos", "48", "--topk", "40",
-                   "--ctx", "16", "--batch-size", "4", "--max-iters", "4", "--init-steps", "2", "--eval-interval", "2",
-                   "--eval-iters", "1", "--log-interval", "2", "--no-twin", "--no-cards", "--no-attribution",
-                   "--no-controller", "--suppress-keywords", "", "--sample-tokens", "2", "--no-report",
-                   "--kernels", "torch", *SMALL_CORPUS, "--cache-dir", str(cache_dir), "--out-dir", str(tmp_path))
-    assert r.returncode == 0, r.stderr[-2000:]
-    r = run_script("prism.py", "--no-train", "--kernels", "triton", *SMALL_CORPUS, "--cache-dir", str(cache_dir),
-                   "--out-dir", str(tmp_path), env={"TRITON_INTERPRET": "1"})
-    assert r.returncode == 1 and r.stderr == ("error: --kernels triton: the top-k kernel takes --topk up to 32, not "
-                                              "40; use --kernels auto (the torch form for a larger k)\n"), r.stderr
+    rc, err = call_main(prism.main, [
+        "--layers", "1", "--d-model", "16", "--heads", "2", "--n-protos", "48", "--topk", "40", "--ctx", "16",
+        "--batch-size", "4", "--max-iters", "4", "--init-steps", "2", "--eval-interval", "2", "--eval-iters", "1",
+        "--log-interval", "2", "--no-twin", "--no-cards", "--no-attribution", "--no-controller",
+        "--suppress-keywords", "", "--sample-tokens", "2", "--no-report", "--kernels", "torch", *SMALL_CORPUS,
+        "--cache-dir", str(cache_dir), "--out-dir", str(tmp_path)], capsys, monkeypatch)
+    assert rc == 0, err[-2000:]
+    rc, err = call_main(prism.main, ["--no-train", "--kernels", "triton", *SMALL_CORPUS, "--cache-dir", str(cache_dir),
+                                     "--out-dir", str(tmp_path)], capsys, monkeypatch, env={"TRITON_INTERPRET": "1"})
+    assert rc == 1 and err == ("error: --kernels triton: the top-k kernel takes --topk up to 32, not "
+                                              "40; use --kernels auto (the torch form for a larger k)\n"), err
 
 
 def test_unused_flags_are_noted():

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import common
-from conftest import (SMALL_CORPUS, call_main, check_cuda_run, check_ddp_weights, run_one_and_ddp, run_script,
-                      save_envelope)
+from conftest import (SMALL_CORPUS, call_main, check_cuda_run, check_ddp_weights, run_main, run_one_and_ddp,
+                      run_script, save_envelope)
 import protot
 from protot import Config, ProtoT
 
@@ -351,15 +351,16 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
 
     # analyses on the saved checkpoint, without training: an intervention, then a mismatched architecture
     labels = (tmp_path / "prototypes.json").read_text()
-    r = run_script("protot.py", "--no-train", "--intervene", "1:3,0:2", "--mode", "read-mask", "--target", "queen",
-                   "--no-robustness", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
+    r = run_main(protot.main, ["--no-train", "--intervene", "1:3,0:2", "--mode", "read-mask", "--target", "queen",
+                               "--no-robustness", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)],
+                 capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "read-mask L1 P3,L0 P2 on 'queen' (8 prompts): target probability max" in r.stdout
     assert (tmp_path / "analysis.json").is_file() and (tmp_path / "analysis.html").is_file()
     assert json.loads((tmp_path / "results.json").read_text()) == res  # the training run's results are kept
     assert (tmp_path / "analysis-prototypes.html").is_file() and (tmp_path / "prototypes.json").read_text() == labels
     rc, err = call_main(protot.main, ["--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir",
-                                      str(cache_dir)], capsys, monkeypatch)  # in-process: seconds less than a run
+                                      str(cache_dir)], capsys, monkeypatch)
     assert rc == 1 and err.count("\n") == 1
     assert "was trained with layers=2 (asked 3); drop those flags or use another --out-dir" in err
 
@@ -511,10 +512,11 @@ def test_log_line_shows_a_slow_rate(name):
     assert log_line(3, 10, 1.0, 1e-3, 5.0, 12345.0, 0.5).endswith("| 12.3k tok/s | mfu 50.0%")
 
 
-def test_corrupt_checkpoint_is_one_line(tmp_path, cache_dir):
+def test_corrupt_checkpoint_is_one_line(tmp_path, cache_dir, capsys, monkeypatch):
     (tmp_path / "ckpt-proto.pt").write_bytes(b"not a checkpoint")
-    r = run_script("protot.py", "--no-train", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
-    assert r.returncode == 1 and "is not a readable checkpoint" in r.stderr and r.stderr.count("\n") == 1
+    rc, err = call_main(protot.main, ["--no-train", "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys,
+                        monkeypatch)
+    assert rc == 1 and "is not a readable checkpoint" in err and err.count("\n") == 1
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import protot as op
-from conftest import RATIO, SMALL_CORPUS, check_close as assert_close, run_script
+from conftest import RATIO, SMALL_CORPUS, check_close as assert_close, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -184,7 +184,7 @@ def test_dispatch(monkeypatch):
             op.prefix_mean_read(w, v, rho, beta, backend="triton")
 
 
-def test_tiles_over_the_shared_memory_limit_are_refused(cache_dir, tmp_path):
+def test_tiles_over_the_shared_memory_limit_are_refused(cache_dir, tmp_path, capsys, monkeypatch):
     """R·d_v past what the kernels' state tile may use on sm_90 (see _PREFIX_MEAN_MAX_TILE): one clear error, from
     the op and from the command line, and the limit sits where tests/test_sm90_compile.py measured it."""
     assert op._prefix_mean_fits(128, 128) and op._prefix_mean_fits(32, 512) and op._prefix_mean_fits(65, 128)
@@ -195,17 +195,18 @@ def test_tiles_over_the_shared_memory_limit_are_refused(cache_dir, tmp_path):
     (w, v, rho, beta), _ = make_inputs(1, 3, 256, 128)
     with pytest.raises(ValueError, match="supports R·d_v up to 16384 and R up to 512"):
         op.prefix_mean_read(w, v, rho, beta, backend="triton")
-    r = run_script("protot.py", "--kernels", "triton", "--n-protos", "200", "--d-model", "256", "--out-dir",
-                   str(tmp_path), "--cache-dir", str(cache_dir), env={"TRITON_INTERPRET": "1"})
+    interpret = dict(capsys=capsys, monkeypatch=monkeypatch, env={"TRITON_INTERPRET": "1"})
+    r = run_main(op.main, ["--kernels", "triton", "--n-protos", "200", "--d-model", "256", "--out-dir", str(tmp_path),
+                           "--cache-dir", str(cache_dir)], **interpret)
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert "supports --n-protos × d_v up to 16384" in r.stderr and "got 200 × 128" in r.stderr
     # --resume takes the architecture from the checkpoint, so the check must see the checkpoint's R, not the default
     args = ["--layers", "1", "--d-model", "32", "--ctx", "32", "--batch-size", "4", "--eval-iters", "1", "--no-labels",
             "--no-robustness", "--no-report", "--find-prototype", "off", "--sample-tokens", "0", *SMALL_CORPUS,
             "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)]
-    r = run_script("protot.py", *args, "--n-protos", "600", "--max-iters", "1", "--kernels", "torch")
+    r = run_main(op.main, [*args, "--n-protos", "600", "--max-iters", "1", "--kernels", "torch"], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-2000:]
-    r = run_script("protot.py", *args, "--max-iters", "2", "--resume", "--kernels", "triton", env={"TRITON_INTERPRET": "1"})
+    r = run_main(op.main, [*args, "--max-iters", "2", "--resume", "--kernels", "triton"], **interpret)
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr[-2000:]
     assert "got 600 × 16" in r.stderr
 
