@@ -242,7 +242,8 @@ class Config:
     attr_damping: float = field(default=1e-3, metadata={"help": "curvature damping λ, relative to the mean eigenvalue"})
     attr_curvature: Literal["block", "kfac"] = field(default="block", metadata={"help": "cached curvature: per-prototype blocks or with co-usage"})
     attr_exact_curvature: Literal["empirical", "fisher"] = field(default="fisher", metadata={"help": "the exact reference's curvature: fisher, the true Fisher (= Gauss-Newton for softmax CE; targets drawn from the model's softmax), or empirical, the Fisher of the true-label gradients"})
-    attr_fisher_samples: int = field(default=1, metadata={"help": "targets drawn per training window for --attr-exact-curvature fisher (S: the curvature's rank is M·S)"})
+    attr_fisher_samples: int = field(default=1, metadata={"help": "targets drawn per training window for --attr-exact-curvature fisher (S: the curvature's rank is M·S), and per token for --attr-s fisher"})
+    attr_s: Literal["empirical", "fisher"] = field(default="fisher", metadata={"help": "the cache's S = E[δδᵀ]: fisher, δ of targets drawn from the model's softmax (K-FAC's true-Fisher factor; the exact fisher reference's draws), or empirical, δ of the true labels"})
     ekfac: bool = field(default=False, metadata={"help": "also rank with EK-FAC through kronfluence (if installed)"})
     suppress_keywords: str = field(default="auto", metadata={"help": "WORD[,WORD..]: suppress prototypes whose live cards match; auto: of the words live cards are about, the one generated most (not when --suppress is typed alone); '' off"})
     suppress: str = field(default="", metadata={"help": "ID[,ID..]: suppress these prototypes"})
@@ -265,8 +266,9 @@ CPU_PRESET = dict(layers=4, d_model=128, heads=4, n_protos=512, topk=8, ctx=128,
 ARCH_KEYS = ("head", "layers", "d_model", "heads", "n_protos", "topk", "act", "resid_grad", "ctx", "dataset",
              "tokenizer", "compact", "max_tokens")
 ANALYSIS_KEYS = ("cards", "card_windows", "attribution", "attr_seqs", "attr_queries", "attr_ctx", "attr_damping",
-                 "attr_curvature", "attr_exact_curvature", "attr_fisher_samples", "ekfac", "suppress_keywords",
-                 "suppress", "suppress_factor", "controller", "controller_l1", "sample", "sample_tokens")
+                 "attr_curvature", "attr_exact_curvature", "attr_s", "attr_fisher_samples", "ekfac",
+                 "suppress_keywords", "suppress", "suppress_factor", "controller", "controller_l1", "sample",
+                 "sample_tokens")
 RUNTIME_KEYS = ("head", "preset", "device", "dtype", "compile", "kernels", "out_dir", "cache_dir", "resume", "train",
                 "twin", "bench", "report") + ANALYSIS_KEYS
 MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS)
@@ -1697,6 +1699,7 @@ PROTOTYPE_ANALYSES = ("cards", "attribution", "ekfac", "suppress", "suppress_key
 ROUTING_LABEL = "prototype path, r held fixed (spec §2.3 A)"  # what the gradients are under --resid-grad full
 EXACT_CURVATURE_LABEL = {"fisher": "damped true Fisher (≈ Gauss–Newton), targets drawn from the model",
                          "empirical": "damped empirical Fisher of the true-label gradients"}
+CACHE_S_LABEL = {"fisher": "token statistics of targets drawn from the model", "empirical": "true-label token statistics"}
 ATTR_CHUNK = 2 ** 24  # elements of the largest temporary (N×V probabilities, posting products): 64 MB in fp32
 ATTR_TOKENS = 16384   # tokens per batched forward pass
 
@@ -1810,7 +1813,7 @@ class AttrCache:
     with their eigendecompositions."""
     index: ProtoIndex
     A_diag: torch.Tensor            # [K]   A_ii = mean_t a_{t,i}²
-    lam_S: torch.Tensor             # [d]   S = mean_t δ_t δ_tᵀ = Q_S diag(λ_S) Q_Sᵀ
+    lam_S: torch.Tensor             # [d]   S = mean_t δ_t δ_tᵀ = Q_S diag(λ_S) Q_Sᵀ (δ of drawn targets or labels)
     Q_S: torch.Tensor               # [d, d]
     lam: float                      # damping λ
     M: int
@@ -1830,10 +1833,14 @@ def eigh_psd(S):
 
 
 @torch.no_grad()
-def build_attr_cache(model: PRISM, windows, curvature: str = "block", damping: float = 1e-3) -> AttrCache:
+def build_attr_cache(model: PRISM, windows, curvature: str = "block", damping: float = 1e-3, s_curvature: str = "empirical",
+                     samples: int = 1, seed: int = 0) -> AttrCache:
     """Step 1 of §5.3: one pass (batched, no grad, δ in closed form) over the training windows [M, T + 1] builds
     the index of g_{m,i} and, from the same tokens, A_ii = mean a², S = mean δδᵀ (and A = mean a aᵀ for kfac,
-    accumulated as k×k outer products per token: never an N×K matrix)."""
+    accumulated as k×k outer products per token: never an N×K matrix). The index always holds the true-label δ;
+    S takes them too for s_curvature "empirical", and for "fisher" the δ̃ of `samples` targets per token drawn
+    from the model's softmax, K-FAC's true-Fisher factor E_{ỹ~p}[δ̃δ̃ᵀ] (uniforms from a CPU generator seeded
+    with `seed`, in build_exact's order: the same draws as the exact fisher reference with the same seed)."""
     model.eval()
     K, d = model.P.shape
     device = model.P.device
@@ -1843,6 +1850,8 @@ def build_attr_cache(model: PRISM, windows, curvature: str = "block", damping: f
     A_diag = torch.zeros(K, device=device)
     A = torch.zeros(K * K, device=device) if curvature == "kfac" else None
     keys, vecs = [], []
+    fisher = s_curvature == "fisher"
+    gen = torch.Generator().manual_seed(seed)
     B = max(1, ATTR_TOKENS // T)
     for s in range(0, M, B):
         w = windows[s:s + B].to(device)
@@ -1850,7 +1859,11 @@ def build_attr_cache(model: PRISM, windows, curvature: str = "block", damping: f
         idx, a = model.prototypes(z)
         a = a.float()
         delta = token_deltas(z, w[:, 1:].flatten(), W)
-        S += delta.T @ delta
+        if not fisher:
+            S += delta.T @ delta
+        for _ in range(samples if fisher else 0):
+            drawn, _ = token_deltas(z, None, W, u=torch.rand(z.shape[0], generator=gen).to(device))
+            S += drawn.T @ drawn / samples
         A_diag.index_add_(0, idx.flatten(), a.pow(2).flatten())
         if A is not None:  # entry (i_j, i_l) of a_t a_tᵀ is a_{t,j} a_{t,l}
             A.index_add_(0, (idx[:, :, None] * K + idx[:, None, :]).flatten(),
@@ -2303,7 +2316,8 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
 
     # 1-2. the cache, then one forward and a few postings per query
     t0 = attr_clock(device)
-    cache = build_attr_cache(model, windows, cfg.attr_curvature, cfg.attr_damping)
+    cache = build_attr_cache(model, windows, cfg.attr_curvature, cfg.attr_damping, cfg.attr_s, cfg.attr_fisher_samples,
+                             cfg.seed)
     setup = attr_clock(device) - t0
     query_state(model, xq[:1], yq[:1])  # warm-up (first-call allocations), untimed
     scores, times, touched, states = [], [], [], []
@@ -2332,7 +2346,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
         exact_cache_curv.append(exact_scores_with_cache_curvature(ex, cache, g_q))
     add_row("prototype-space exact", torch.stack(scores), 1e3 * sum(times) / Q, ex.nbytes(), M, setup)
     # Diagnostics: the cached and exact rankings differ in two ways, the gradients (a held fixed in the cache) and
-    # the curvature (the cache's A_ii·S or A ⊗ S of true-label token statistics vs the exact reference's damped
+    # the curvature (the cache's A_ii·S or A ⊗ S of token statistics, --attr-s, vs the exact reference's damped
     # Fisher of window gradients: the true Fisher of sampled targets, or the empirical one of the true labels).
     # Each is measured with the other held equal: no curvature in either (the same cache at damping 1e9:
     # (C + λI)⁻¹ -> I/λ, plain dot products), or the cache's curvature in both; and the curvature alone, the exact
@@ -2408,7 +2422,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
         f"cached vs exact gradients {same_curvature['top-10 overlap']:.2f}/{same_curvature['top-100 overlap']:.2f} "
         f"(the fixed-a gradients alone); exact gradients ranked with the cache's curvature vs the exact ranking "
         f"{curvature_only['top-10 overlap']:.2f}/{curvature_only['top-100 overlap']:.2f} (the curvature alone: the "
-        f"cache's true-label token statistics vs the exact {exact_curv})")
+        f"cache's {CACHE_S_LABEL[cfg.attr_s]} vs the exact {exact_curv})")
     # the first query's most influential training windows, decoded (for the report)
     tok = data.tokenizer
     first = ranked[cached_name][0]
@@ -2419,6 +2433,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     return {"table": table, "summary": summary, "queries": Q, "seqs": M, "ctx": cfg.ctx,
             "chance": {"top-10 overlap": chance[10], "top-100 overlap": chance[100]},
             "curvature": cfg.attr_curvature, "gradients": gradients,
+            "cache_s": {"s": cfg.attr_s, "label": CACHE_S_LABEL[cfg.attr_s]},
             "exact_curvature": {"curvature": cfg.attr_exact_curvature, "label": exact_curv,
                                 "samples": cfg.attr_fisher_samples if ex.fisher is not None else None},
             "damping": {"cached": cache.lam, "exact": ex.lam},
@@ -2967,6 +2982,9 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                          f"gradients {g['top-10 overlap']:.2f}/{g['top-100 overlap']:.2f} (the gradients alone); "
                          f"the exact gradients ranked with the cache's curvature vs the exact ranking "
                          f"{cv['top-10 overlap']:.2f}/{cv['top-100 overlap']:.2f} (the curvature alone).</p>")
+        if a.get("cache_s"):
+            parts.append(f"<p>The cache's S = E[δδᵀ]: {html.escape(a['cache_s']['label'])} "
+                         f"(--attr-s {html.escape(a['cache_s']['s'])}).</p>")
         if a.get("exact_curvature"):
             parts.append(f"<p>The exact reference's curvature: {html.escape(a['exact_curvature']['label'])} "
                          f"(--attr-exact-curvature {html.escape(a['exact_curvature']['curvature'])}).</p>")
@@ -3106,9 +3124,10 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
     why = {"suppress_factor": (suppression, "no suppression runs: "
                                "--suppress and --suppress-keywords are empty, or --head dense"),
            **{k: attribution for k in ("attr_seqs", "attr_queries", "attr_ctx", "attr_damping", "attr_curvature",
-                                         "attr_exact_curvature", "ekfac")},
-           "attr_fisher_samples": (attribution_runs(cfg) and cfg.attr_exact_curvature == "fisher", "no sampled "
-                                   "curvature: --attr-exact-curvature empirical, --no-attribution or --head dense"),
+                                         "attr_exact_curvature", "attr_s", "ekfac")},
+           "attr_fisher_samples": (attribution_runs(cfg) and "fisher" in (cfg.attr_exact_curvature, cfg.attr_s),
+                                   "no sampled curvature: --attr-exact-curvature and --attr-s empirical, "
+                                   "--no-attribution or --head dense"),
            "controller_l1": (prism and cfg.controller, "the controllers are off: --no-controller, or --head dense"),
            "card_windows": (prism and bool(cfg.cards or cfg.suppress_keywords), "no cards are built: --no-cards and "
                             "no --suppress-keywords, or --head dense"),

@@ -263,9 +263,40 @@ def test_fisher_draws_are_deterministic_under_the_seed():
     assert not torch.equal(prism.exact_scores(a, g_q), prism.exact_scores(c, g_q))
 
 
+def test_cache_fisher_s_is_the_second_moment_of_the_drawn_targets_deltas(assert_close):
+    """--attr-s fisher: S = mean over tokens and draws of δ̃δ̃ᵀ, δ̃_t the autograd ∂CE/∂ẑ_t of a target drawn from the
+    model's softmax: the exact fisher reference's draws under the same seed (so the curvature-alone diagnostic
+    compares two curvatures of the same samples). The index and A_ii are the true-label cache's; S is not."""
+    model = tiny()
+    M, S, T = 6, 2, 8
+    w = windows_of(M, T, seed=7)
+    fisher = prism.build_attr_cache(model, w, "block", 1e-2, "fisher", samples=S, seed=3)
+    labels = prism.build_attr_cache(model, w, "block", 1e-2)
+    ex = prism.build_exact(model, w, damping=1e-2, curvature="fisher", samples=S, seed=3)
+    with torch.no_grad():
+        z = model.hidden(w[:, :-1]).float().flatten(0, 1)
+    zhat = torch.zeros_like(z, requires_grad=True)
+    logits = F.linear(z - zhat.detach() + zhat, model.wte.weight.float())
+    want = torch.zeros(z.shape[1], z.shape[1])
+    for j in range(S):
+        ce = F.cross_entropy(logits, ex.targets[:, j].flatten().long(), reduction="sum")
+        delta = torch.autograd.grad(ce, zhat, retain_graph=True)[0]
+        want += delta.T @ delta / (len(z) * S)
+    got = fisher.Q_S @ torch.diag(fisher.lam_S) @ fisher.Q_S.T
+    assert_close("S fisher", want, got, ratio=1e-4)
+    true_S = labels.Q_S @ torch.diag(labels.lam_S) @ labels.Q_S.T
+    assert (got - true_S).abs().max() > 1e-2 * true_S.abs().max()  # the labels' S is another matrix
+    assert torch.equal(fisher.index.G, labels.index.G) and torch.equal(fisher.A_diag, labels.A_diag)
+    assert fisher.lam == pytest.approx(1e-2 * fisher.A_diag.mean().item() * fisher.lam_S.mean().item())
+    again = prism.build_attr_cache(model, w, "block", 1e-2, "fisher", samples=S, seed=3)
+    other = prism.build_attr_cache(model, w, "block", 1e-2, "fisher", samples=S, seed=4)
+    assert torch.equal(again.lam_S, fisher.lam_S) and not torch.equal(other.lam_S, fisher.lam_S)
+
+
 @pytest.mark.parametrize("args,code,needle", [
     (["--attr-exact-curvature", "ggn"], 2, "invalid choice: 'ggn'"),
     (["--attr-fisher-samples", "0"], 1, "error: --attr-fisher-samples must be >= 1"),
+    (["--attr-s", "ggn"], 2, "invalid choice: 'ggn'"),
 ])
 def test_bad_exact_curvature_is_one_line(tmp_path, args, code, needle, capsys, monkeypatch):
     from conftest import call_main
@@ -275,31 +306,39 @@ def test_bad_exact_curvature_is_one_line(tmp_path, args, code, needle, capsys, m
 
 
 def test_fisher_samples_flag_is_noted_when_nothing_is_sampled():
-    """--attr-fisher-samples only shapes the fisher curvature: typed beside the empirical one it gets a note."""
+    """--attr-fisher-samples only shapes the fisher curvatures (the exact reference's, the cache's S): typed beside
+    two empirical ones it gets a note."""
     def notes(**kw):
         return [n.split(" has no effect")[0] for n in prism.unused_flags(Config(**kw), {"attr_fisher_samples"})]
-    assert notes(attr_exact_curvature="empirical") == ["note: --attr-fisher-samples"]
-    assert notes(attr_exact_curvature="fisher") == [] and notes() == []  # fisher is the default
+    assert notes(attr_exact_curvature="empirical", attr_s="empirical") == ["note: --attr-fisher-samples"]
+    assert notes(attr_exact_curvature="empirical") == [] and notes(attr_s="empirical") == []
+    assert notes() == []  # fisher is the default of both
     assert notes(attribution=False) == ["note: --attr-fisher-samples"]
 
 
 @pytest.mark.parametrize("curvature", ["empirical", "fisher"])
 def test_experiment_reports_the_exact_curvature(curvature, tmp_path, monkeypatch):
-    """A tiny run says which curvature the exact reference inverted: the JSON, the summary, the curvature-alone
-    log line and the report; and the reference it ranked with was built with that curvature, S and the seed."""
+    """A tiny run says which curvature the exact reference inverted and which S the cache holds: the JSON, the
+    summary, the curvature-alone log line and the report; and the reference it ranked with was built with that
+    curvature, S and the seed, the cache with that S, the same draws and seed."""
     cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
-                 attr_seqs=12, attr_queries=2, attr_damping=1e-2, attr_exact_curvature=curvature,
+                 attr_seqs=12, attr_queries=2, attr_damping=1e-2, attr_exact_curvature=curvature, attr_s=curvature,
                  attr_fisher_samples=2, seed=5)
     built, build = [], prism.build_exact
     monkeypatch.setattr(prism, "build_exact", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    cache_args, build_cache = [], prism.build_attr_cache
+    monkeypatch.setattr(prism, "build_attr_cache", lambda *a, **k: cache_args.append(a[2:]) or build_cache(*a, **k))
     model, lines = PRISM(cfg, V).eval(), []
     res = prism.attribution_experiment(model, None, StandIn(), cfg, lines.append)
     label = prism.EXACT_CURVATURE_LABEL[curvature] + (", 2 draws per window" if curvature == "fisher" else "")
     assert res["exact_curvature"] == {"curvature": curvature, "label": label,
                                       "samples": 2 if curvature == "fisher" else None}
     assert f"(curvature: {label})" in res["summary"] and lines[-1].endswith(f"vs the exact {label})")
+    s_label = prism.CACHE_S_LABEL[curvature]  # the cache's S: drawn targets, as many and seeded alike, or labels
+    assert res["cache_s"] == {"s": curvature, "label": s_label} and f"the cache's {s_label} vs the exact" in lines[-1]
+    assert cache_args == [("block", 1e-2, curvature, 2, 5)]
     html_text = prism.write_report(tmp_path, cfg, {"attribution": res}, {}).read_text()
-    assert f"(--attr-exact-curvature {curvature})" in html_text
+    assert f"(--attr-exact-curvature {curvature})" in html_text and f"(--attr-s {curvature})" in html_text
     (ex,) = built
     assert ex.curvature == curvature and len(ex.L) == (24 if curvature == "fisher" else 12)
     if curvature == "fisher":  # the analysis seed: the draws of a rebuild with --seed 5
