@@ -26,9 +26,10 @@ Analyses (the default run does all of them and writes out/prism/report.html):
     decomposition of a generated text into prototype slices plus the residual slice (§1, §5.4);
   * training-data attribution (§5.3): a cache of per-sequence prototype-space gradient summaries
     g_{m,i} = Σ_t a_{t,i} δ_t with an inverted index prototype -> sequences, block-diagonal curvature
-    A_ii·S + λ; baselines: exact prototype-space gradients with the damped true Fisher (targets sampled from the
-    model; --attr-exact-curvature empirical: the empirical Fisher) inverted exactly, dense gradient similarity,
-    EK-FAC through kronfluence (with --ekfac, when kronfluence is installed);
+    A_ii·S + λ (S of the true labels' δ, or of drawn targets' with --attr-s fisher); baselines: exact
+    prototype-space gradients with the damped true Fisher (targets sampled from the model;
+    --attr-exact-curvature empirical: the empirical Fisher) inverted exactly, dense gradient similarity, EK-FAC
+    through kronfluence (with --ekfac, when kronfluence is installed);
   * suppression (§2.4, §6.3): drop keyword-matched prototypes' terms, keeping r from the unsuppressed ẑ;
   * a sparse linear controller over active prototypes vs the same controller over a top-k SAE on the twin (§6.3).
 
@@ -71,7 +72,12 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     --attr-fisher-samples targets ỹ drawn from the model's softmax at every position of each window, seeded by
     --seed; the scores still take the true-label gradients). --attr-exact-curvature empirical inverts the
     empirical Fisher of the true-label window gradients instead, a known poor stand-in for it (Kunstner et al.
-    2019). The overlaps measure agreement with the chosen reference. The cached curvature (block and
+    2019). The overlaps measure agreement with the chosen reference. The cache's S is spec §5.3's E[δδᵀ] of the
+    true-label δ (--attr-s empirical, the default); --attr-s fisher takes the δ̃ of targets drawn from the model
+    instead, K-FAC's true-Fisher factor, with the exact fisher reference's draws (same --seed). On the CPU preset's
+    checkpoint against the true-Fisher reference (2026-12-03) the two agree to a query or two: cached 0.49/0.67
+    top-10/top-100 with the labels' S, 0.47/0.67 with the drawn one, the curvature alone 0.47/0.66 with either;
+    what the cached curvature loses is its block structure, not S. The cached curvature (block and
     kfac) is cross-entropy only: §5.3's local per-prototype terms from R1 (≈2I per nearest prototype) and REC
     (a_i a_j) are left out, and the damping λ stands in for them. Dense TracIn runs twice: recomputing the
     training gradients per query batch, and from a cache of CountSketched training gradients with the prototype
@@ -82,8 +88,8 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     n/M (a random ranking of the M windows). Two diagnostics split the gap to exact into its two causes, each with
     the other held equal: the cached vs exact gradients with no curvature in either ranking (plain dot products)
     and with the cache's curvature in both; and the exact gradients ranked with the cache's curvature vs the
-    exact ranking (the curvature alone: the cache's true-label token statistics against the exact reference's
-    curvature, whichever it is). Measured with the empirical reference (before the fisher default), on the CPU
+    exact ranking (the curvature alone: the cache's token statistics against the exact reference's curvature,
+    whichever each is). Measured with the empirical reference (before the fisher default), on the CPU
     preset the curvature alone loses as much as the whole cached
     method (0.42/0.65 top-10/100 against its 0.43/0.65), the fixed-a gradients alone less (0.79/0.89 kept with
     the cache's curvature in both, 0.84/0.95 with none): the two losses do not compound.
@@ -243,7 +249,7 @@ class Config:
     attr_curvature: Literal["block", "kfac"] = field(default="block", metadata={"help": "cached curvature: per-prototype blocks or with co-usage"})
     attr_exact_curvature: Literal["empirical", "fisher"] = field(default="fisher", metadata={"help": "the exact reference's curvature: fisher, the true Fisher (= Gauss-Newton for softmax CE; targets drawn from the model's softmax), or empirical, the Fisher of the true-label gradients"})
     attr_fisher_samples: int = field(default=1, metadata={"help": "targets drawn per training window for --attr-exact-curvature fisher (S: the curvature's rank is M·S), and per token for --attr-s fisher"})
-    attr_s: Literal["empirical", "fisher"] = field(default="fisher", metadata={"help": "the cache's S = E[δδᵀ]: fisher, δ of targets drawn from the model's softmax (K-FAC's true-Fisher factor; the exact fisher reference's draws), or empirical, δ of the true labels"})
+    attr_s: Literal["empirical", "fisher"] = field(default="empirical", metadata={"help": "the cache's S = E[δδᵀ]: empirical, δ of the true labels (spec §5.3's formula), or fisher, δ of targets drawn from the model's softmax (K-FAC's true-Fisher factor; the exact fisher reference's draws)"})
     ekfac: bool = field(default=False, metadata={"help": "also rank with EK-FAC through kronfluence (if installed)"})
     suppress_keywords: str = field(default="auto", metadata={"help": "WORD[,WORD..]: suppress prototypes whose live cards match; auto: of the words live cards are about, the one generated most (not when --suppress is typed alone); '' off"})
     suppress: str = field(default="", metadata={"help": "ID[,ID..]: suppress these prototypes"})

@@ -310,9 +310,9 @@ def test_fisher_samples_flag_is_noted_when_nothing_is_sampled():
     two empirical ones it gets a note."""
     def notes(**kw):
         return [n.split(" has no effect")[0] for n in prism.unused_flags(Config(**kw), {"attr_fisher_samples"})]
-    assert notes(attr_exact_curvature="empirical", attr_s="empirical") == ["note: --attr-fisher-samples"]
-    assert notes(attr_exact_curvature="empirical") == [] and notes(attr_s="empirical") == []
-    assert notes() == []  # fisher is the default of both
+    assert notes(attr_exact_curvature="empirical") == ["note: --attr-fisher-samples"]  # --attr-s is empirical
+    assert notes(attr_exact_curvature="empirical", attr_s="fisher") == []
+    assert notes(attr_exact_curvature="fisher") == [] and notes() == []  # the reference's fisher is the default
     assert notes(attribution=False) == ["note: --attr-fisher-samples"]
 
 
