@@ -3577,6 +3577,7 @@ def validate(cfg: Config, explicit=()) -> None:
               (cfg.dev_per_class is None or cfg.dev_per_class >= 1, "--dev-per-class must be >= 1 (or none)"),
               (0 <= cfg.val_frac <= 0.5, "--val-frac must be in [0, 0.5] (0: validate on the dev set)"),
               (cfg.max_words >= 1, "--max-words must be >= 1"), (cfg.min_count >= 0, "--min-count must be >= 0"),
+              (cfg.max_examples is None or cfg.max_examples >= 1, "--max-examples must be >= 1 (or none: all)"),
               (cfg.finetune_epochs >= 0 and cfg.finetune_lr > 0 and cfg.finetune_batch >= 1,
                "--finetune-epochs must be >= 0, --finetune-lr > 0 and --finetune-batch >= 1"),
               (cfg.max_per_type is None or cfg.max_per_type >= 1, "--max-per-type must be >= 1 (or none)"),
@@ -3757,7 +3758,7 @@ def run(cfg: Config, explicit) -> int:
 
 def main(argv=None) -> int:
     try:  # the model and its core op run alone; training and the analyses read their data through common.py
-        from common import DataError, parse_config
+        from common import DataError, memory_error, parse_config
     except ImportError as e:
         print(f"error: {Path(__file__).name} trains and analyses with glassbox's common.py beside it ({e})",
               file=sys.stderr)
@@ -3769,6 +3770,11 @@ def main(argv=None) -> int:
         return run(cfg, args.explicit)
     except (RunError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # an allocation that does not fit is a size to lower, not a bug: one line
+        if memory_error(e) is None:
+            raise
+        print(f"error: {memory_error(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -819,6 +819,20 @@ def preset_banner(cfg, explicit, device, minutes: str, preset: dict, runtime_key
             + "; --preset paper runs the paper's configuration")
 
 
+def memory_error(e: BaseException) -> typing.Optional[str]:
+    """The one-line message a script prints for an allocation failure, or None for any other exception: CUDA's
+    OutOfMemoryError, the CPU allocator's RuntimeError ("can't allocate memory") and Python's MemoryError all
+    mean the sizes asked for do not fit this machine, not a bug."""
+    text = str(e).strip()
+    if not (isinstance(e, (torch.OutOfMemoryError, MemoryError))
+            or isinstance(e, RuntimeError) and "can't allocate memory" in text):
+        return None
+    first = text.splitlines()[0] if text else type(e).__name__
+    first = first.split("DefaultCPUAllocator: ")[-1]  # the CPU allocator's message starts with its C++ assert
+    return (f"out of memory ({first[:200]}); lower --batch-size or --ctx, or the model's size, or use a device "
+            "with more memory")
+
+
 # -----------------------------------------------------------------------------
 # python common.py: prepare a corpus and print its statistics
 

@@ -1160,6 +1160,11 @@ def estimate_loss(model, data, cfg: Config, autocast, batch_size) -> float:
     return sum(losses) / len(losses)
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss), infinite past float range (a diverged or heavily intervened model) rather than an OverflowError."""
+    return math.exp(loss) if loss < 709 else math.inf
+
+
 @torch.no_grad()
 def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windows: Optional[int] = None,
                  **forward_kw) -> dict:
@@ -1184,7 +1189,7 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
         t = torch.tensor([total, count, windows], dtype=torch.float64, device=data.device)
         dist.all_reduce(t)
         total, count, windows = t.tolist()
-    return {"loss": total / count, "ppl": math.exp(total / count), "tokens": int(count), "windows": int(windows)}
+    return {"loss": total / count, "ppl": perplexity(total / count), "tokens": int(count), "windows": int(windows)}
 
 
 def on_windows(windows: int, tokens: int) -> str:
@@ -1377,7 +1382,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
                 raise RunError(nan_message(step, path))  # never save non-finite weights
             history["step"].append(step)
             history["val"].append(val)
-            log(f"step {step}: val loss {val:.4f} (ppl {math.exp(val):.1f})")
+            log(f"step {step}: val loss {val:.4f} (ppl {perplexity(val):.1f})")
             best = min(best, val)
             if rank == 0:  # the train stream as it was before the prefetch, the val stream as it is now
                 rng = {**data_rng, "val": data.rng_state()["val"]}
@@ -1539,7 +1544,7 @@ def amplification(model: DualStream, data, cfg: Config, alphas: list[float], aut
                 batches += 1
             out = model.generate(ids, min(cfg.sample_tokens, AMP_SAMPLE_TOKENS), temperature=0)
         samples[str(alpha)] = data.tokenizer.decode(out[0].tolist())
-        rows.append({"alpha": alpha, "loss": total / count, "ppl": math.exp(total / count),
+        rows.append({"alpha": alpha, "loss": total / count, "ppl": perplexity(total / count),
                      "entropy": (ent / batches).tolist(), "max_weight": (maxw / batches).tolist()})
     base = rows[0]["loss"]
     for r in rows:
@@ -2520,7 +2525,7 @@ def run(cfg: Config, explicit) -> int:
 
 def main(argv=None) -> int:
     try:  # the model and its core op run alone; training and the analyses read their data through common.py
-        from common import DataError, parse_config
+        from common import DataError, memory_error, parse_config
     except ImportError as e:
         print(f"error: {Path(__file__).name} trains and analyses with glassbox's common.py beside it ({e})",
               file=sys.stderr)
@@ -2532,6 +2537,11 @@ def main(argv=None) -> int:
         return run(cfg, args.explicit)
     except (RunError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # an allocation that does not fit is a size to lower, not a bug: one line
+        if memory_error(e) is None:
+            raise
+        print(f"error: {memory_error(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -1097,6 +1097,11 @@ def estimate_loss(model, data, cfg: Config, autocast, batch_size) -> dict:
     return res
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss), infinite past float range (a diverged or heavily intervened model) rather than an OverflowError."""
+    return math.exp(loss) if loss < 709 else math.inf
+
+
 @torch.no_grad()
 def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windows: Optional[int] = None,
                  head_kw: Optional[dict] = None) -> dict:
@@ -1126,7 +1131,7 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
         t = torch.tensor([total, count, fired], dtype=torch.float64, device=data.device)
         dist.all_reduce(t)
         total, count, fired = t.tolist()
-    res = {"loss": total / count, "ppl": math.exp(total / count), "tokens": int(count)}
+    res = {"loss": total / count, "ppl": perplexity(total / count), "tokens": int(count)}
     if head_kw and head_kw.get("suppress") is not None:
         res["fired"] = int(fired)
     return res
@@ -1299,7 +1304,7 @@ def push_prototypes(raw: PRISM, optimizer, x, dist_info) -> float:
 
 
 def eval_line(step: int, ev: dict, twin_val: Optional[float], used: Optional[int], K: int, k: int) -> str:
-    s = f"step {step}: val loss {ev['ce']:.4f} (ppl {math.exp(ev['ce']):.1f})"
+    s = f"step {step}: val loss {ev['ce']:.4f} (ppl {perplexity(ev['ce']):.1f})"
     if twin_val is not None:
         s += f" | gap to dense {ev['ce'] - twin_val:+.4f} ({(ev['ce'] - twin_val) / twin_val:+.1%})"
     if "r_over_z" in ev:
@@ -3087,6 +3092,8 @@ def validate(cfg: Config) -> None:
               (cfg.card_windows >= 1 and cfg.attr_seqs >= 2 and cfg.attr_queries >= 1 and cfg.attr_ctx >= 1,
                "--card-windows, --attr-queries, --attr-ctx must be >= 1 and --attr-seqs >= 2"),
               (cfg.attr_fisher_samples >= 1, "--attr-fisher-samples must be >= 1"),
+              (abs(cfg.suppress_factor) <= 100, "--suppress-factor must be in [-100, 100] (1 keeps the terms, 0 drops "
+                                                "them, -1 pushes away)"),
               (0 < cfg.attr_damping <= 1e6, "--attr-damping must be in (0, 1e6]"), (cfg.controller_l1 >= 0, "--controller-l1 must be >= 0"),
               (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"),
               (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file")]
@@ -3412,7 +3419,7 @@ def run(cfg: Config, explicit) -> int:
 
 def main(argv=None) -> int:
     try:  # the model and its core op run alone; training and the analyses read their data through common.py
-        from common import DataError, parse_config
+        from common import DataError, memory_error, parse_config
     except ImportError as e:
         print(f"error: {Path(__file__).name} trains and analyses with glassbox's common.py beside it ({e})",
               file=sys.stderr)
@@ -3424,6 +3431,11 @@ def main(argv=None) -> int:
         return run(cfg, args.explicit)
     except (RunError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # an allocation that does not fit is a size to lower, not a bug: one line
+        if memory_error(e) is None:
+            raise
+        print(f"error: {memory_error(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

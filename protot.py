@@ -1257,6 +1257,11 @@ def estimate_loss(model, data, cfg: Config, autocast, batch_size) -> float:
     return sum(losses) / len(losses)
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss), infinite past float range (a diverged or heavily intervened model) rather than an OverflowError."""
+    return math.exp(loss) if loss < 709 else math.inf
+
+
 @torch.no_grad()
 def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windows: Optional[int] = None) -> dict:
     """Exact token-weighted perplexity over the val split: every token predicted once (common.iter_eval)."""
@@ -1277,7 +1282,7 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
         t = torch.tensor([total, count], dtype=torch.float64, device=data.device)
         dist.all_reduce(t)
         total, count = t.tolist()
-    return {"loss": total / count, "ppl": math.exp(total / count), "tokens": int(count)}
+    return {"loss": total / count, "ppl": perplexity(total / count), "tokens": int(count)}
 
 
 def dist_ready() -> bool:
@@ -1459,7 +1464,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
                 raise RunError(nan_message(step, path))  # never save non-finite weights
             history["step"].append(step)
             history["val"].append(val)
-            log(f"step {step}: val loss {val:.4f} (ppl {math.exp(val):.1f})")
+            log(f"step {step}: val loss {val:.4f} (ppl {perplexity(val):.1f})")
             if val < best:  # the weights change from here on: keep these
                 best = val
                 best_weights = {"step": step,
@@ -2465,7 +2470,7 @@ def run(cfg: Config, explicit) -> int:
 
 def main(argv=None) -> int:
     try:  # the model and its core op run alone; training and the analyses read their data through common.py
-        from common import DataError, parse_config
+        from common import DataError, memory_error, parse_config
     except ImportError as e:
         print(f"error: {Path(__file__).name} trains and analyses with glassbox's common.py beside it ({e})",
               file=sys.stderr)
@@ -2476,6 +2481,11 @@ def main(argv=None) -> int:
         return run(cfg, args.explicit)
     except (RunError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # an allocation that does not fit is a size to lower, not a bug: one line
+        if memory_error(e) is None:
+            raise
+        print(f"error: {memory_error(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

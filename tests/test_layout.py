@@ -382,3 +382,53 @@ def test_a_file_that_holds_no_dict_is_not_a_checkpoint(name, tmp_path, recwarn):
         with pytest.raises(mod.RunError, match=f"ckpt-x.pt is not a {name}.py checkpoint"):
             mod.load_checkpoint(path, mod.Config(out_dir=str(tmp_path)))
     assert not [w for w in recwarn if "indexing" in str(w.message)]
+
+
+@pytest.mark.parametrize("script", PAPERS)
+def test_an_allocation_that_does_not_fit_is_one_line(script, tmp_path, capsys, monkeypatch):
+    """Sizes the machine cannot hold (CPU allocator, CUDA, Python) end in one line naming the flags to lower; any
+    other exception is a bug and keeps its traceback."""
+    import importlib
+
+    from conftest import call_main
+
+    mod = importlib.import_module(script)
+    failures = {"you tried to allocate 41820000000000 bytes": RuntimeError(
+                    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                    "tried to allocate 41820000000000 bytes. Error code 12"),
+                "CUDA out of memory. Tried to allocate 80.00 GiB.": torch_oom(
+                    "CUDA out of memory. Tried to allocate 80.00 GiB.\nSee the documentation."),
+                "MemoryError": MemoryError()}
+    for needle, failure in failures.items():
+        monkeypatch.setattr(mod, "run", lambda *a, failure=failure, **k: (_ for _ in ()).throw(failure))
+        rc, err = call_main(mod.main, ["--out-dir", str(tmp_path)], capsys, monkeypatch)
+        assert rc == 1 and err.count("\n") == 1 and err.startswith("error: out of memory ("), err
+        assert needle in err and "lower --batch-size or --ctx, or the model's size" in err, err
+    monkeypatch.setattr(mod, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        mod.main(["--out-dir", str(tmp_path)])
+
+
+def torch_oom(message):
+    import torch
+    return torch.OutOfMemoryError(message)
+
+
+def test_memory_error_message():
+    alloc = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                         "you tried to allocate 8 bytes.")
+    assert common.memory_error(alloc).startswith("out of memory (can't allocate memory: you tried to allocate 8 bytes.)")
+    assert common.memory_error(torch_oom("CUDA out of memory. Tried 2 GiB.\nmore")).startswith(
+        "out of memory (CUDA out of memory. Tried 2 GiB.);")
+    assert common.memory_error(MemoryError()).startswith("out of memory (MemoryError);")
+    assert common.memory_error(RuntimeError("expected a tensor")) is None and common.memory_error(ValueError()) is None
+
+
+@pytest.mark.parametrize("script", ("protot", "prism", "dual_stream"))
+def test_perplexity_past_float_range_is_infinite(script):
+    """A diverged or heavily intervened model's loss can pass 709 nats, where exp overflows: inf, not a crash."""
+    import importlib
+    import math
+
+    mod = importlib.import_module(script)
+    assert mod.perplexity(1.0) == math.e and mod.perplexity(709.5) == math.inf and mod.perplexity(1e30) == math.inf
