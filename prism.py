@@ -1727,41 +1727,40 @@ def token_deltas(z, y, W, chunk=ATTR_CHUNK, u=None):
     """δ_t = ∂CE_t/∂ẑ_t = Wᵀ(softmax(W z_t) − e_{y_t}) for z [N, d], y [N] -> [N, d] fp32, in closed form (no
     autograd). Under detach-zhat and detach-r the logits are W(sg(·) + ẑ), so ẑ receives the gradient a dense
     head's z would, and their value is W z (§2.3); under full, ∂CE/∂ẑ with r held fixed (§2.3 A). Token chunks
-    keep the N×V probabilities within `chunk`. With uniforms u [N] instead of labels (y None), the targets are
-    drawn from the same probabilities, ỹ_t ~ softmax(W z_t) (draw_targets), -> (δ, ỹ): one softmax per chunk."""
+    keep the N×V probabilities within `chunk`. With uniforms u [S, N] in [0, 1), also S targets per token drawn
+    from the same probabilities, ỹ_{s,t} ~ softmax(W z_t) (draw_targets), and their δ̃ -> (δ, δ̃ [S, N, d],
+    ỹ [S, N] int64): one softmax per chunk serves the labels and every draw."""
     W = W.float()
     out = torch.empty(z.shape, dtype=torch.float32, device=z.device)
-    drawn = None if u is None else torch.empty(z.shape[0], dtype=torch.long, device=z.device)
+    if u is not None:
+        out_drawn = torch.empty(u.shape[0], *z.shape, dtype=torch.float32, device=z.device)
+        drawn = torch.empty(u.shape, dtype=torch.long, device=z.device)
     step = max(1, chunk // W.shape[0])
     for s in range(0, z.shape[0], step):
         p = torch.softmax(z[s:s + step].float() @ W.T, dim=-1)
-        if u is None:
-            ys = y[s:s + step]
-        else:
-            ys = drawn[s:s + step] = draw_targets(p, u[s:s + step])
-        p[torch.arange(p.shape[0], device=p.device), ys] -= 1
+        rows = torch.arange(p.shape[0], device=p.device)
+        for j in range(0 if u is None else u.shape[0]):
+            ys = drawn[j, s:s + step] = draw_targets(p, u[j, s:s + step])
+            q = p.clone()
+            q[rows, ys] -= 1
+            out_drawn[j, s:s + step] = q @ W
+        p[rows, y[s:s + step]] -= 1
         out[s:s + step] = p @ W
-    return out if u is None else (out, drawn)
+    return out if u is None else (out, out_drawn, drawn)
 
 
 def draw_targets(p, u):
     """One draw per row of the probabilities p [n, V] by inverse CDF from the uniforms u [n] in [0, 1) -> [n] int64.
-    The CDF is scaled by its last entry, so a sum a few ulps off 1 cannot push a draw past the vocabulary."""
+    The CDF is scaled by its last entry, so a sum a few ulps off 1 cannot push a draw past the vocabulary.
+    The uniforms come from a seeded CPU generator, so the draws are the same on every device (up to the cumsum's
+    rounding) and do not touch the global RNG."""
     cdf = p.cumsum(-1)
     return torch.searchsorted(cdf, u[:, None] * cdf[:, -1:]).squeeze(1).clamp_max_(p.shape[-1] - 1)
 
 
-@torch.no_grad()
-def sample_targets(z, W, u, chunk=ATTR_CHUNK):
-    """ỹ_t ~ softmax(W z_t) for z [N, d], one draw per token (draw_targets) from the uniforms u [N] in [0, 1) ->
-    [N] int64. u comes from a seeded CPU generator, so the draws are the same on every device (up to the cumsum's
-    rounding) and do not touch the global RNG."""
-    W = W.float()
-    out = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
-    step = max(1, chunk // W.shape[0])
-    for s in range(0, z.shape[0], step):
-        out[s:s + step] = draw_targets(torch.softmax(z[s:s + step].float() @ W.T, dim=-1), u[s:s + step])
-    return out
+def uniforms(gen, S: int, n: int, device):
+    """S rows of n uniforms from the CPU generator `gen`, one call per row (the order every build draws in)."""
+    return torch.stack([torch.rand(n, generator=gen) for _ in range(S)]).to(device)
 
 
 def sequence_sums(seq_of_token, idx, a, delta, K: int, chunk=ATTR_CHUNK):
@@ -1869,12 +1868,13 @@ def build_attr_cache(model: PRISM, windows, curvature: str = "block", damping: f
         z = model.hidden(w[:, :-1]).float().flatten(0, 1)
         idx, a = model.prototypes(z)
         a = a.float()
-        delta = token_deltas(z, w[:, 1:].flatten(), W)
-        if not fisher:
+        if fisher:
+            delta, drawn, _ = token_deltas(z, w[:, 1:].flatten(), W, u=uniforms(gen, samples, z.shape[0], device))
+            for d_s in drawn:
+                S += d_s.T @ d_s / samples
+        else:
+            delta = token_deltas(z, w[:, 1:].flatten(), W)
             S += delta.T @ delta
-        for _ in range(samples if fisher else 0):
-            drawn, _ = token_deltas(z, None, W, u=torch.rand(z.shape[0], generator=gen).to(device))
-            S += drawn.T @ drawn / samples
         A_diag.index_add_(0, idx.flatten(), a.pow(2).flatten())
         if A is not None:  # entry (i_j, i_l) of a_t a_tᵀ is a_{t,j} a_{t,l}
             A.index_add_(0, (idx[:, :, None] * K + idx[:, None, :]).flatten(),
@@ -2051,16 +2051,19 @@ def build_exact(model: PRISM, windows, damping: float = 1e-3, curvature: str = "
     for s in range(0, M, B):
         w = windows[s:s + B].to(device)
         z = model.hidden(w[:, :-1]).float()
-        delta = token_deltas(z.flatten(0, 1), w[:, 1:].flatten(), W).view(z.shape)
+        if fisher:  # ỹ ~ softmax(W z_t) at every position, S times, from the softmax the labels' δ takes
+            delta, drawn, y = token_deltas(z.flatten(0, 1), w[:, 1:].flatten(), W,
+                                           u=uniforms(gen, S, z.shape[0] * T, device))
+        else:
+            delta = token_deltas(z.flatten(0, 1), w[:, 1:].flatten(), W)
+        delta = delta.view(z.shape)
         for b in range(w.shape[0]):  # one vector-Jacobian product per sequence: its own gradient
             keep(true, s + b, proto_vjp(model, z[b], delta[b]))
-        for j in range(S if fisher else 0):  # ỹ ~ softmax(W z_t) at every position, then the same gradient
-            u = torch.rand(z.shape[0] * T, generator=gen).to(device)
-            delta, y = token_deltas(z.flatten(0, 1), None, W, u=u)  # ỹ drawn from the softmax δ takes
-            delta = delta.view(z.shape)
-            targets[s:s + w.shape[0], j] = y.view(-1, T).cpu().int()
+        for j in range(S if fisher else 0):  # then the same gradient with each draw's targets
+            targets[s:s + w.shape[0], j] = y[j].view(-1, T).cpu().int()
+            delta_j = drawn[j].view(z.shape)
             for b in range(w.shape[0]):
-                keep(sampled, (s + b) * S + j, proto_vjp(model, z[b], delta[b]))
+                keep(sampled, (s + b) * S + j, proto_vjp(model, z[b], delta_j[b]))
     index = ProtoIndex.from_keys(torch.cat(true[0]), torch.cat(true[1]), K)
     curv = ProtoIndex.from_keys(torch.cat(sampled[0]), torch.cat(sampled[1]), K) if fisher else index
     N = M * S
@@ -3433,9 +3436,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # an allocation that does not fit is a size to lower, not a bug: one line
-        if memory_error(e) is None:
+        if (message := memory_error(e)) is None:
             raise
-        print(f"error: {memory_error(e)}", file=sys.stderr)
+        print(f"error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

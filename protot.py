@@ -2483,9 +2483,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # an allocation that does not fit is a size to lower, not a bug: one line
-        if memory_error(e) is None:
+        if (message := memory_error(e)) is None:
             raise
-        print(f"error: {memory_error(e)}", file=sys.stderr)
+        print(f"error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -400,13 +400,20 @@ def test_an_allocation_that_does_not_fit_is_one_line(script, tmp_path, capsys, m
                     "CUDA out of memory. Tried to allocate 80.00 GiB.\nSee the documentation."),
                 "MemoryError": MemoryError()}
     for needle, failure in failures.items():
-        monkeypatch.setattr(mod, "run", lambda *a, failure=failure, **k: (_ for _ in ()).throw(failure))
+        monkeypatch.setattr(mod, "run", raising(failure))
         rc, err = call_main(mod.main, ["--out-dir", str(tmp_path)], capsys, monkeypatch)
         assert rc == 1 and err.count("\n") == 1 and err.startswith("error: out of memory ("), err
         assert needle in err and "lower --batch-size or --ctx, or the model's size" in err, err
-    monkeypatch.setattr(mod, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+    monkeypatch.setattr(mod, "run", raising(RuntimeError("shape mismatch")))
     with pytest.raises(RuntimeError, match="shape mismatch"):
         mod.main(["--out-dir", str(tmp_path)])
+
+
+def raising(error):
+    """A stand-in for a script's run() that raises `error`."""
+    def run(*args, **kwargs):
+        raise error
+    return run
 
 
 def torch_oom(message):
