@@ -2311,6 +2311,8 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
         note = resume_note(ck["config"], cfg, step, stopped)
         if note:
             log(note)
+    elif path.exists():  # a fresh run writes over an earlier run's checkpoint (another preset's sizes, say)
+        log(f"note: {path} exists; this run trains from step 0 and replaces it (--resume continues it instead)")
     init_codebook(model, cfg, train_acts, device, log, sentences if val_sentences else None)
     raw = model
     if cfg.compile:
@@ -2863,12 +2865,13 @@ def salient_rows(cfg, src: SourceModel, head: nn.Module, acts: Activations, log=
 # ---- fidelity, steps 2-6: ablation and the probe --------------------------------------------------------------
 
 def orthonormal_rows(B: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """[S, m, d] -> an orthonormal basis of each span (QR in fp64); directions that are (numerically) dependent
-    or zero become zero rows, so they remove nothing."""
-    Q, R = torch.linalg.qr(B.double().transpose(1, 2))  # [S, d, m], [S, m, m]
+    """[S, m, d] -> [S, m, d] rows that hold an orthonormal basis of each span, the rest zero (so they remove
+    nothing): the left singular vectors of Bᵀ (fp64) whose singular value is above eps × the longest direction.
+    An SVD rather than QR: QR's unit column for a dependent or zero direction is arbitrary, and zeroing it also
+    drops the components of the later directions along it, whatever their order."""
+    U, sv, _ = torch.linalg.svd(B.double().transpose(1, 2), full_matrices=False)  # [S, d, m], [S, m]
     scale = B.double().norm(dim=-1).amax(-1, keepdim=True).clamp_min(1e-300)
-    keep = R.diagonal(dim1=1, dim2=2).abs() > eps * scale
-    return Q.transpose(1, 2) * keep[..., None]
+    return U.transpose(1, 2) * (sv > eps * scale)[..., None]
 
 
 def project_out(r: torch.Tensor, B: torch.Tensor, mu: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -2918,9 +2921,10 @@ def train_probe(r: torch.Tensor, y: torch.Tensor, n_classes: int, seed: int, epo
     unseen. `standardise` (not in the official code) puts a fixed affine layer fitted on the training part in
     front: `scalar` (default) centres and divides by one RMS, which keeps the geometry the ablation acts on;
     `dims` z-scores every dimension; `none` feeds raw r, as the official code does. On raw MiniLM layer-4 [CLS]
-    vectors (norm ~10.6, per-dimension std ~0.005 around a shared mean) this probe early-stops on raw input
-    before it learns anything: 20-fold accuracy 0.541 raw, 0.796 scalar, 0.791 dims (pretrained MiniLM). The
-    ablation still acts on raw r."""
+    vectors (norm ~10.6, per-dimension std ~0.004 around a shared mean) this probe early-stops on raw input
+    before it learns anything: 20-fold accuracy 0.500 raw, 0.685 scalar, 0.698 dims on the first 150 dev
+    sentences (the CPU preset's; 0.514, 0.768, 0.768 on all 366; pretrained MiniLM, --finetune-epochs 0, seed 42,
+    2026-12-03). The ablation still acts on raw r."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     probe = nn.Sequential(nn.Linear(r.shape[1], 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, n_classes))
@@ -3227,38 +3231,50 @@ def coherence_proxy(words: list[str], codes: torch.Tensor, vecs: dict, draws: in
     """A stand-in for §6.2's LLM judge: per code, the mean pairwise cosine of the input embeddings of its top-10
     member word types (by count, ties broken at random: an alphabetical or first-seen tie-break favours
     whatever the order groups together; types without a vector are dropped, codes with fewer than 2 left are not
-    scored), averaged over codes weighted by usage. Chance: the same statistic for groups of as many distinct
-    types drawn at random from the member rows (so frequent types come up as often as they do in codes),
-    `draws` groups per code. -> dict(score, chance, codes_scored, usage_scored)."""
+    scored), averaged over codes weighted by usage. Word types that share one input vector count as one type:
+    under an uncased tokenizer "The" and "the" are one token, and with the last subword as the vector so are
+    "dost" and "hast" (both end in "##st"); scored apart they would add pairs of cosine exactly 1, and a code would
+    look coherent for grouping one token under several spellings. Chance: the same statistic for groups of as many
+    distinct types drawn at random from the member rows (so frequent types come up as often as they do in codes),
+    `draws` groups per code. -> dict(score, chance, codes_scored, usage_scored, types, vectors): the last two count
+    the scored rows' word types and their distinct vectors."""
     g = torch.Generator().manual_seed(seed)
+    unit, unit_vecs, seen = {}, [], {}  # word type -> the index of its distinct vector in unit_vecs
+    for w, v in vecs.items():
+        key = v.detach().cpu().numpy().tobytes()
+        if key not in seen:
+            seen[key] = len(unit_vecs)
+            unit_vecs.append(v)
+        unit[w] = seen[key]
     rows = [i for i, w in enumerate(words) if w in vecs and int(codes[i]) >= 0]
     scores, chance, weights = [], [], []
-    by_code: dict[int, dict[str, int]] = {}
+    by_code: dict[int, dict[int, int]] = {}
     for i in rows:
         d = by_code.setdefault(int(codes[i]), {})
-        d[words[i]] = d.get(words[i], 0) + 1
-    n_types = len({words[i] for i in rows})
+        d[unit[words[i]]] = d.get(unit[words[i]], 0) + 1
+    n_units = len({unit[words[i]] for i in rows})
     for c, counts in by_code.items():
         items = list(counts.items())
         items = [items[i] for i in torch.randperm(len(items), generator=g).tolist()]  # random tie-break
-        types = [w for w, _ in sorted(items, key=lambda kv: -kv[1])[:top_words]]
+        types = [u for u, _ in sorted(items, key=lambda kv: -kv[1])[:top_words]]
         if len(types) < 2:
             continue
-        scores.append(_mean_pairwise_cos(torch.stack([vecs[w] for w in types])))
+        scores.append(_mean_pairwise_cos(torch.stack([unit_vecs[u] for u in types])))
         weights.append(sum(counts.values()))
         rs = []
         for _ in range(draws):
-            picked: dict[str, None] = {}
-            while len(picked) < min(len(types), n_types):
-                picked[words[rows[int(torch.randint(len(rows), (1,), generator=g))]]] = None
-            rs.append(_mean_pairwise_cos(torch.stack([vecs[w] for w in picked])))
+            picked: dict[int, None] = {}
+            while len(picked) < min(len(types), n_units):
+                picked[unit[words[rows[int(torch.randint(len(rows), (1,), generator=g))]]]] = None
+            rs.append(_mean_pairwise_cos(torch.stack([unit_vecs[u] for u in picked])))
         chance.append(sum(rs) / len(rs))
+    counted = dict(types=len({words[i] for i in rows}), vectors=n_units)
     if not scores:
-        return dict(score=None, chance=None, codes_scored=0, usage_scored=0.0)
+        return dict(score=None, chance=None, codes_scored=0, usage_scored=0.0, **counted)
     w = torch.tensor(weights, dtype=torch.float64)
     avg = lambda v: float((torch.tensor(v, dtype=torch.float64) * w).sum() / w.sum())  # noqa: E731
     return dict(score=avg(scores), chance=avg(chance), codes_scored=len(scores),
-                usage_scored=float(w.sum()) / max(len(rows), 1))
+                usage_scored=float(w.sum()) / max(len(rows), 1), **counted)
 
 
 # ---- the analyses entry point ----------------------------------------------------------------------------------
@@ -3293,6 +3309,10 @@ def run_analyses(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
             if c["score"] is not None:
                 log(f"coherence proxy {m.name}: {c['score']:.3f} vs chance {c['chance']:.3f} "
                     f"({c['codes_scored']} codes scored, {c['codes_used']}/{m.n_codes} used)")
+        first = next(iter(coh.values()), {})
+        if first.get("types"):
+            log(f"coherence proxy: {first['types']} word types with {first['vectors']} distinct input vectors "
+                f"(--coherence-embed {cfg.coherence_embed}); types that share a vector count as one")
         res["coherence"] = coh
         res["cards_html"] = cards_html(cards, coh)
         log(f"concept cards and coherence: {time.time() - t0:.1f}s")

@@ -816,7 +816,7 @@ def preset_banner(cfg, explicit, device, minutes: str, preset: dict, runtime_key
     own = [k for k in explicit if k not in runtime_keys and getattr(cfg, k) != preset.get(k, getattr(default, k))]
     return (why + (f" ({', '.join(applied)})" if applied else "")
             + (f", {minutes}" if device.type == "cpu" and not own else "")
-            + "; --preset paper runs the paper's configuration")
+            + "; --preset paper runs the paper-scale configuration (the docstring says where it departs)")
 
 
 def memory_error(e: BaseException) -> typing.Optional[str]:

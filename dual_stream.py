@@ -26,8 +26,9 @@ attention writes x_e) and `single` (one stream, x += attn(CLN(x)); x += ffn(CLN(
 
 Core op: amp_attention(q, k, v, α, slopes) -> (o, entropy, max_weight): Eq. (3), with ALiBi's bias when slopes are
 given, plus, per head and query, the entropy of the attention row and its largest weight, computed in the same
-online-softmax pass (a Triton kernel, forward and backward for o) so the diagnostics never build a T×T matrix; a
-torch reference sits beside it.
+online-softmax pass (a Triton kernel, forward and backward for o) so these statistics never need a T×T matrix
+(the specialisation probes, which read whole attention maps, build them for their few windows); a torch reference
+sits beside it.
 
 Choices where the spec is open (most a switch where the result may depend on it; the sweep's FTS row and the
 offline corpus are fixed)
@@ -76,7 +77,8 @@ offline corpus are fixed)
   * Tokenizer: cl100k compacted to the ids seen in training (19,447 on the plays), not the spec's full GPT-2
     vocabulary (§11.4): cl100k ships with the package, so the default runs offline (gpt2 needs tiktoken's
     one-time download), and the compacted softmax is small. So the GPU default (`--preset paper` changes
-    nothing) is the paper's architecture and sizes (6 layers, H = 6, d = 384, ctx 256, batch 64, 10,000 steps)
+    nothing) is the paper's architecture as the spec reconstructs it (6 layers, H = 6; d = 384 inferred, §8) with
+    this file's ctx 256, batch 64 and 10,000 steps (the paper's are unknown)
     on the embedded corpus: 10,000 × 64 × 256 = 163.8M tokens, about 138 passes over the 1.18M training tokens,
     and fewer embedding parameters than the paper's 29M. The paper's count needs the GPT-2 vocabulary,
     `--tokenizer gpt2 --compact none` (online once; vocabulary 50,257): 28,153,776 parameters for the default
@@ -128,8 +130,8 @@ Expected (CPU preset, 2 cores, 2026-12-01): `python dual_stream.py` takes about 
 token cache's build included, 243 s of it training); the logged loss falls from 6.95 (step 20) to 5.25 (step
 300) and val perplexity ends near 335 (cl100k compacted to 19,447 ids, 614k tokens seen). At this budget amplification
 barely moves the loss (+0.2% at α = 16, against the paper's 16-27%) and, at the readout, removing x_e hurts far
-more than removing x_t (+86% vs +3%; the paper: +9.5% vs +36%): a short run on plays is not the paper's regime,
-and the README says so.
+more than removing x_t (+86% vs +3%; third-party write-ups of the paper: +9.5% vs +36%): a short run on plays is not
+the paper's regime, and the README says so.
 """
 from __future__ import annotations
 
@@ -1211,7 +1213,7 @@ def any_rank(flag: torch.Tensor) -> bool:
 
 
 # Model settings beyond mode and mixing that name a checkpoint and its log when they differ from the defaults, so
-# that runs of two architectures in one --out-dir never overwrite each other; each only where it changes the model
+# that the sweeps' architectures in one --out-dir never overwrite each other; each only where it changes the model
 # (v_source is unused by the single stream, --kron-out-init by the other mixings, --fts-cln-at-init outside fts).
 NAME_KEYS = {"heads": lambda c: True, "pos": lambda c: True, "v_source": lambda c: c.mode != "single",
              "norm": lambda c: True, "cln_gain": lambda c: True, "cln_bias": lambda c: True,
@@ -1351,6 +1353,8 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         note = resume_note(ck["config"], cfg, step)
         if note:
             log(note)
+    elif path.exists():  # a fresh run writes over an earlier run's checkpoint (another preset's sizes, say)
+        log(f"note: {path} exists; this run trains from step 0 and replaces it (--resume continues it instead)")
     raw = model
     if cfg.compile:
         model = torch.compile(model)
@@ -1438,6 +1442,13 @@ SWEEP = {
 # recommendation, §3); which projections the paper varied is unconfirmed, so it may be V/O-only ("independent").
 PAPER_COST = {"kronecker": "+2.5%", "fully independent": "+8%", "fts independent": "+8% (summary)"}
 PAPER_COST_LINE = "paper: Kronecker +2.5%, fully independent +8%; the summary: FTS independent +8%"
+# The other reference figures, each with its source as the spec tags it (§5-§7): the paper itself, the project's
+# summary, or third-party write-ups of the paper (the spec's [secondary]); reading the ablation at the readout is
+# this file's (spec §6: whether a stream was also zeroed in every layer is not known).
+REPORTED_AMPLIFICATION = "paper: 16-27% degradation for α up to 16; the summary: Kronecker 16%, independent 27%"
+REPORTED_ABLATION = ("third-party write-ups of the paper: +36% without x_t, +9.5% without x_e (read here as a "
+                     "readout ablation)")
+REPORTED_HUB = "third-party write-ups of the paper: head 0 amplified about 3.5× in deeper layers"
 # The head sweep (spec §7, §10.5: "distinctiveness and coreference scores rise with the number of heads"): H at
 # fixed d (d_h = d/H), the run's mode and mixing, every model on the same batches as in the sweep above.
 HEAD_SWEEP = (2, 3, 6, 12)
@@ -1528,7 +1539,9 @@ def amplification(model: DualStream, data, cfg: Config, alphas: list[float], aut
     L = len(model.blocks)
     for alpha in [1.0] + [a for a in alphas if a != 1.0]:  # α = 1 first: the base of every increase
         total, count, windows = 0.0, 0, 0
-        ent, maxw, batches = torch.zeros(L), torch.zeros(L), 0
+        # Entropy and max weight: each batch's mean over (window, head, query) weighted by its queries, so a short
+        # last batch counts what its queries do, like the loss beside it.
+        ent, maxw, queries = torch.zeros(L), torch.zeros(L), 0
         with model.probe(alpha=alpha, record=True):
             for i, (x, y) in enumerate(data.iter_eval("val", 8, cfg.ctx)):
                 if i * 8 >= cfg.analysis_windows:
@@ -1539,13 +1552,13 @@ def amplification(model: DualStream, data, cfg: Config, alphas: list[float], aut
                 total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
                 count += y.numel()
                 windows += y.shape[0]
-                ent += torch.stack([a.last["entropy"].mean().cpu() for a in model.attentions()])
-                maxw += torch.stack([a.last["max_weight"].mean().cpu() for a in model.attentions()])
-                batches += 1
+                ent += torch.stack([a.last["entropy"].mean().cpu() for a in model.attentions()]) * y.numel()
+                maxw += torch.stack([a.last["max_weight"].mean().cpu() for a in model.attentions()]) * y.numel()
+                queries += y.numel()
             out = model.generate(ids, min(cfg.sample_tokens, AMP_SAMPLE_TOKENS), temperature=0)
         samples[str(alpha)] = data.tokenizer.decode(out[0].tolist())
         rows.append({"alpha": alpha, "loss": total / count, "ppl": perplexity(total / count),
-                     "entropy": (ent / batches).tolist(), "max_weight": (maxw / batches).tolist()})
+                     "entropy": (ent / queries).tolist(), "max_weight": (maxw / queries).tolist()})
     base = rows[0]["loss"]
     for r in rows:
         r["degradation"] = r["loss"] / base - 1
@@ -1573,7 +1586,7 @@ FTS_ALL_NOTE = ("--ablate-at all skipped in fts mode: x_t has no writes to drop,
 def ablation(model: DualStream, data, cfg: Config, autocast) -> list[dict]:
     """Stream ablation (spec §6): remove x_t or x_e at the readout (and, with --ablate-at all, the ABLATIONS rows
     that drop a stream's writes in every block, see DualStream.streams), no retraining; relative change of the val
-    loss (paper, at the readout: +36% without x_t, +9.5% without x_e). Each row keeps the windows and tokens the
+    loss (REPORTED_ABLATION: +36% without x_t, +9.5% without x_e). Each row keeps the windows and tokens the
     losses were measured on (the first analysis_windows val windows, as the amplification's)."""
     base = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=cfg.analysis_windows)
     full = base["loss"]
@@ -2133,7 +2146,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                  "entropy per layer (nats)": " ".join(f"{e:.2f}" for e in r["entropy"]),
                  "max weight per layer": " ".join(f"{e:.2f}" for e in r["max_weight"])}
                 for m, a in amp.items() for r in a["rows"]]
-        parts.append("<h2>Attention amplification</h2><p>paper: 16% (Kronecker) to 27% (independent) at α = 16. "
+        parts.append(f"<h2>Attention amplification</h2><p>{REPORTED_AMPLIFICATION}. "
                      f"Losses on the first {where}, set by --analysis-windows, not on the whole split of the validation "
                      "table above, so the loss at α = 1 need not match it. Attention entropy in nats, the mean over "
                      "each layer's heads and queries.</p>" + img(amplification_figure(amp))
@@ -2151,7 +2164,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                                if k not in ("windows", "tokens")}}  # in the caption
                 for m, rs in results["ablation"].items() for r in rs]
         notes = "".join(f"<p>{html.escape(m)}: {html.escape(n)}</p>" for m, n in results.get("ablation_notes", {}).items())
-        parts.append("<h2>Stream ablation</h2><p>paper, at the readout: +36% without x_t, +9.5% without x_e. Losses "
+        parts.append(f"<h2>Stream ablation</h2><p>{REPORTED_ABLATION}. Losses "
                      f"on the first {on_windows(w, first['tokens'])}, set by --analysis-windows, as the amplification's; "
                      "full: both streams kept</p>" + table_html(rows, list(rows[0])) + notes)
     if results.get("head_sweep"):
@@ -2164,7 +2177,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         if s.get("hubs"):
             parts.append(img(s["figure"]) + table_html(s["hubs"], list(s["hubs"][0])))
         for kind, g in (s.get("hub_growth") or {}).items():
-            parts.append(f"<p>A_{kind} hub growth across depth (paper: head 0 amplified about 3.5× in deeper layers): "
+            parts.append(f"<p>A_{kind} hub growth across depth ({REPORTED_HUB}): "
                          f"{hub_growth_text(g)}</p>")
         c = s["coreference"]
         if c.get("prompts"):
@@ -2427,10 +2440,14 @@ def run(cfg: Config, explicit) -> int:
         log(f"{name}: val loss {ppl[name]['loss']:.4f}, perplexity {ppl[name]['ppl']:.2f} over "
             f"{ppl[name]['tokens']:,} tokens")
     differ = budget_diff(budgets) if cfg.sweep else ""
-    if differ:  # checkpoints trained or extended apart: the loss gap would not be the mixing's cost
-        results["vs_dense_skipped"] = f"the models were trained on different budgets ({differ})"
-        log(f"sweep: val loss vs dense not computed: {results['vs_dense_skipped']}")
-    results["models"] = sweep_table(models, ppl, compare=not differ)
+    # checkpoints trained or extended apart: the loss gap would not be the mixing's cost; no dense: no base
+    skipped = (f"the models were trained on different budgets ({differ})" if differ else
+               "no token-factor dense model (its checkpoint is not in --out-dir)" if cfg.sweep and "dense" not in models
+               else "")
+    if skipped:
+        results["vs_dense_skipped"] = skipped
+        log(f"sweep: val loss vs dense not computed: {skipped}")
+    results["models"] = sweep_table(models, ppl, compare=not skipped)
     if cfg.sweep:
         log(f"sweep (val loss relative to token-factor dense; {PAPER_COST_LINE}):")
         for r in results["models"]:
@@ -2457,8 +2474,7 @@ def run(cfg: Config, explicit) -> int:
                 continue
             rows = results["ablation"][name] = ablation(m, data, cfg, autocast)
             log(f"ablation, {name} (change of the loss on {on_windows(rows[0]['windows'], rows[0]['tokens'])}, "
-                f"{rows[0]['full']:.3f} with both streams; paper, at the readout: without x_t +36%, "
-                "without x_e +9.5%):")
+                f"{rows[0]['full']:.3f} with both streams; {REPORTED_ABLATION}):")
             for r in rows:
                 log(f"  {r['change']:+7.1%}  without {r['removed']}")
             if cfg.ablate_at == "all" and m.cfg.mode == "fts":

@@ -1361,6 +1361,8 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         note = resume_note(ck["config"], cfg, step)
         if note:
             log(note)
+    elif path.exists():  # a fresh run writes over an earlier run's checkpoint (another preset's sizes, say)
+        log(f"note: {path} exists; this run trains from step 0 and replaces it (--resume continues it instead)")
     raw = model
     if cfg.compile:
         model = torch.compile(model)

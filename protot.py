@@ -61,6 +61,12 @@ What differs from the official code, and why
     contraction, casing), not the paper's seven datasets, nor its semantic interventions.
   * Not switchable, though spec §9 asks: force_write / force_read clamping is not exposed, as no analysis here
     clamps (§9.9); the head is always tied, as in the reproduction command (§9.12).
+  * Not here: GLUE fine-tuning (spec §5.5, §9.9: its hyperparameters are unknown, and its data is online only).
+  * Predict-and-consolidate (spec §1.1, §8.4: "the read gate fires for a concept one token before the write
+    gate") has no published measure; here, on the labelling windows, per layer that reads with its own gate:
+    the Pearson correlation of ρ_tk with w_(t+ℓ)k over every (window, t), per prototype, for ℓ = -2..2, its mean
+    over prototypes and the share of prototypes that peak at ℓ = +1 (gate_lag; in the log, the JSON and the
+    report).
   * Smaller choices: RMSNorm eps 1e-6 (nn.RMSNorm's default is ~1.2e-7); the conv exists only in the layers
     that use it; an intervention's perplexity change is measured on 64 val windows, not on the prompt
     sentences; prototype cards rank contexts by mean token (not word) activation; with `--ema official` the
@@ -1433,6 +1439,8 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         note = resume_note(ck["config"], cfg, step, stopped)
         if note:
             log(note)
+    elif path.exists():  # a fresh run writes over an earlier run's checkpoint (another preset's sizes, say)
+        log(f"note: {path} exists; this run trains from step 0 and replaces it (--resume continues it instead)")
     raw = model
     if cfg.compile:
         model = torch.compile(model)
@@ -1539,6 +1547,30 @@ def words_of(pieces: list[str], acts: list[float]) -> list[tuple[str, float]]:
 
 
 LABEL_WIDTH = 32  # tokens per labelling context
+GATE_LAGS = (-2, -1, 0, 1, 2)
+
+
+def gate_lag(w: torch.Tensor, rho: torch.Tensor, lags=GATE_LAGS) -> dict:
+    """"Predict-and-consolidate" (spec §1.1, §8.4): the paper reports that a prototype's read gate fires for a concept
+    one token before its write gate. For w, ρ [n, T, R] of one layer and each lag ℓ, the Pearson correlation over
+    every (window, t) of ρ_tk with w_(t+ℓ)k, per prototype k; ℓ = +1 pairs the read at t with the write at t + 1.
+    -> dict(lags, corr: the mean over prototypes per lag, peak: the share of prototypes whose correlation peaks at
+    each lag, prototypes: how many had a defined correlation at every lag (a gate constant over the windows has
+    none))."""
+    T = w.shape[1]
+    per_lag = []
+    for lag in lags:
+        r = rho[:, max(0, -lag):T - max(0, lag)].flatten(0, 1).double()     # [pairs, R]: ρ_t ...
+        x = w[:, max(0, lag):T + min(0, lag)].flatten(0, 1).double()        # ... beside w_(t+ℓ)
+        r, x = r - r.mean(0), x - x.mean(0)
+        per_lag.append((r * x).sum(0) / (r.norm(dim=0) * x.norm(dim=0)))   # NaN where a gate is constant
+    c = torch.stack(per_lag)                                                # [lags, R]
+    ok = ~c.isnan().any(0)
+    c = c[:, ok]
+    peak = c.argmax(0) if c.numel() else torch.zeros(0, dtype=torch.long)
+    return {"lags": list(lags), "corr": c.mean(1).tolist() if c.numel() else [None] * len(lags),
+            "peak": [(peak == i).float().mean().item() if c.numel() else None for i in range(len(lags))],
+            "prototypes": int(ok.sum())}
 
 
 @torch.no_grad()
@@ -1546,18 +1578,20 @@ def label_prototypes(model: ProtoT, data, cfg: Config, out_dir: Path, top: int =
                      stem: str = "prototypes") -> dict:
     """Spec §5.1: for every (layer, prototype), the val contexts of `width` tokens with the highest mean
     write-gate probability, words coloured by activation (out_dir/<stem>.html) and listed (<stem>.json), with
-    the half-life."""
+    the half-life; and, from the same windows, each layer's read-write gate lag (gate_lag; not layer 0 when it
+    reads with its write gate)."""
     model.eval()
     tokens = data.tokens("val")
     n = min(cfg.label_windows, (len(tokens) - 1) // width)
     windows = torch.from_numpy(tokens[: n * width].astype("int64")).view(n, width)
     for m in model.mixers():
         m.record = True
-    acts = [[] for _ in model.blocks]
+    acts, reads = [[] for _ in model.blocks], [[] for _ in model.blocks]
     for i in range(0, n, 64):
         model(windows[i:i + 64].to(data.device))
         for l, m in enumerate(model.mixers()):
             acts[l].append(m.last["w"].float().cpu())
+            reads[l].append(m.last["rho"].float().cpu())
     for m in model.mixers():
         m.record, m.last = False, {}
     hl = half_lives(model)
@@ -1571,9 +1605,21 @@ def label_prototypes(model: ProtoT, data, cfg: Config, out_dir: Path, top: int =
                          "words": words_of(token_pieces(data.tokenizer, windows[j]), w[j, :, k].tolist())}
                         for j in best]
             cards.append({"layer": l, "proto": k, "half_life": hl[l][k], "contexts": contexts})
+    lag = [{"layer": l, **gate_lag(torch.cat(acts[l]), torch.cat(reads[l]))}
+           for l, m in enumerate(model.mixers()) if not m.shared]
     (out_dir / f"{stem}.json").write_text(json.dumps(cards))
     (out_dir / f"{stem}.html").write_text(prototype_html(cards))
-    return {"cards": cards, "windows": n, "file": f"{stem}.html"}
+    return {"cards": cards, "windows": n, "file": f"{stem}.html", "gate_lag": lag}
+
+
+def gate_lag_line(g: dict) -> str:
+    """One layer's gate_lag as the log and the report say it."""
+    if not g["prototypes"]:
+        return f"layer {g['layer']}: no prototype with a varying read and write gate"
+    best = g["lags"][max(range(len(g["lags"])), key=lambda i: g["corr"][i])]
+    return (f"layer {g['layer']}: mean corr(ρ_t, w_t+ℓ) " + ", ".join(
+        f"ℓ={lag:+d} {c:.3f}" for lag, c in zip(g["lags"], g["corr"])) + f"; highest at ℓ={best:+d}; "
+        f"{g['peak'][g['lags'].index(1)]:.0%} of {g['prototypes']} prototypes peak at ℓ=+1")
 
 
 def prototype_html(cards: list[dict]) -> str:
@@ -1946,8 +1992,9 @@ def bench(cfg: Config, vocab_size: int, device, log=print) -> dict:
     ctxs = [1024, 2048, 4096, 8192, 16384, 32768] if gpu else [256, 512, 1024, 2048, 4096, 8192]
     variants = {"protot-torch": dict(mixer="proto", kernels="torch"), "attention": dict(mixer="attention",
                                                                                         kernels="torch")}
-    if cfg.ema == "official" and gpu:
-        log("bench: --ema official is the b^s-cumsum shortcut, which has no kernel; timing its torch form only")
+    if cfg.ema == "official":  # the forward's; the decode figure times the exact recurrent step either way
+        log("bench: --ema official is the b^s-cumsum shortcut, which has no kernel: protot-torch times its torch "
+            "form; the decode ms/token times the exact recurrent step (the cache is always exact)")
     elif gpu and HAS_TRITON and _prefix_mean_fits(cfg.n_protos, value_width(cfg)):
         variants["protot-triton"] = dict(mixer="proto", kernels="triton")
         variants["attention"]["kernels"] = "triton"  # the same norm and loss kernels as the path it is compared to
@@ -1955,8 +2002,9 @@ def bench(cfg: Config, vocab_size: int, device, log=print) -> dict:
         log(f"bench: R {cfg.n_protos} × d_v {value_width(cfg)} is past the scan kernel's tile limit; "
             "timing the chunked torch form only")
     dtype = torch.bfloat16 if gpu else torch.float32
-    res = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "ctx": ctxs, "tok_s": {}}
-    log(f"bench: {cfg.layers} layers, d={cfg.d_model}, R={cfg.n_protos}, vocab {vocab_size}, batch 1, {dtype}")
+    res = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "ctx": ctxs, "tok_s": {}, "ema": cfg.ema}
+    log(f"bench: {cfg.layers} layers, d={cfg.d_model}, R={cfg.n_protos}, vocab {vocab_size}, batch 1, {dtype}, "
+        f"--ema {cfg.ema}")
     log(f"{'ctx':>7} " + " ".join(f"{v:>15}" for v in variants) + "   (forward tokens/s)")
     models = {k: ProtoT(replace(cfg, **v, dropout=0.0), vocab_size).to(device, dtype).eval()
               for k, v in variants.items()}
@@ -2092,6 +2140,11 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, ste
                      f'.json). Half-lives: '
                      f'min {min(hl):.1f}, median {sorted(hl)[len(hl) // 2]:.1f}, max {max(hl):.1f} tokens '
                      f'(init ln 0.5 / ln 0.9 = 6.6).</p>')
+        if results["labels"].get("gate_lag"):
+            parts.append("<h3>Read-write gate lag</h3><p>paper: the read gate fires for a concept one token before "
+                         "the write gate (ℓ = +1 pairs the read at t with the write at t + 1), on the same val "
+                         "contexts:</p><ul>" + "".join(f"<li>{html.escape(gate_lag_line(g))}</li>"
+                                                       for g in results["labels"]["gate_lag"]) + "</ul>")
     if "find_prototype" in results:
         fp = results["find_prototype"]
         parts.append(f"<h2>Which prototype carries '{html.escape(fp['target'])}'?</h2><p>write-mask of each "
@@ -2403,6 +2456,8 @@ def run(cfg: Config, explicit) -> int:
             stem = "prototypes" if cfg.train else "analysis-prototypes"  # never over the training run's
             results["labels"] = label_prototypes(model, data, cfg, out_dir, stem=stem)
             log(f"prototype labels: {out_dir / (stem + '.html')}, {out_dir / (stem + '.json')}")
+            for g in results["labels"].get("gate_lag", []):  # paper: the read fires one token before the write
+                log("gate lag, " + gate_lag_line(g))
         auto = cfg.find_prototype == "auto"
         target = cfg.target if ranks_target(cfg) else \
             ("" if cfg.find_prototype in ("auto", "off") else cfg.find_prototype)

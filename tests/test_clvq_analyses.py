@@ -4,6 +4,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import clvq_vae as cv
 
@@ -106,16 +107,24 @@ def test_projection_removes_the_direction_exactly():
     torch.testing.assert_close(cv.project_out(r[:3], torch.zeros(3, 64)), r[:3])
 
 
-def test_subspace_projection_removes_every_basis_vector():
+@pytest.mark.parametrize("where", ["last", "first", "zero first"])
+def test_subspace_projection_removes_every_basis_vector(where):
+    """A dependent (or zero) direction anywhere in the list removes nothing of its own and keeps the others'
+    span whole (a QR with its column zeroed lost part of the later directions when it was not last)."""
     g = torch.Generator().manual_seed(1)
     r, B = torch.randn(20, 32, generator=g), torch.randn(20, 3, 32, generator=g)
-    B = torch.cat([B, (B[:, :1] + 2 * B[:, 1:2])], 1)  # a 4th, dependent vector: the span is still 3-d
+    extra = torch.zeros_like(B[:, :1]) if where == "zero first" else B[:, :1] + 2 * B[:, 1:2]  # the span stays 3-d
+    B = torch.cat([B, extra] if where == "last" else [extra, B], 1)
     rp = cv.project_out(r, B)
     assert torch.einsum("sd,smd->sm", rp, B).abs().max() < 1e-4
     # rank 3 removed, no more: |r'|² = |r|² - |P r|² with P the 3-d projector
-    Q = torch.linalg.qr(B[:, :3].double().transpose(1, 2))[0]
+    Q = torch.linalg.qr(B[:, -3:].double().transpose(1, 2) if where != "last" else
+                        B[:, :3].double().transpose(1, 2))[0]
     left = r.double().pow(2).sum(-1) - torch.einsum("sd,sdm->sm", r.double(), Q).pow(2).sum(-1)
     torch.testing.assert_close(rp.double().pow(2).sum(-1), left, atol=1e-4, rtol=1e-5)
+    one = cv.project_out(r, B[:, -1])  # one direction: r − (r·ê)ê
+    e = F.normalize(B[:, -1].double(), dim=-1)
+    torch.testing.assert_close(one.double(), r.double() - (r.double() * e).sum(-1, keepdim=True) * e)
 
 
 # ---- baselines ------------------------------------------------------------------------------------------------
@@ -316,6 +325,23 @@ def test_coherence_proxy_beats_chance_only_for_coherent_codes():
     shuffled = coherent[torch.randperm(len(words), generator=g)]
     bad = cv.coherence_proxy(words, shuffled, vecs, draws=5)
     assert abs(bad["score"] - bad["chance"]) < 0.1 and bad["score"] < good["score"] - 0.2
+
+
+def test_coherence_proxy_counts_types_that_share_a_vector_once():
+    """Spellings of one token (case variants under an uncased tokenizer, words ending in one subword under 'last')
+    have one vector: a code of such spellings is one type, not a perfectly coherent group of several, and adding
+    spellings of its members' tokens leaves a code's score as it was."""
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(6, 16, generator=g)
+    vecs = {"the": v[0], "The": v[0], "THE": v[0], "dost": v[1], "hast": v[1], "king": v[2], "queen": v[3],
+            "x": v[4], "y": v[5]}
+    one_token = cv.coherence_proxy(["the", "The", "THE", "x", "y"], torch.tensor([0, 0, 0, 1, 1]), vecs, draws=2)
+    assert one_token["codes_scored"] == 1 and one_token["types"] == 5 and one_token["vectors"] == 3  # code 0 not scored
+    plain = cv.coherence_proxy(["dost", "king", "queen"], torch.zeros(3, dtype=torch.long), vecs, draws=2)
+    spelled = cv.coherence_proxy(["dost", "hast", "king", "queen", "The"], torch.tensor([0, 0, 0, 0, -1]), vecs,
+                                 draws=2)
+    assert spelled["score"] == pytest.approx(plain["score"], abs=1e-12) and spelled["score"] < 0.9
+    assert spelled["types"] == 4 and spelled["vectors"] == 3
 
 
 def test_type_vectors_use_the_last_subword(bert):

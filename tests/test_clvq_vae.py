@@ -239,7 +239,10 @@ def test_resume_is_bit_exact_on_cpu(tmp_path, acts, monkeypatch):
             (tmp_path / "b3").mkdir()
             shutil.copy(path, tmp_path / "b3" / path.name)
     monkeypatch.setattr(cv, "save_checkpoint", save_and_keep)
-    cv.train(tiny_cfg(tmp_path / "b"), tr, dv, CPU, DIST, log=quiet)
+    lines = []  # the cut run trains in the straight run's folder: a fresh run says it replaces the checkpoint there
+    cv.train(tiny_cfg(tmp_path / "a"), tr, dv, CPU, DIST, log=lines.append)
+    path = cv.ckpt_path(tiny_cfg(tmp_path / "a"))
+    assert [ln for ln in lines if ln.startswith("note:")] == [f"note: {path} exists; this run trains from step 0 and replaces it (--resume continues it instead)"]
     monkeypatch.setattr(cv, "save_checkpoint", real_save)
     lines = []
     resumed, hist = cv.train(tiny_cfg(tmp_path / "b3", resume=True), tr, dv, CPU, DIST, log=lines.append)

@@ -534,6 +534,24 @@ def test_forward_shapes_padding_and_masks():
         assert torch.equal(model.concepts(x), out["idx"])
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "anticausal"])
+def test_decoder_mask_direction(mask_kind):
+    """--dec-mask: with the memory fixed, changing the query (code) at position j reaches the reconstruction at
+    i >= j only under causal, at i <= j only under anticausal (the older code's transposed mask), at every i
+    under none."""
+    torch.manual_seed(0)
+    dec = cv.CLVQVAE(small_config(dec_mask=mask_kind)).decoder.eval()
+    q, mem, mask = torch.randn(2, 7, 16), torch.randn(2, 7, 16), torch.ones(2, 7, dtype=torch.bool)
+    j = 3
+    q2 = q.clone()
+    q2[:, j] += 1.0
+    with torch.no_grad():
+        moved = (dec(q2, mem, mask) - dec(q, mem, mask)).abs().amax((0, 2)) > 1e-6  # [T]
+    i = torch.arange(7)
+    expect = {"none": torch.ones(7, dtype=torch.bool), "causal": i >= j, "anticausal": i <= j}[mask_kind]
+    assert moved.tolist() == expect.tolist()
+
+
 def test_training_reduces_the_loss():
     """Forty Adam steps on a fixed batch (y a fixed linear map of x): the loss falls and the codebook moves."""
     torch.manual_seed(0)

@@ -529,7 +529,8 @@ def test_preset_banner_quotes_the_time_only_for_the_presets_own_run():
                                                          ("preset", "out_dir")), typed
     line = common.preset_banner(C(layers=2, lr=1e-2, preset="cpu"), {"layers", "lr", "preset"}, cpu,
                                 "about 5 minutes", preset, ("preset", "out_dir"))
-    assert line == "running the CPU preset (--preset cpu); --preset paper runs the paper's configuration"
+    assert line == ("running the CPU preset (--preset cpu); --preset paper runs the paper-scale configuration (the "
+                    "docstring says where it departs)")
 
 
 def test_unknown_note_flags_a_prompt_the_vocabulary_cannot_spell(shakespeare_cache):

@@ -455,6 +455,38 @@ def test_amplification_names_its_windows():
     assert ds.on_windows(48, 6144) == "48 val windows (6,144 tokens)" and ds.on_windows(1, 64) == "1 val window (64 tokens)"
 
 
+def test_amplification_statistics_are_means_over_queries():
+    """Entropy and max weight are the mean over every (window, head, query), as the report says: with 12 windows
+    read 8 + 4, the short batch weighs half as much as the full one, so the figures equal one pass over all 12."""
+    x, _ = tokens(B=12, seed=3)
+    x[8:] = 5  # 4 windows of one repeated token, attending unlike the random ones
+
+    class TwoBatches(FakeData):
+        def iter_eval(self, split, batch_size, ctx):
+            yield from ((x[i:i + batch_size], x[i:i + batch_size]) for i in range(0, len(x), batch_size))
+
+    data = TwoBatches()
+    data.tokenizer = types.SimpleNamespace(encode=lambda s: [1, 2], eot=0, decode=lambda ids: "")
+    m = tiny_model()
+    with torch.no_grad():  # a random tiny model attends almost uniformly: sharpen it so the windows differ
+        for a in m.attentions():
+            a.q.weight.mul_(300)
+    a = ds.amplification(m, data, Config(ctx=16, analysis_windows=12, sample_tokens=1), [],
+                         torch.autocast("cpu", enabled=False))
+    with m.probe(record=True):
+        m(x)
+        ent = [a_.last["entropy"].mean().item() for a_ in m.attentions()]
+        maxw = [a_.last["max_weight"].mean().item() for a_ in m.attentions()]
+        per_batch = []
+        for part in (x[:8], x[8:]):
+            m(part)
+            per_batch.append(m.attentions()[0].last["entropy"].mean().item())
+    assert a["windows"] == 12
+    assert a["rows"][0]["entropy"] == pytest.approx(ent, rel=1e-6)  # summed in fp32
+    assert a["rows"][0]["max_weight"] == pytest.approx(maxw, rel=1e-6)
+    assert abs(sum(per_batch) / 2 - ent[0]) > 1e-2 * ent[0]  # so a mean over batches would fail
+
+
 def test_amplification_samples_are_capped():
     """The amplification's greedy samples stop at AMP_SAMPLE_TOKENS new tokens whatever --sample-tokens says (and
     the flag's help says so); fewer when asked for fewer."""
@@ -534,7 +566,8 @@ def test_report_says_what_each_figure_measures(tmp_path):
 
 
 def test_variant_names_every_architecture_setting():
-    """Two architectures never share a checkpoint name; the default command's names (either preset's sizes) stay."""
+    """Two architectures of the sweeps never share a checkpoint name; the default command's names (either preset's
+    sizes) stay."""
     base = Config()
     assert ds.variant(base) == ds.variant(replace(base, **{k: ds.CPU_PRESET[k] for k in ("layers", "d_model")})) \
         == "token-factor-kronecker"
@@ -781,7 +814,10 @@ def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch):
             (tmp_path / "b10").mkdir()
             shutil.copy(path, tmp_path / "b10" / path.name)
     monkeypatch.setattr(ds, "save_checkpoint", save_and_keep)
-    ds.train(tiny_cfg(tmp_path / "b", cache_dir), fresh_data(), dev, auto, DIST, log=lambda m: None)
+    lines = []  # the cut run trains in the straight run's folder: a fresh run says it replaces the checkpoint there
+    ds.train(tiny_cfg(tmp_path / "a", cache_dir), fresh_data(), dev, auto, DIST, log=lines.append)
+    path = ds.ckpt_path(tiny_cfg(tmp_path / "a", cache_dir))
+    assert [ln for ln in lines if ln.startswith("note:")] == [f"note: {path} exists; this run trains from step 0 and replaces it (--resume continues it instead)"]
     monkeypatch.setattr(ds, "save_checkpoint", real_save)
     lines = []
     resumed, hist = ds.train(tiny_cfg(tmp_path / "b10", cache_dir, resume=True), fresh_data(), dev, auto, DIST,
@@ -947,6 +983,13 @@ def test_sweep_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     assert not any("vs dense" in row for row in json.loads((tmp_path / "analysis.json").read_text())["models"])
     assert "sweep: val loss vs dense not computed: the models were trained on different budgets (step 4 vs 6 " \
            "(kronecker))" in r.stdout
+    # no dense checkpoint: no base for the cost, and the run says so (the header alone left blank columns)
+    (tmp_path / "ckpt-token-factor-dense-heads-3-layers-1-d-model-24.pt").unlink()
+    (tmp_path / "ckpt-token-factor-kronecker-heads-3-layers-1-d-model-24.pt").unlink()  # the one extended apart
+    r = run_main(ds.main, ["--sweep", "--no-train", *args, "--amplify", "", "--no-ablation"], capsys, monkeypatch)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "sweep: val loss vs dense not computed: no token-factor dense model (its checkpoint is not in " \
+           "--out-dir)" in r.stdout
 
 
 def test_head_sweep_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):

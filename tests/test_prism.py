@@ -380,8 +380,10 @@ def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch, revive, pu
             (tmp_path / "b10").mkdir()
             shutil.copy(path, tmp_path / "b10" / path.name)
     monkeypatch.setattr(prism, "save_checkpoint", save_and_keep)
-    prism.train(tiny_cfg(tmp_path / "b", cache_dir, revive_dead=revive, push_interval=push), fresh_data(), dev, auto,
-                DIST, log=lambda m: None)
+    lines = []  # the cut run trains in the straight run's folder: a fresh run says it replaces the checkpoint there
+    prism.train(tiny_cfg(tmp_path / "a", cache_dir, revive_dead=revive, push_interval=push), fresh_data(), dev, auto,
+                DIST, log=lines.append)
+    assert [ln for ln in lines if ln.startswith("note:")] == [f"note: {tmp_path / 'a' / 'ckpt-prism.pt'} exists; this run trains from step 0 and replaces it (--resume continues it instead)"]
     monkeypatch.setattr(prism, "save_checkpoint", real_save)
     lines = []
     resumed, hist = prism.train(tiny_cfg(tmp_path / "b10", cache_dir, resume=True, revive_dead=revive,

@@ -216,14 +216,16 @@ def test_interventions_mask_and_restore():
     before = model(x)
     for m in model.mixers():
         m.record = True
+    model(x)
+    gates = [dict(m.last) for m in model.mixers()]  # unmasked
     with protot.intervention(model, [(1, 2)], "write-mask"):
         model(x)
         assert model.mixers()[1].last["w"][..., 2].abs().max() == 0      # no writes into prototype 2
-        assert model.mixers()[1].last["rho"][..., 2].abs().min() > 0     # its read gate is untouched
-    with protot.intervention(model, [(0, 1)], "read-mask"):
+        assert torch.equal(model.mixers()[1].last["rho"], gates[1]["rho"])  # the read gate is untouched
+    with protot.intervention(model, [(0, 1)], "read-mask"):  # layer 0, which otherwise reads with its write gate
         model(x)
         assert model.mixers()[0].last["rho"][..., 1].abs().max() == 0
-        assert model.mixers()[0].last["w"][..., 1].abs().min() > 0
+        assert torch.equal(model.mixers()[0].last["w"], gates[0]["w"])   # the write gate is untouched
     P = model.mixers()[1].P.detach().clone()
     with protot.intervention(model, [(1, 3)], "reinit"):
         assert not torch.equal(model.mixers()[1].P[3], P[3]) and torch.equal(model.mixers()[1].P[4], P[4])
@@ -294,7 +296,9 @@ def test_resume_is_bit_exact_on_cpu(tmp_path, cache_dir, monkeypatch):
                                     log=lambda m: None)
 
     real_save = keep_checkpoint_at(monkeypatch, 10, tmp_path / "b10")
-    protot.train(tiny_cfg(tmp_path / "b", cache_dir), fresh_data(), dev, auto, dist, log=lambda m: None)
+    lines = []  # the cut run trains in the straight run's folder: a fresh run says it replaces the checkpoint there
+    protot.train(tiny_cfg(tmp_path / "a", cache_dir), fresh_data(), dev, auto, dist, log=lines.append)
+    assert [ln for ln in lines if ln.startswith("note:")] == [f"note: {tmp_path / 'a' / 'ckpt-proto.pt'} exists; this run trains from step 0 and replaces it (--resume continues it instead)"]
     monkeypatch.setattr(protot, "save_checkpoint", real_save)
     lines = []
     resumed, hist = protot.train(tiny_cfg(tmp_path / "b10", cache_dir, resume=True), fresh_data(), dev, auto, dist,
@@ -326,6 +330,26 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache_dir, 
     assert ck["step"] == 10 and all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
 
 
+def test_gate_lag_finds_the_read_one_token_ahead():
+    """Predict-and-consolidate (spec §1.1, §8.4): gates whose read at t copies the write at t + 1 peak at ℓ = +1,
+    at ℓ = -1 for the opposite shift, at 0 for the same gate; a constant gate has no correlation and is left out."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.softmax(2 * torch.randn(6, 40, 5, generator=g), -1)
+    ahead = torch.cat([w[:, 1:], torch.rand(6, 1, 5, generator=g)], 1)      # ρ_t = w_(t+1)
+    behind = torch.cat([torch.rand(6, 1, 5, generator=g), w[:, :-1]], 1)    # ρ_t = w_(t-1)
+    for rho, lag in ((ahead, 1), (behind, -1), (w, 0)):
+        out = protot.gate_lag(w, rho)
+        i = out["lags"].index(lag)
+        assert out["corr"][i] == pytest.approx(1.0) and out["peak"][i] == 1.0 and out["prototypes"] == 5
+        assert max(c for j, c in enumerate(out["corr"]) if j != i) < 0.3
+    flat = ahead.clone()
+    flat[..., 0] = 0.2  # prototype 0's read never varies
+    out = protot.gate_lag(w, flat)
+    assert out["prototypes"] == 4 and out["corr"][out["lags"].index(1)] == pytest.approx(1.0)
+    line = protot.gate_lag_line({"layer": 2, **out})
+    assert line.startswith("layer 2: mean corr(ρ_t, w_t+ℓ) ℓ=-2 ") and "highest at ℓ=+1; 100% of 4 prototypes" in line
+
+
 def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     """The issue's tiny run: falling loss, a checkpoint, samples, the prototype labels and the HTML report."""
     r = run_script("protot.py", *TINY, "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir))
@@ -340,6 +364,9 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
         assert (tmp_path / f).is_file(), f
     res = json.loads((tmp_path / "results.json").read_text())
     assert len(res["labels"]["cards"]) == 2 * 32 and res["ppl"]["proto"]["tokens"] == 10_000 - 1  # all of val
+    lag = res["labels"]["gate_lag"]  # layer 0 reads with its write gate: only layer 1 has a lag to measure
+    assert [g["layer"] for g in lag] == [1] and lag[0]["lags"] == [-2, -1, 0, 1, 2] and lag[0]["prototypes"] == 32
+    assert "gate lag, layer 1: mean corr(ρ_t, w_t+ℓ) ℓ=-2 " in out and "Read-write gate lag" in (tmp_path / "report.html").read_text()
     assert len(res["find_prototype"]["ranking"]) == 10 and "ppl_change" in res["find_prototype"]["ranking"][0]
     assert set(res["robustness"]) == set(protot.PERTURBATIONS)
     assert all(-1 <= r["proto"]["spearman"] <= 1 for r in res["robustness"].values())
