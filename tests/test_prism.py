@@ -538,7 +538,7 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert len(lines) == 6  # 3 log lines for the twin, 3 for PRISM
     # the preset's attribution windows (128 tokens) are longer than this --ctx: clipped, said, and the config
     # line shows the length used
-    assert "note: --attr-ctx 128 is longer than --ctx 32: the attribution windows are 32 tokens" in out
+    assert "note: the CPU preset's --attr-ctx 128 is longer than --ctx 32: the attribution windows are 32 tokens" in out
     assert '"attr_ctx": 32' in next(ln for ln in out.splitlines() if ln.startswith("config: "))
     dense_losses = [float(ln.split("| loss ")[1].split()[0]) for ln in lines[:3]]
     assert dense_losses[-1] < dense_losses[0] - 0.5
