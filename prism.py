@@ -67,17 +67,22 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     linear-layer view), δ_t = Wᵀ(softmax(W z_t) - e_y); the exact baseline keeps a's dependence on P and
     inverts a damped Fisher of window gradients (Woodbury); each damping is relative to the mean (non-zero)
     eigenvalue of its own curvature. The exact reference is the spec's "full prototype-space gradients" baseline
-    with --attr-exact-curvature fisher (default): the true Fisher E_{ỹ~p_model}[g̃ g̃ᵀ], which for softmax CE is
-    the Gauss–Newton matrix §5.3 reads the curvature as, sampled as kronfluence's EK-FAC does (S =
-    --attr-fisher-samples targets ỹ drawn from the model's softmax at every position of each window, seeded by
-    --seed; the scores still take the true-label gradients). --attr-exact-curvature empirical inverts the
-    empirical Fisher of the true-label window gradients instead, a known poor stand-in for it (Kunstner et al.
-    2019). The overlaps measure agreement with the chosen reference. The cache's S is spec §5.3's E[δδᵀ] of the
+    with --attr-exact-curvature empirical (default): the damped empirical Fisher of the true-label window
+    gradients, computed exactly (no sampling), so the same checkpoint always gives the same yardstick.
+    --attr-exact-curvature fisher inverts the true Fisher E_{ỹ~p_model}[g̃ g̃ᵀ] instead, which for softmax CE is
+    the Gauss–Newton matrix §5.3 reads the curvature as (the empirical one is a known poor stand-in for it,
+    Kunstner et al. 2019), sampled as kronfluence's EK-FAC does (S = --attr-fisher-samples targets ỹ drawn from
+    the model's softmax at every position of each window, seeded by --seed; the scores still take the
+    true-label gradients). It was the default for a day (2026-12-03) and was measured to be no yardstick at the
+    sizes this file runs: its curvature has rank M·S, far below K·d, and the same reference built from other
+    draws (--seed + 1; every fisher run logs this re-draw agreement) kept only 0.44/0.62 of its own
+    top-10/top-100 at S = 1 and 0.31/0.57 at S = 4 on the CPU preset's checkpoint, no more than the cached
+    method shares with it (0.49/0.67, 0.45/0.63). The overlaps measure agreement with the chosen reference. The cache's S is spec §5.3's E[δδᵀ] of the
     true-label δ (--attr-s empirical, the default); --attr-s fisher takes the δ̃ of targets drawn from the model
     instead, K-FAC's true-Fisher factor, with the exact fisher reference's draws (same --seed). On the CPU preset's
     checkpoint against the true-Fisher reference (2026-12-03) the two agree to a query or two: cached 0.49/0.67
-    top-10/top-100 with the labels' S, 0.47/0.67 with the drawn one, the curvature alone 0.47/0.66 with either;
-    what the cached curvature loses is its block structure, not S. The cached curvature (block and
+    top-10/top-100 with the labels' S, 0.47/0.67 with the drawn one, the curvature alone 0.47/0.66 with either.
+    Against that reference such differences are within its re-draw noise (above). The cached curvature (block and
     kfac) is cross-entropy only: §5.3's local per-prototype terms from R1 (≈2I per nearest prototype) and REC
     (a_i a_j) are left out, and the damping λ stands in for them. Dense TracIn runs twice: recomputing the
     training gradients per query batch, and from a cache of CountSketched training gradients with the prototype
@@ -102,7 +107,7 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     distractors within ±5 frequency ranks), proximal Adam with L1, K gains for both controllers.
 Commands
     python prism.py                        # dense twin + PRISM, evaluations, every analysis, out/prism/report.html
-                                           # (no GPU: a CPU preset of about 4 minutes, announced)
+                                           # (no GPU: a CPU preset of about 7 minutes, announced)
     python prism.py --head dense           # the dense twin alone
     python prism.py --no-train --suppress-keywords love,heart --no-attribution --no-controller
                                            # suppression on the saved checkpoint (plus the cards it matches)
@@ -115,14 +120,13 @@ Commands
     python prism.py --dataset fineweb-edu --max-tokens 2000000000  # the paper's data (online)
     torchrun --standalone --nproc_per_node=8 prism.py              # DDP
 
-Expected (CPU preset, 2 cores, 2026-12-02): `python prism.py` takes about 4 minutes (3 min 48 s - 4 min 18 s in
-eight runs) for the twin, PRISM and every analysis, with the same figures in every run; PRISM's val loss ends 1.4%
-above the twin's (6.79 vs 6.70 nats, cl100k compacted to 19,447 ids, 410k training tokens each; +0.55% with
---revive-dead), and a cached attribution query is ~2,000x faster than dense TracIn for one query alone (1.80-1.99
-x 10^3 in three runs; 116-128x per query in a batch of 16, 18-23x against dense TracIn from a gradient sketch of
-the cache's size). Rerun 2026-12-03 on a machine whose training numerics differ slightly, with the true-Fisher
-exact reference (the default since): 7 min 03 s; 6.81 vs 6.72 nats (+1.41%); the cached ranking keeps 0.49/0.67 of
-the exact top-10/top-100 (0.42/0.65 against the empirical-Fisher reference on the same checkpoint).
+Expected (CPU preset, 2 cores): `python prism.py` takes about 7 minutes on 2026-12-03's machine (6 min 40 s - 7 min
+03 s in four runs; 3 min 48 s - 4 min 18 s on 2026-12-02's) for the twin, PRISM and every analysis, with the same
+figures in every run on one machine; PRISM's val loss ends 1.4% above the twin's (6.81 vs 6.72 nats, cl100k
+compacted to 19,447 ids, 410k training tokens each; +0.55% with --revive-dead, 2026-12-02), and a cached attribution
+query is over 1,000x faster than dense TracIn for one query alone (1.44-1.99 x 10^3 in five runs; 93-128x per query
+in a batch of 16, 11.7-23x against dense TracIn from a gradient sketch of the cache's size); the cached ranking keeps
+0.42/0.65 of the exact (empirical-Fisher) top-10/top-100.
 """
 from __future__ import annotations
 
@@ -247,7 +251,7 @@ class Config:
     attr_ctx: int = field(default=256, metadata={"help": "length of the attribution set's training windows (<= ctx)"})
     attr_damping: float = field(default=1e-3, metadata={"help": "curvature damping λ, relative to the mean eigenvalue"})
     attr_curvature: Literal["block", "kfac"] = field(default="block", metadata={"help": "cached curvature: per-prototype blocks or with co-usage"})
-    attr_exact_curvature: Literal["empirical", "fisher"] = field(default="fisher", metadata={"help": "the exact reference's curvature: fisher, the true Fisher (= Gauss-Newton for softmax CE; targets drawn from the model's softmax), or empirical, the Fisher of the true-label gradients"})
+    attr_exact_curvature: Literal["empirical", "fisher"] = field(default="empirical", metadata={"help": "the exact reference's curvature: empirical, the Fisher of the true-label window gradients (deterministic), or fisher, the true Fisher (= Gauss-Newton for softmax CE) sampled from targets drawn from the model's softmax (a Monte-Carlo estimate: the run logs its re-draw agreement)"})
     attr_fisher_samples: int = field(default=1, metadata={"help": "targets drawn per training window for --attr-exact-curvature fisher (S: the curvature's rank is M·S), and per token for --attr-s fisher"})
     attr_s: Literal["empirical", "fisher"] = field(default="empirical", metadata={"help": "the cache's S = E[δδᵀ]: empirical, δ of the true labels (spec §5.3's formula), or fisher, δ of targets drawn from the model's softmax (K-FAC's true-Fisher factor; the exact fisher reference's draws)"})
     ekfac: bool = field(default=False, metadata={"help": "also rank with EK-FAC through kronfluence (if installed)"})
@@ -263,7 +267,7 @@ class Config:
 
 
 # A CPU has ~1/1000 of a GPU's FLOPs: the preset shrinks the backbone, the bank and the steps so that the dense
-# twin, PRISM and every analysis finish in about 4 minutes.
+# twin, PRISM and every analysis finish in about 7 minutes (4 before the true-Fisher attribution reference).
 CPU_PRESET = dict(layers=4, d_model=128, heads=4, n_protos=512, topk=8, ctx=128, batch_size=16, lr=2e-3,
                   max_iters=200, init_steps=20, eval_interval=50, eval_iters=5, log_interval=20,
                   card_windows=512, attr_seqs=256, attr_queries=16, attr_ctx=128)
@@ -3281,7 +3285,7 @@ def run(cfg: Config, explicit) -> int:
     out_dir = Path(cfg.out_dir)
     log = Logger(None if cfg.bench else out_dir / f"log-{cfg.head}.txt", rank)
     if preset == "cpu" and not cfg.bench and cfg.train and not cfg.resume:  # a resumed run keeps its own settings
-        log(preset_banner(cfg, explicit, device, "about 4 minutes on 2 CPU cores", CPU_PRESET, RUNTIME_KEYS))
+        log(preset_banner(cfg, explicit, device, "about 7 minutes on 2 CPU cores", CPU_PRESET, RUNTIME_KEYS))
     log("config: " + json.dumps(asdict(cfg)))
     for note in [] if cfg.bench else unused_flags(cfg, explicit):
         log(note)

@@ -321,7 +321,8 @@ def test_fisher_samples_flag_is_noted_when_nothing_is_sampled():
         return [n.split(" has no effect")[0] for n in prism.unused_flags(Config(**kw), {"attr_fisher_samples"})]
     assert notes(attr_exact_curvature="empirical") == ["note: --attr-fisher-samples"]  # --attr-s is empirical
     assert notes(attr_exact_curvature="empirical", attr_s="fisher") == []
-    assert notes(attr_exact_curvature="fisher") == [] and notes() == []  # the reference's fisher is the default
+    assert notes() == ["note: --attr-fisher-samples"]  # both empirical by default
+    assert notes(attr_exact_curvature="fisher") == []
     assert notes(attribution=False) == ["note: --attr-fisher-samples"]
 
 
@@ -560,8 +561,8 @@ def test_experiment_table(curvature):
     assert scored in lines[0] and all("30/30 sequences scored by every query" in ln for ln in lines[1:5])
     exact = res["table"][1]
     assert exact["top-10 overlap"] == 1 and exact["top-100 overlap"] == 1  # n capped at M = 30: all of them
-    assert len(lines) == 9 and lines[-4] == res["summary"]  # then the reference's re-draw (fisher, the default)
-    assert lines[-3].startswith("attribution, the exact reference re-drawn") and res["reference_redraw"] is not None
+    assert len(lines) == 8 and lines[-3] == res["summary"]
+    assert res["reference_redraw"] is None  # the default empirical reference draws nothing: no re-draw to measure
     # the diagnostics: gradients alone (no curvature; the cache's curvature in both) and curvature alone
     for key in ("gradients_only", "same_curvature", "curvature_only"):
         g = res[key]
