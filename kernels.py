@@ -468,7 +468,8 @@ def _cross_entropy_fwd(
         cols = start + tl.arange(0, BLOCK_V)
         z = tl.load(Logits + row * V + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(z, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a leading all -inf tile: exp(-inf + inf) is NaN
+        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
         m = m_new
     lse = m + tl.log(s)
     # loss = lse − z_t; an out-of-range target reads nothing and gives a NaN loss
@@ -493,16 +494,18 @@ class CrossEntropyFn(torch.autograd.Function):
         N = z.numel() // V
         n_valid = (t != ignore_index).sum()  # stays on the device: no host sync
         loss = _empty((N,), torch.float32, z.device)
-        grad = scale = None
+        grad = scale = later = None
         if needs_grad:
             grad = z if inplace_grad else _empty(z.shape, z.dtype, z.device)
             scale = 1.0 / n_valid if reduction == "mean" else torch.ones((), device=z.device)
+            if z.dtype == torch.float16:  # p/n_valid would fall below fp16's range before a loss scale (applied in
+                scale, later = torch.ones((), device=z.device), scale  # the backward) could lift it: apply it there
         BLOCK_V = min(triton.next_power_of_2(V), MAX_BLOCK_V)
         _cross_entropy_fwd[(N,)](z, t, loss, grad, scale, V, ignore_index, BLOCK_V=BLOCK_V, num_warps=8)
         if needs_grad:
             if inplace_grad:  # a node that saved these logits now fails loudly instead of reading gradients
                 torch.autograd.graph.increment_version(logits)
-            ctx.grad, ctx.reduction = grad, reduction
+            ctx.grad, ctx.reduction, ctx.later = grad, reduction, later
         if reduction == "none":
             return loss.view(target.shape)
         return loss.sum() if reduction == "sum" else loss.sum() / n_valid  # 0/0 = nan when all are ignored
@@ -513,7 +516,8 @@ class CrossEntropyFn(torch.autograd.Function):
         grad, ctx.grad = ctx.grad, None
         if grad is None:
             raise RuntimeError("cross_entropy (Triton): backward can run only once per forward")
-        grad.mul_(dloss.unsqueeze(-1) if ctx.reduction == "none" else dloss)
+        factor = dloss.unsqueeze(-1) if ctx.reduction == "none" else dloss
+        grad.mul_(factor if ctx.later is None else factor.float() * ctx.later)  # fp16: one rounding, at the end
         return grad, None, None, None, None, None
 
 
@@ -527,8 +531,11 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", inplace_g
     """Cross-entropy of logits [..., V] (fp32/bf16/fp16) against integer targets [...], like F.cross_entropy.
 
     reduction: "mean" (over rows whose target is not ignore_index; nan if there are none, as in torch), "sum",
-    or "none" (per-row losses of shape [...]). The loss comes back in fp32 (fp64 for fp64 logits) whatever the
-    logits' dtype, as F.cross_entropy under autocast: a bf16 loss would round the logged value to 1/32 near 6.
+    or "none" (per-row losses of shape [...]). The loss comes back in fp32 whatever the logits' dtype (the torch
+    path: fp64 for fp64 logits), as F.cross_entropy under autocast: a bf16 loss would round the logged value to
+    1/32 near 6. With fp16 logits the Triton path stores softmax − onehot unscaled and applies 1/n_valid in the
+    backward with the incoming gradient, so that a loss scaler's factor arrives before the one rounding: p/n_valid
+    alone falls below fp16's range at realistic N·V.
 
     inplace_grad (Triton path only): write the gradient into the logits' own storage instead of a new buffer.
     This saves one [N, V] buffer but overwrites the caller's logits during the forward, so it is only safe when
@@ -549,8 +556,8 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", inplace_g
         return _cross_entropy_triton(logits, target, ignore_index, reduction, inplace_grad)
     # Off the Triton path: torch's fused log-softmax + NLL, the same maths as cross_entropy_ref in one kernel
     # (about 2x faster on a CPU, where the vocabulary-sized softmax dominates a small model's step).
-    loss = F.cross_entropy(_up(logits).reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
-                           reduction=reduction)
+    loss = F.cross_entropy(_up(logits).reshape(-1, logits.shape[-1]), target.reshape(-1).long(),
+                           ignore_index=ignore_index, reduction=reduction)  # int32 targets, as the Triton path
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -585,10 +592,12 @@ def _bench_cases():
                     "reference": lambda x, w, b, g=g: layer_norm_ref(x, w, b, g), **fused}
     for N in (4096, 8192):
         for V in (32768, 100277):
+            # Each provider reads a view of the leaf logits, as a model's head output is not a leaf: autograd then
+            # takes the in-place gradient as the leaf's .grad as it is (on the leaf itself, it would copy it)
             yield "cross_entropy", f"{N}x{V}", functools.partial(_ce_inputs, N, V), {
-                "triton": lambda z, t: cross_entropy(z, t, backend="triton"),
-                "triton inplace": lambda z, t: cross_entropy(z, t, inplace_grad=True, backend="triton"),
-                "F.cross_entropy": F.cross_entropy}
+                "triton": lambda z, t: cross_entropy(z.view_as(z), t, backend="triton"),
+                "triton inplace": lambda z, t: cross_entropy(z.view_as(z), t, inplace_grad=True, backend="triton"),
+                "F.cross_entropy": lambda z, t: F.cross_entropy(z.view_as(z), t)}
 
 
 def _measure(fn, inputs):

@@ -56,7 +56,7 @@ def test_rms_norm(assert_close, lead, D, dtype):
                lambda x, w: rms_norm_ref(x, w, EPS), [x, w], ["dx", "dw"])
 
 
-LN_WIDTHS = [(1, 1), (7, 1), (100, 1), (1000, 1), (384, 1), (384, 3), (384, 6), (6, 6)]  # (D, groups)
+LN_WIDTHS = [(1, 1), (7, 1), (100, 1), (1000, 1), (384, 1), (384, 3), (384, 6), (6, 6), (90, 3), (300, 12)]  # (D, groups)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -192,6 +192,55 @@ def test_cross_entropy_without_grad_writes_no_gradient(assert_close):
     assert torch.equal(logits, before) and torch.equal(z.detach(), before)
     assert not loss.requires_grad and not loss_no_grad.requires_grad
     assert_close("loss", F.cross_entropy(before.double(), target.long()), loss)
+
+
+def test_cross_entropy_leading_masked_tile(assert_close):
+    """A row whose first vocabulary tile is all -inf (a masked block of ids) still has a finite loss and gradient:
+    the online log-sum-exp must not form exp(-inf + inf)."""
+    V = kernels.MAX_BLOCK_V + 904  # two tiles
+    logits = torch.randn(3, V, dtype=torch.float64)
+    logits[0, :kernels.MAX_BLOCK_V] = float("-inf")
+    target = torch.tensor([V - 1, 5, 17])
+    z, z_ref = logits.float().clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = cross_entropy(z, target, backend="triton")
+    loss_ref = F.cross_entropy(z_ref, target)
+    loss.backward()
+    loss_ref.backward()
+    assert torch.isfinite(loss) and torch.isfinite(z.grad).all()
+    assert_close("loss", loss_ref, loss)
+    assert_close("dlogits", z_ref.grad, z.grad)
+
+
+def test_cross_entropy_fp16_gradient_survives_loss_scaling():
+    """fp16 logits under a loss scale (GradScaler's 2^16): the off-target gradient p/N is below fp16's normal
+    range here, so 1/N must be applied with the scale in the backward, not rounded into fp16 before it (that
+    flushed 6-70 % of the entries to 0 at realistic sizes)."""
+    N, V = 512, 2048
+    g = torch.Generator().manual_seed(0)
+    logits, target = torch.randn(N, V, generator=g).half(), torch.randint(V, (N,), generator=g)
+    z = logits.clone().requires_grad_()
+    (cross_entropy(z, target, backend="triton") * 65536).backward()
+    z_ref = logits.double().requires_grad_()
+    F.cross_entropy(z_ref, target).backward()
+    off = torch.ones(N, V, dtype=torch.bool)
+    off[torch.arange(N), target] = False
+    got, want = z.grad.double()[off] / 65536, z_ref.grad[off]
+    assert (got == 0).sum() == 0
+    assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < 1e-3  # fp16: ~3e-4 per rounding
+
+
+def test_inplace_gradient_is_not_copied_for_a_non_leaf():
+    """inplace_grad costs no [N, V] buffer when the logits are not a leaf (a head's output; --bench uses a view for
+    that reason): the leaf's .grad is the logits' own storage, not a copy."""
+    z, t = torch.randn(4, 33, requires_grad=True), torch.randint(33, (4,))
+    cross_entropy(z.view_as(z), t, inplace_grad=True, backend="triton").backward()
+    assert z.grad.data_ptr() == z.data_ptr()
+
+
+def test_cross_entropy_int32_targets_on_both_paths():
+    logits, target = torch.randn(4, 11), torch.randint(11, (4,), dtype=torch.int32)
+    assert torch.equal(cross_entropy(logits, target, backend="torch"), F.cross_entropy(logits, target.long()))
+    torch.testing.assert_close(cross_entropy(logits, target, backend="triton"), F.cross_entropy(logits, target.long()))
 
 
 def test_cross_entropy_out_of_range_targets():
