@@ -18,6 +18,10 @@ Corpora
                 the speech. Stage directions are dropped one consistent way: every paragraph or line that is
                 entirely in italics (`_Enter ..._`, `*Exeunt.*`, `_[Aside]_`) and every bracketed editorial span
                 inside a speech is removed; act/scene headings are removed; inline italics keep their words.
+                A paragraph that is neither a speaker nor all italics joins the current speaker's speech, even
+                after a heading: in the package's text, 19 such paragraphs of the 38 plays (processions,
+                scene descriptions, a name split over two lines) follow a heading, so they read as the
+                previous scene's last speaker's lines (kept so: fixing it would move every token count).
                 One document per play, each with its title and genre (the package's folders). Split by play:
                 VAL_PLAYS (4 of 38, one per large genre, ~10%) are held out.
   tinystories   roneneldan/TinyStories (train / validation), streamed, `--max-tokens` train budget.
@@ -702,7 +706,9 @@ def shakespeare_passages(min_words: int = 40, genres=None) -> LabeledText:
 
 def load_labeled(name: str = "shakespeare", genres=None, min_words: int = 40,
                  max_examples: int | None = None) -> LabeledText:
-    """Documents + labels + label names: `shakespeare` (genre, offline), `ag_news` or `imdb` (hub)."""
+    """Documents + labels + label names: `shakespeare` (genre, offline), `ag_news` or `imdb` (hub). The hub sets
+    are read in stream order, the first `max_examples` of each split: IMDB's splits are sorted by label, so fewer
+    than 12,500 give a single class (clvq_vae.py says so and stops)."""
     if name == "shakespeare":
         return shakespeare_passages(min_words, genres)
     if name not in LABELED:
