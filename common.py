@@ -487,16 +487,19 @@ def _tokenize_split(docs, enc, out: Path, budget: int | None, batch: int = 256):
             buf = [d.text for _, d in zip(range(batch), docs)]
             if not buf:
                 break
+            kept = []
             for text, ids in zip(buf, enc.encode_ordinary_batch(buf, num_threads=threads)):
                 a = np.asarray(ids + [enc.eot_token], dtype=np.uint32)
                 if budget is not None and len(a) > budget - n_tok:  # the budget cuts this document
                     a = a[: budget - n_tok]
                     text = enc.decode(ids[: len(a)])
                 a.tofile(fh)
-                counts += np.bincount(a, minlength=enc.n_vocab)
+                kept.append(a)
                 n_tok, n_doc, n_chr = n_tok + len(a), n_doc + 1, n_chr + len(text)
                 if budget is not None and n_tok >= budget:
                     break
+            counts += np.bincount(np.concatenate(kept), minlength=enc.n_vocab)  # once per batch, not per document:
+            # each call allocates and adds a vocabulary-sized array, which dominated on short documents
     return n_tok, n_doc, n_chr, counts
 
 
