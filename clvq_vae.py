@@ -2865,7 +2865,7 @@ def salient_rows(cfg, src: SourceModel, head: nn.Module, acts: Activations, log=
 # ---- fidelity, steps 2-6: ablation and the probe --------------------------------------------------------------
 
 def orthonormal_rows(B: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """[S, m, d] -> [S, m, d] rows that hold an orthonormal basis of each span, the rest zero (so they remove
+    """[S, m, d] -> [S, min(m, d), d] rows that hold an orthonormal basis of each span, the rest zero (so they remove
     nothing): the left singular vectors of Bᵀ (fp64) whose singular value is above eps × the longest direction.
     An SVD rather than QR: QR's unit column for a dependent or zero direction is arbitrary, and zeroing it also
     drops the components of the later directions along it, whatever their order."""
