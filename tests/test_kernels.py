@@ -194,6 +194,20 @@ def test_cross_entropy_without_grad_writes_no_gradient(assert_close):
     assert_close("loss", F.cross_entropy(before.double(), target.long()), loss)
 
 
+def test_relative_error_helper(assert_close):
+    """The helper the kernel tests stand on: within atol passes only for a reference above atol (or all zero); a
+    small reference is judged by the ratio, so zeros or the negation of it fail; NaN in the output fails."""
+    ref = torch.full((1000,), 4e-4, dtype=torch.float64)
+    for wrong in (torch.zeros(1000), -ref):
+        with pytest.raises(AssertionError, match="rel rms err"):
+            assert_close("small", ref, wrong.to(torch.bfloat16))
+    assert_close("small, close", ref, (ref * (1 + 1e-3)).to(torch.bfloat16))  # bf16 rounding of 4e-4: ratio ~1e-3
+    assert_close("zeros", torch.zeros(5), torch.full((5,), 1e-7))
+    assert_close("large", torch.full((4,), 3.0), torch.full((4,), 3.0 + 5e-7))  # within atol 1e-6
+    with pytest.raises(AssertionError, match="non-finite"):
+        assert_close("nan", torch.ones(3), torch.tensor([1.0, float("nan"), 1.0]))
+
+
 def test_cross_entropy_leading_masked_tile(assert_close):
     """A row whose first vocabulary tile is all -inf (a masked block of ids) still has a finite loss and gradient:
     the online log-sum-exp must not form exp(-inf + inf)."""
