@@ -3233,7 +3233,7 @@ def coherence_proxy(words: list[str], codes: torch.Tensor, vecs: dict, draws: in
     whatever the order groups together; types without a vector are dropped, codes with fewer than 2 left are not
     scored), averaged over codes weighted by usage. Word types that share one input vector count as one type:
     under an uncased tokenizer "The" and "the" are one token, and with the last subword as the vector so are
-    "dost" and "hast" (both end in "##st"); scored apart they would add pairs of cosine exactly 1, and a code would
+    "dost" and "hast" (both end in "##t"); scored apart they would add pairs of cosine exactly 1, and a code would
     look coherent for grouping one token under several spellings. Chance: the same statistic for groups of as many
     distinct types drawn at random from the member rows (so frequent types come up as often as they do in codes),
     `draws` groups per code. -> dict(score, chance, codes_scored, usage_scored, types, vectors): the last two count
