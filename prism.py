@@ -267,7 +267,7 @@ class Config:
 
 
 # A CPU has ~1/1000 of a GPU's FLOPs: the preset shrinks the backbone, the bank and the steps so that the dense
-# twin, PRISM and every analysis finish in about 7 minutes (4 before the true-Fisher attribution reference).
+# twin, PRISM and every analysis finish in about 7 minutes on 2026-12-03's machine (about 4 on 2026-12-02's).
 CPU_PRESET = dict(layers=4, d_model=128, heads=4, n_protos=512, topk=8, ctx=128, batch_size=16, lr=2e-3,
                   max_iters=200, init_steps=20, eval_interval=50, eval_iters=5, log_interval=20,
                   card_windows=512, attr_seqs=256, attr_queries=16, attr_ctx=128)

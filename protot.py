@@ -1591,7 +1591,8 @@ def label_prototypes(model: ProtoT, data, cfg: Config, out_dir: Path, top: int =
         model(windows[i:i + 64].to(data.device))
         for l, m in enumerate(model.mixers()):
             acts[l].append(m.last["w"].float().cpu())
-            reads[l].append(m.last["rho"].float().cpu())
+            if not m.shared:  # layer 0 reads with its write gate: no lag to measure, nothing to keep
+                reads[l].append(m.last["rho"].float().cpu())
     for m in model.mixers():
         m.record, m.last = False, {}
     hl = half_lives(model)

@@ -109,7 +109,7 @@ def check_close(name, ref, out, ratio=None, atol=None):
     rms_ref = r.pow(2).mean().sqrt().item() if r.numel() else 0.0
     if abs_err <= atol and (rms_ref >= atol or rms_ref == 0.0):
         return
-    err = ((r - o).pow(2).mean().sqrt() / r.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+    err = (r - o).pow(2).mean().sqrt().item() / max(rms_ref, 1e-30)
     assert err < ratio, f"{name}: rel rms err {err:.3e} >= {ratio:.1e} (max abs err {abs_err:.3e})"
 
 
