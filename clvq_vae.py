@@ -2112,6 +2112,8 @@ def acts_signature(acts: Activations) -> dict:
 
 CKPT_KEYS = ("config", "model", "optimizer", "step", "schedule", "history", "data", "rng")  # what save_checkpoint
 RNG_KEYS = ("torch", "data", "cuda")                                                      # writes, and resume reads
+HISTORY_KEYS = ("step", "train", "val", "mse", "commit", "perplexity", "unused", "dead_ema")  # train() appends
+SCHEDULE_KEYS = ("scale", "best", "bad", "since_best")  # the plateau LR scale and the early-stop counters
 
 
 def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, sched: dict, sampler_state: dict,
@@ -2131,6 +2133,17 @@ def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, sched:
     torch.save(state, tmp)
     os.replace(tmp, path)
 
+
+def damaged_fields(ck: dict) -> list[str]:
+    """The fields of a checkpoint that read but hold the wrong kind of value (a file edited or damaged by hand), so
+    that loading it is one line rather than a traceback deep in train() or the analyses."""
+    hist, sched, best = ck["history"], ck["schedule"], ck.get("best")
+    ok = {"step": type(ck["step"]) is int and ck["step"] >= 0,
+          "history": isinstance(hist, dict) and all(isinstance(hist.get(k), list) for k in HISTORY_KEYS),
+          "schedule": isinstance(sched, dict) and all(type(sched.get(k)) in (int, float) for k in SCHEDULE_KEYS),
+          "best": best is None or isinstance(best, dict) and type(best.get("step")) is int
+          and isinstance(best.get("model"), dict)}
+    return [k for k, good in ok.items() if not good]
 
 def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]:
     """Load with weights_only=True; the architecture and data settings come from the checkpoint, and one given on
@@ -2154,6 +2167,10 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         raise RunError(f"{path} is not a clvq_vae.py checkpoint")
     if missing:
         raise RunError(f"{path} is an incomplete checkpoint (no {', '.join(missing)}); delete it or retrain")
+    damaged = damaged_fields(ck)
+    if damaged:
+        raise RunError(f"{path} is a damaged checkpoint ({', '.join(damaged)}: not what save_checkpoint writes); "
+                       "delete it or retrain")
     bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k)]
     if bad:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
@@ -2278,9 +2295,8 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
     sampler = SentenceSampler(sentences, lengths.tolist(), cfg.batch_size, cfg.seed)
     model = build_model(cfg, device)
     optimizer = make_optimizer(model, cfg, device.type)
-    step, history = 0, {"step": [], "train": [], "val": [], "mse": [], "commit": [], "perplexity": [],
-                        "unused": [], "dead_ema": []}
-    sched = dict(scale=1.0, best=float("inf"), bad=0, since_best=0)  # plateau LR scale and early-stop counters
+    step, history = 0, {k: [] for k in HISTORY_KEYS}
+    sched = dict(scale=1.0, best=float("inf"), bad=0, since_best=0)  # SCHEDULE_KEYS
     best = None  # under --schedule plateau: {"step", "model"} of the best evaluation
     stopped = False  # a resumed run that had already stopped early trains no further
     if rank:  # ranks other than 0 draw their own dropout masks and code samples
@@ -2357,7 +2373,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
                 raise RunError(nan_message(step, path))  # never save non-finite weights
             history["step"].append(step)
             history["val"].append(ev["loss"])
-            for k in ("mse", "commit", "perplexity", "unused", "dead_ema"):
+            for k in HISTORY_KEYS[3:]:  # mse ... dead_ema
                 history[k].append(ev[k])
             log(eval_line(step, ev, cfg.codebook_size))
             if ev["loss"] < sched["best"] * (1 - 1e-4):  # ReduceLROnPlateau's default relative threshold

@@ -1254,6 +1254,7 @@ def nan_message(step: int, path: Path) -> str:
 
 CKPT_KEYS = ("config", "model", "optimizer", "step", "best_val_loss", "tokenizer", "history", "rng")  # what
 RNG_KEYS = ("torch", "data", "cuda")                               # save_checkpoint writes, and resume reads
+HISTORY_KEYS = ("step", "train", "val")  # the lists train() appends to
 
 
 def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: float, data_rng, data,
@@ -1270,6 +1271,18 @@ def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: 
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
+
+
+def damaged_fields(ck: dict) -> list[str]:
+    """The fields of a checkpoint that read but hold the wrong kind of value (a file edited or damaged by hand), so
+    that loading it is one line rather than a traceback deep in train() or the analyses."""
+    tok, hist = ck["tokenizer"], ck["history"]
+    ok = {"step": type(ck["step"]) is int and ck["step"] >= 0,
+          "best_val_loss": type(ck["best_val_loss"]) in (int, float),
+          "history": isinstance(hist, dict) and all(isinstance(hist.get(k), list) for k in HISTORY_KEYS),
+          "tokenizer": isinstance(tok, dict) and isinstance(tok.get("name"), str)
+          and type(tok.get("compacted")) is bool and isinstance(tok.get("kept"), torch.Tensor),}
+    return [k for k, good in ok.items() if not good]
 
 
 def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]:
@@ -1292,6 +1305,10 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         raise RunError(f"{path} is not a dual_stream.py checkpoint")
     if missing:
         raise RunError(f"{path} is an incomplete checkpoint (no {', '.join(missing)}); delete it or retrain")
+    damaged = damaged_fields(ck)
+    if damaged:
+        raise RunError(f"{path} is a damaged checkpoint ({', '.join(damaged)}: not what save_checkpoint writes); "
+                       "delete it or retrain")
     bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k, getattr(Config, k))]
     if bad:
         diff = ", ".join(f"{k}={saved.get(k, getattr(Config, k))!r} (asked {getattr(cfg, k)!r})" for k in bad)
@@ -1326,7 +1343,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         data.set_rng_state(start_rng)
     model = build_model(cfg, data.vocab_size, device)
     optimizer = make_optimizer(model, cfg, device.type)
-    step, best, history = 0, float("inf"), {"step": [], "train": [], "val": []}
+    step, best, history = 0, float("inf"), {k: [] for k in HISTORY_KEYS}
     if rank:  # ranks other than 0 draw their own dropout masks (DDP broadcasts rank 0's initial weights)
         torch.manual_seed(cfg.seed + rank)
     if cfg.resume:

@@ -1065,7 +1065,8 @@ def sampling_logits(logits, ids, temperature=0.8, top_k=40, top_p=0.95, repetiti
     logits [B, V] (the model's, for the next token); ids [B, T], the text so far, prompt included. fp32 out.
 
         repetition penalty   each id in ids: a logit > 0 divided by the penalty, one < 0 multiplied by it
-        no-repeat n-gram     -inf for each token that would complete an n-gram already in ids
+        no-repeat n-gram     -inf for each token that would complete an n-gram already in ids (unless that is
+                             every token, which HF would turn into NaN probabilities: then the row is left as is)
         temperature          divide by it
         top-k                -inf below the k-th largest logit
         top-p                -inf outside the fewest most likely tokens whose probability reaches p (the top one stays)
@@ -1080,6 +1081,7 @@ def sampling_logits(logits, ids, temperature=0.8, top_k=40, top_p=0.95, repetiti
         hit = (ids.unfold(1, n - 1, 1)[:, :T - n + 1] == ids[:, None, T - n + 1:]).all(-1)  # (B, T-n+1)
         # scatter_add, not scatter: a token can follow several (n-1)-grams, only some of them equal to the last
         banned = torch.zeros_like(logits).scatter_add_(1, ids[:, n - 1:], hit.float()) > 0
+        banned &= ~banned.all(-1, keepdim=True)  # every token banned (small n, small vocabulary): no ban, not NaN
         logits = logits.masked_fill(banned, float("-inf"))
     logits = logits / max(temperature, 1e-6)
     if top_k:
@@ -1314,6 +1316,7 @@ def nan_message(step: int, path: Path) -> str:
 
 CKPT_KEYS = ("config", "model", "optimizer", "step", "best_val_loss", "tokenizer", "history", "rng")  # what
 RNG_KEYS = ("torch", "data", "cuda")                               # save_checkpoint writes, and resume reads
+HISTORY_KEYS = ("step", "train", "val")  # the lists train() appends to
 
 
 def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: float, data_rng, data,
@@ -1335,6 +1338,20 @@ def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: 
     os.replace(tmp, path)
 
 
+def damaged_fields(ck: dict) -> list[str]:
+    """The fields of a checkpoint that read but hold the wrong kind of value (a file edited or damaged by hand), so
+    that loading it is one line rather than a traceback deep in train() or the analyses."""
+    tok, hist = ck["tokenizer"], ck["history"]
+    ok = {"step": type(ck["step"]) is int and ck["step"] >= 0,
+          "best_val_loss": type(ck["best_val_loss"]) in (int, float),
+          "history": isinstance(hist, dict) and all(isinstance(hist.get(k), list) for k in HISTORY_KEYS),
+          "tokenizer": isinstance(tok, dict) and isinstance(tok.get("name"), str)
+          and type(tok.get("compacted")) is bool and isinstance(tok.get("kept"), torch.Tensor),
+          "best": ck.get("best") is None or isinstance(ck["best"], dict) and type(ck["best"].get("step")) is int
+          and isinstance(ck["best"].get("model"), dict)}
+    return [k for k, good in ok.items() if not good]
+
+
 def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]:
     """Load with weights_only=True; the architecture comes from the checkpoint, and an architecture flag given
     on the command line that disagrees with it is an error (one line) rather than a silent mismatch."""
@@ -1353,6 +1370,10 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         raise RunError(f"{path} is not a protot.py checkpoint")
     if missing:
         raise RunError(f"{path} is an incomplete checkpoint (no {', '.join(missing)}); delete it or retrain")
+    damaged = damaged_fields(ck)
+    if damaged:
+        raise RunError(f"{path} is a damaged checkpoint ({', '.join(damaged)}: not what save_checkpoint writes); "
+                       "delete it or retrain")
     if saved.get("mixer") != cfg.mixer:  # a file renamed by hand: the name says one mixer, the contents another
         raise RunError(f"{path} holds a --mixer {saved.get('mixer')} model, not {cfg.mixer}")
     bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k)]
@@ -1407,7 +1428,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
     path = ckpt_path(cfg)
     model = build_model(cfg, data.vocab_size, device)
     optimizer = make_optimizer(model, cfg, device.type)
-    step, best, history = 0, float("inf"), {"step": [], "train": [], "val": []}
+    step, best, history = 0, float("inf"), {k: [] for k in HISTORY_KEYS}
     best_weights = None  # {"step", "model"}: the best evaluation's weights, a CPU copy (val loss `best`)
     stopped = False  # a resumed run that had already stopped early trains no further
     if rank:  # ranks other than 0 draw their own dropout masks (DDP broadcasts rank 0's initial weights)
@@ -2257,6 +2278,9 @@ def validate(cfg: Config) -> None:
     for ok, msg in checks:
         if not ok:
             raise RunError(msg)
+    bad = [f.name for f in fields(cfg) if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
+    if bad:  # --lr inf passes "> 0" and would train to a NaN loss
+        raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number")
     if (cfg.intervene or cfg.find_prototype not in ("auto", "off")) and cfg.mixer != "proto" and not cfg.compare:
         raise RunError("--intervene and --find-prototype need --mixer proto")
     if cfg.intervene:

@@ -280,7 +280,7 @@ def test_damaged_checkpoints_are_one_line_errors(name, tmp_path, cache_dir):
     model = mod.build_model(cfg, data.vocab_size, torch.device("cpu"))
     path = tmp_path / "ckpt.pt"
     mod.save_checkpoint(path, model, mod.make_optimizer(model, cfg, "cpu"), cfg, 1, 9.0, data.rng_state(), data,
-                        {"step": [], "train": [], "val": []})
+                        {k: [] for k in mod.HISTORY_KEYS})
     ck, c = mod.load_checkpoint(path, cfg)
     mod.load_model(ck, c, data, torch.device("cpu"), path)  # the intact file loads
 
@@ -300,6 +300,14 @@ def test_damaged_checkpoints_are_one_line_errors(name, tmp_path, cache_dir):
         mod.load_checkpoint(damaged(lambda ck: ck.pop("rng")), cfg)
     with pytest.raises(mod.RunError, match=r"incomplete checkpoint \(no rng.data\)"):
         mod.load_checkpoint(damaged(lambda ck: ck["rng"].pop("data")), cfg)
+    wrong = [("step", lambda ck: ck.update(step="ten")), ("best_val_loss", lambda ck: ck.update(best_val_loss=None)),
+             ("history", lambda ck: ck.update(history={})), ("history", lambda ck: ck["history"].update(train=None)),
+             ("tokenizer", lambda ck: ck.update(tokenizer={"bogus": 1}))]
+    if name == "protot":  # the best evaluation's weights, which the analyses load
+        wrong.append(("best", lambda ck: ck.update(best={"x": 1})))
+    for field, edit in wrong:  # each once a traceback in resume_note, train() or check_tokenizer
+        with pytest.raises(mod.RunError, match=rf"bad.pt is a damaged checkpoint \({field}: not what "):
+            mod.load_checkpoint(damaged(edit), cfg)
     with pytest.raises(mod.RunError, match=r"bad.pt stores a damaged config \(layers='x'\)"):
         mod.load_checkpoint(damaged(lambda ck: ck["config"].update(layers="x")), cfg)
     with pytest.raises(mod.RunError, match=r"bad.pt stores a config that fails its checks \(--ctx must be >= 1\)"):

@@ -106,6 +106,10 @@ def test_no_repeat_ngram_bans_the_token_that_would_repeat_an_ngram():
     two = protot.sampling_logits(torch.zeros(2, 10), torch.tensor([[1, 2, 1], [1, 3, 1]]),
                                  **{**OFF, "no_repeat_ngram_size": 2})
     assert (two == NEG_INF).nonzero().tolist() == [[0, 2], [1, 3]]  # each row its own text
+    # n = 1 once the text holds every id bans everything: that row is left unbanned (a NaN softmax otherwise),
+    # the other row keeps its ban
+    full = protot.sampling_logits(torch.zeros(2, 3), torch.tensor([[0, 1, 2], [0, 1, 1]]), **{**OFF, "no_repeat_ngram_size": 1})
+    assert full[0].isfinite().all() and (full[1] == NEG_INF).tolist() == [True, True, False]
 
 
 def test_top_k_top_p_and_temperature_on_known_distributions():
@@ -428,6 +432,7 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     (["--repetition-penalty", "0"], 1, "--repetition-penalty must be > 0 and finite"),
     (["--repetition-penalty", "inf"], 1, "--repetition-penalty must be > 0 and finite"),
     (["--no-repeat-ngram-size", "-1"], 1, "--no-repeat-ngram-size must be >= 0"),
+    (["--lr", "inf"], 1, "--lr must be a finite number"), (["--weight-decay", "inf"], 1, "--weight-decay must be a"),
     (["--temperature", "0"], 1, "--temperature must be > 0 and finite"), (["--top-k", "-1"], 1, "--top-k must be >= 0"),
     (["--top-p", "0.9x"], 2, "argument --top-p: invalid float value: '0.9x'"),
     (["--bench", "--d-model", "36", "--layers", "1"], 1, "must split into --heads 4 heads"),  # bench times attention
