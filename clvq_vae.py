@@ -1895,6 +1895,11 @@ RESUME_KEYS = ("max_iters", "lr", "schedule", "min_lr_ratio", "warmup_frac", "pl
                "sampling", "ema_decay", "ema_eps", "beta", "dead_code", "dead_threshold")
 
 
+# What --resume cannot change: the run goes on from the checkpoint's random state and codebook (initialised
+# at step 0), so these would only be written into the stored config, which would no longer describe the run
+FIXED_ON_RESUME = ("seed", "init", "init_seeding", "init_iters", "init_restarts", "init_seed", "init_rows")
+
+
 def resume_note(saved: dict, cfg: Config, step: int, stopped: bool = False) -> Optional[str]:
     """The line a resumed run logs when it cannot equal an uninterrupted one: nothing left to train (at
     --max-iters, or the run had stopped early), or settings changed since the checkpoint (the usual case: a smaller
@@ -2175,6 +2180,11 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     if bad:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
         raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
+    fixed = [k for k in FIXED_ON_RESUME if cfg.resume and k in explicit and getattr(cfg, k) != saved.get(k)]
+    if fixed:
+        diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in fixed)
+        raise RunError(f"{path} was trained with {diff}, which --resume cannot change (it continues from the "
+                       "checkpoint's random state and codebook); drop those flags, or train afresh in another --out-dir")
     taken = {k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and k not in explicit}
     merged = replace(cfg, **taken)
     from common import stored_config_error

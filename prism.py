@@ -976,6 +976,11 @@ RESUME_KEYS = ("max_iters", "lr", "min_lr_ratio", "warmup_frac", "batch_size", "
 SEED_KEYS = ("init", "init_steps")
 
 
+# What --resume cannot change: the run goes on from the checkpoint's random state (a typed seed would only be
+# written into the stored config), and once the prototypes are seeded (step >= init_steps) SEED_KEYS too
+FIXED_ON_RESUME = ("seed",)
+
+
 def resume_note(saved: dict, cfg: Config, step: int) -> Optional[str]:
     """The line a resumed run logs when it cannot equal an uninterrupted one: nothing left to train, or settings
     changed since the checkpoint (the usual case: a smaller --max-iters first, then --resume with a larger one,
@@ -1223,6 +1228,13 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     if bad:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
         raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
+    fixed_keys = FIXED_ON_RESUME + SEED_KEYS * (ck["step"] >= saved.get("init_steps", 0))
+    fixed = [k for k in fixed_keys if cfg.resume and k in explicit and getattr(cfg, k) != saved.get(k)]
+    if fixed:
+        diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in fixed)
+        raise RunError(f"{path} was trained with {diff}, which --resume cannot change (it continues from the "
+                       "checkpoint's random state and prototypes); drop those flags, or train afresh in another "
+                       "--out-dir")
     taken = {k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and k not in explicit}
     merged = replace(cfg, **taken)
     from common import stored_config_error

@@ -408,6 +408,9 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     torch.save(ck, tmp_path / "ckpt-clvq-l1-h2.pt")
     rc, err = call_main(cv.main, ["--no-train", *named], capsys, monkeypatch)
     assert rc == 1 and err.count("\n") == 1 and "holds non-finite weights" in err
+    # the codebook was initialised at step 0 and the run goes on from the checkpoint's random state
+    rc, err = call_main(cv.main, ["--resume", "--max-iters", "12", "--init-seed", "3", *named], capsys, monkeypatch)
+    assert rc == 1 and err.count("\n") == 1 and "was trained with init_seed=42 (asked 3), which --resume cannot" in err
     for field, value in [("step", "nine"), ("history", {}), ("schedule", {"scale": 1.0}), ("best", {"x": 1})]:
         torch.save({**ck, field: value}, tmp_path / "ckpt-clvq-l1-h2.pt")  # each once a traceback in train()
         rc, err = call_main(cv.main, ["--resume", "--max-iters", "12", *named], capsys, monkeypatch)

@@ -319,6 +319,38 @@ def test_damaged_checkpoints_are_one_line_errors(name, tmp_path, cache_dir):
                   dict(ddp=False, rank=0, local_rank=0, world=1), log=lambda *a: None, ck=ck)
 
 
+@pytest.mark.parametrize("name", list(TINY_LM))
+def test_resume_refuses_a_seed_it_cannot_apply(name, tmp_path, cache_dir):
+    """--resume goes on from the checkpoint's random state: a --seed typed with it would change nothing but the
+    stored config, which would then no longer describe the run. One line instead; the same seed typed is fine, and
+    --no-train may take any seed (it seeds the analyses). PRISM's prototype seeding (--init, --init-steps) is fixed
+    likewise once it has happened, and only noted before."""
+    import importlib
+
+    import torch
+
+    mod = importlib.import_module(name)
+    data = common.load_data(cache_dir=cache_dir)
+    cfg = mod.Config(**TINY_LM[name], kernels="torch", out_dir=str(tmp_path), max_iters=2)
+    model = mod.build_model(cfg, data.vocab_size, torch.device("cpu"))
+    path = tmp_path / "ckpt.pt"
+    mod.save_checkpoint(path, model, mod.make_optimizer(model, cfg, "cpu"), cfg, 1, 9.0, data.rng_state(), data,
+                        {k: [] for k in mod.HISTORY_KEYS})
+    resume = replace(cfg, resume=True)
+    with pytest.raises(mod.RunError, match=r"ckpt.pt was trained with seed=1337 \(asked 5\), which --resume cannot "
+                                           r"change \(it continues from the checkpoint's random state"):
+        mod.load_checkpoint(path, replace(resume, seed=5), explicit=("seed",))
+    mod.load_checkpoint(path, resume, explicit=("seed",))                         # the checkpoint's own seed
+    mod.load_checkpoint(path, replace(cfg, train=False, seed=5), explicit=("seed",))  # analyses only
+    if name == "prism":
+        moved = replace(resume, init="random")
+        assert mod.load_checkpoint(path, moved, explicit=("init",))[1].init == "random"  # step 1 < init_steps 200
+        ck = torch.load(path, weights_only=True)
+        torch.save({**ck, "step": cfg.init_steps}, tmp_path / "seeded.pt")
+        with pytest.raises(mod.RunError, match=r"seeded.pt was trained with init='kmeans\+\+' \(asked 'random'\)"):
+            mod.load_checkpoint(tmp_path / "seeded.pt", moved, explicit=("init",))
+
+
 # The section banners every script has, in this order (a script may add its own between them: clvq_vae's Data)
 SECTIONS = ("Config", "Core op:", "Model", "Training", "Analyses", "main")
 SHARED_FLAGS = ("dataset", "cache_dir", "d_model", "dropout", "batch_size", "lr", "min_lr_ratio", "warmup_frac",
