@@ -264,12 +264,8 @@ TINY_LM = {"protot": dict(layers=1, d_model=16, n_protos=4, heads=2, ctx=16),
            "dual_stream": dict(layers=1, d_model=16, heads=2, ctx=16)}
 
 
-@pytest.mark.parametrize("name", list(TINY_LM))
-def test_damaged_checkpoints_are_one_line_errors(name, tmp_path, cache_dir):
-    """A checkpoint that reads but is damaged (NaN weights, a missing key, a stored value of the wrong type or one
-    no flag accepts, an RNG state that cannot be restored) is a RunError naming the file, never a traceback deep
-    in the model or a run of NaN figures."""
-    import contextlib
+def tiny_lm_checkpoint(name, tmp_path, cache_dir):
+    """-> (module, data, config, path): a freshly initialised tiny model of `name` saved at step 1."""
     import importlib
 
     import torch
@@ -281,6 +277,19 @@ def test_damaged_checkpoints_are_one_line_errors(name, tmp_path, cache_dir):
     path = tmp_path / "ckpt.pt"
     mod.save_checkpoint(path, model, mod.make_optimizer(model, cfg, "cpu"), cfg, 1, 9.0, data.rng_state(), data,
                         {k: [] for k in mod.HISTORY_KEYS})
+    return mod, data, cfg, path
+
+
+@pytest.mark.parametrize("name", list(TINY_LM))
+def test_damaged_checkpoints_are_one_line_errors(name, tmp_path, cache_dir):
+    """A checkpoint that reads but is damaged (NaN weights, a missing key, a stored value of the wrong type or one
+    no flag accepts, an RNG state that cannot be restored) is a RunError naming the file, never a traceback deep
+    in the model or a run of NaN figures."""
+    import contextlib
+
+    import torch
+
+    mod, data, cfg, path = tiny_lm_checkpoint(name, tmp_path, cache_dir)
     ck, c = mod.load_checkpoint(path, cfg)
     mod.load_model(ck, c, data, torch.device("cpu"), path)  # the intact file loads
 
@@ -325,17 +334,9 @@ def test_resume_refuses_a_seed_it_cannot_apply(name, tmp_path, cache_dir):
     stored config, which would then no longer describe the run. One line instead; the same seed typed is fine, and
     --no-train may take any seed (it seeds the analyses). PRISM's prototype seeding (--init, --init-steps) is fixed
     likewise once it has happened, and only noted before."""
-    import importlib
-
     import torch
 
-    mod = importlib.import_module(name)
-    data = common.load_data(cache_dir=cache_dir)
-    cfg = mod.Config(**TINY_LM[name], kernels="torch", out_dir=str(tmp_path), max_iters=2)
-    model = mod.build_model(cfg, data.vocab_size, torch.device("cpu"))
-    path = tmp_path / "ckpt.pt"
-    mod.save_checkpoint(path, model, mod.make_optimizer(model, cfg, "cpu"), cfg, 1, 9.0, data.rng_state(), data,
-                        {k: [] for k in mod.HISTORY_KEYS})
+    mod, data, cfg, path = tiny_lm_checkpoint(name, tmp_path, cache_dir)
     resume = replace(cfg, resume=True)
     with pytest.raises(mod.RunError, match=r"ckpt.pt was trained with seed=1337 \(asked 5\), which --resume cannot "
                                            r"change \(it continues from the checkpoint's random state"):
