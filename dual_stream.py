@@ -2309,10 +2309,14 @@ def validate(cfg: Config, explicit=()) -> None:
 
 
 def unused_flags(cfg: Config, explicit) -> list[str]:
-    """Typed analysis flags that this invocation does not use, each with why: notes for the log. A flag left in a
-    command whose analysis is off does no harm, but it should not pass unseen."""
+    """Typed flags that this invocation does not use (an analysis that is off, a model setting this architecture
+    lacks), each with why: notes for the log. Such a flag does no harm, but it should not pass unseen."""
     amplify = bool(parse_alphas(cfg.amplify))
-    why = {"ablate_at": (cfg.ablation and (cfg.mode != "single" or cfg.sweep),  # a --head-sweep keeps the mode
+    models = configurations(cfg).values()  # a sweep uses a setting if any of its models does (NAME_KEYS' rule)
+    shapes = {"v_source": "--mode single reads V from CLN_1(x)", "kron_out_init": "no Kronecker output mixing",
+              "fts_cln_at_init": "it applies to --mode fts only"}
+    why = {**{k: (any(NAME_KEYS[k](c) for c in models), msg) for k, msg in shapes.items()},
+           "ablate_at": (cfg.ablation and (cfg.mode != "single" or cfg.sweep),  # a --head-sweep keeps the mode
                          "stream ablation is off, or --mode single has one stream and nothing to remove"),
            "analysis_windows": (amplify or cfg.ablation, "it sizes amplification and stream ablation, and both are off"),
            "sample_tokens": (cfg.train or cfg.sample is not None or amplify, "no samples: a --no-train run samples "

@@ -3190,8 +3190,8 @@ def attribution_runs(cfg: Config) -> bool:
 
 
 def unused_flags(cfg: Config, explicit) -> list[str]:
-    """Typed analysis flags that this invocation does not use, each with why: notes for the log. A flag left in a
-    command whose analysis is off does no harm, but it should not pass unseen."""
+    """Typed flags that this invocation does not use (an analysis that is off, a prototype setting of the dense
+    head), each with why: notes for the log. Such a flag does no harm, but it should not pass unseen."""
     prism = cfg.head == "prism"
     attribution = (attribution_runs(cfg), "attribution is off: --no-attribution, or --head dense")
     suppression = prism and bool(cfg.suppress or cfg.suppress_keywords)
@@ -3206,6 +3206,8 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
            "card_windows": (prism and bool(cfg.cards or cfg.suppress_keywords), "no cards are built: --no-cards and "
                             "no --suppress-keywords, or --head dense"),
            "twin": (prism, "--head dense trains the twin alone"),
+           **{k: (prism, "--head dense has no prototypes") for k in ("n_protos", "topk", "act", "resid_grad", "lambda_rec",
+              "lambda_r1", "lambda_r2", "rec", "dist", "r1_detach_z", "init", "init_steps", "revive_dead", "push_interval")},
            "sample_tokens": (cfg.train or cfg.sample is not None or suppression, "no samples: a --no-train run "
                              "samples only with --sample, or in suppression's generations")}
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()

@@ -1196,6 +1196,12 @@ def test_unused_flags_are_noted():
     assert notes({"alibi_alpha"}) == ["note: --alibi-alpha"]  # RoPE: no bias to scale
     assert notes({"alibi_alpha"}, pos="alibi") == []
     assert notes({"alibi_alpha"}, pos="alibi", amplify="") == ["note: --alibi-alpha"]  # α = 1 only: both agree
+    # model settings this architecture lacks (NAME_KEYS' rule): noted; a sweep with a model that has them: not
+    shape = {"v_source", "kron_out_init", "fts_cln_at_init"}
+    assert notes(shape, mode="single") == ["note: --v-source", "note: --fts-cln-at-init"]  # Kronecker by default
+    assert notes(shape, mode="fts", mixing="kronecker") == []
+    assert notes(shape, mode="single", sweep=True) == []
+    assert notes(shape, mixing="identity") == ["note: --kron-out-init", "note: --fts-cln-at-init"]
 
 
 def test_alibi_takes_odd_heads():

@@ -797,6 +797,11 @@ def test_unused_flags_are_noted():
         ["note: --controller-l1", "note: --card-windows"]
     assert notes({"card_windows"}, cards=False) == []  # the auto keyword reads the cards
     assert notes({"twin", "attr_seqs"}, head="dense") == ["note: --attr-seqs", "note: --twin"]
+    # the dense head has no prototypes: their settings are noted, not dropped unseen; --no-revive-dead says nothing
+    assert notes({"n_protos", "topk", "lambda_rec", "init", "push_interval", "revive_dead"}, head="dense",
+                 push_interval=2, revive_dead=True) == ["note: --n-protos", "note: --topk", "note: --lambda-rec",
+                                                        "note: --init", "note: --revive-dead", "note: --push-interval"]
+    assert notes({"revive_dead"}, head="dense") == [] and notes({"n_protos", "init"}) == []
     # a --no-train run generates for suppression (the auto keyword by default) with --sample-tokens
     assert notes({"sample_tokens"}, train=False) == []
     assert notes({"sample_tokens"}, train=False, suppress_keywords="") == ["note: --sample-tokens"]
