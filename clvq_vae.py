@@ -1217,6 +1217,8 @@ def load_source_model(name: str = DEFAULT_MODEL, device="cpu", causal_lm: bool =
     folder = _packaged_folder(name)
     where = str(folder) if folder is not None else os.path.expanduser(name)
     local = folder is not None or os.path.isdir(where)
+    if not local and os.path.exists(where):
+        raise DataError(f"--model {name} is a file; it takes a model folder (what save_pretrained writes) or a hub id")
     if not local and (where.startswith((".", "/", "~")) or where.count("/") > 1 or os.sep != "/" and os.sep in where):
         raise DataError(f"model folder {name} does not exist")  # a path, not a hub id ('org/name')
     kw = {}

@@ -674,6 +674,10 @@ def main(argv=None) -> int:
     parser.add_argument("--bench-json", metavar="PATH", help="run the benchmark and also write its rows as JSON")
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")  # one line, exit 2
     args = parser.parse_args(argv)
+    if args.bench_json:  # checked before the benchmark, not after minutes of it
+        folder = os.path.dirname(os.path.abspath(args.bench_json))
+        if os.path.isdir(args.bench_json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.exit(1, f"{parser.prog}: error: --bench-json {args.bench_json}: cannot write there\n")
     if args.bench or args.bench_json:
         bench(args.bench_json)
     else:

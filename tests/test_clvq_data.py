@@ -229,6 +229,9 @@ def test_offline_hub_name_fails_with_one_line(tmp_path, monkeypatch):
     assert "\n" not in msg and "offline" in msg and C.DEFAULT_MODEL in msg
     with pytest.raises(DataError, match="does not exist"):
         C.load_source_model(str(tmp_path / "no-such-model"))
+    (tmp_path / "weights.txt").write_text("not a model")  # a file, which was reported as missing
+    with pytest.raises(DataError, match=r"--model .*weights.txt is a file; it takes a model folder"):
+        C.load_source_model(str(tmp_path / "weights.txt"))
 
 
 def test_passages_are_balanced_bounded_and_seeded():

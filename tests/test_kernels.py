@@ -425,6 +425,19 @@ def test_bench_without_gpu_says_so_and_exits_0(capsys):
         "kernels.py --bench needs a CUDA GPU; none is available here, so there is nothing to measure."]
 
 
+def test_bench_json_that_cannot_be_written_fails_before_the_benchmark(capsys, monkeypatch, tmp_path):
+    """On a GPU the benchmark takes minutes: a --bench-json path that cannot be written is refused first, in one line
+    (it was a traceback after the whole run). bench() must not start; the GPU check is faked to reach that point."""
+    monkeypatch.setattr(kernels, "bench", lambda path: pytest.fail("the benchmark started"))
+    for bad in (tmp_path / "missing" / "x.json", tmp_path):
+        with pytest.raises(SystemExit) as e:
+            kernels.main(["--bench", "--bench-json", str(bad)])
+        assert e.value.code == 1 and capsys.readouterr().err == f"kernels.py: error: --bench-json {bad}: cannot write there\n"
+    ran = []
+    monkeypatch.setattr(kernels, "bench", ran.append)
+    assert kernels.main(["--bench-json", str(tmp_path / "ok.json")]) == 0 and ran == [str(tmp_path / "ok.json")]
+
+
 def test_unknown_flag_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as e:
         kernels.main(["--benchh"])
