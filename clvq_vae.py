@@ -3504,7 +3504,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
     img = '<img src="data:image/png;base64,{}">'.format
     preset, device = results.get("preset", ""), results.get("device", "")
     config = asdict(cfg)
-    for k, used in (("preset", preset), ("device", device)):  # what was asked, and what the run resolved it to
+    for k, used in (("preset", preset), ("device", device), ("dtype", results.get("dtype", ""))):  # asked → used
         if used and str(config[k]) != used:
             config[k] = f"{config[k]} → {used}"
     parts = [f"<h1>CLVQ-VAE report</h1><p>{html.escape(time.strftime('%Y-%m-%d %H:%M'))}, preset "
@@ -3726,7 +3726,7 @@ def run(cfg: Config, explicit) -> int:
 
     preset = apply_preset(cfg, explicit)
     validate(cfg, explicit)
-    device, _, dist_info = setup_device(cfg)
+    device, decoder_dt, dist_info = setup_device(cfg)
     if cfg.kernels == "triton" and not HAS_TRITON:
         raise RunError(f"--kernels triton needs the triton package, which failed to import ({TRITON_ERROR})")
     if cfg.kernels == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -3773,7 +3773,8 @@ def run(cfg: Config, explicit) -> int:
     if rank != 0:
         return 0
     histories = {variant_name(cfg): model.history}
-    results = {"preset": preset, "device": str(device), "variant": variant_name(cfg)}
+    results = {"preset": preset, "device": str(device), "variant": variant_name(cfg),
+               "dtype": "bfloat16 (decoder)" if decoder_dt is not None else "float32"}
     ev = results["eval"] = {variant_name(cfg): evaluate(model, dev_acts, cfg, device)}
     log(f"{variant_name(cfg)} on the dev set: "
         + eval_line(cfg.max_iters, ev[variant_name(cfg)], cfg.codebook_size, "dev").split(": ", 1)[1])

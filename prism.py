@@ -2985,7 +2985,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
     preset, device = (resolved(getattr(cfg, k), results.get(k, "")) for k in ("preset", "device"))
     parts = [f"<h1>PRISM report</h1><p>{html.escape(time.strftime('%Y-%m-%d %H:%M'))}, preset "
              f"{html.escape(preset)}, device {html.escape(device)}</p>",
-             "<h2>Configuration</h2>" + table_html([{**asdict(cfg), "preset": preset, "device": device}],
+             "<h2>Configuration</h2>" + table_html([{**asdict(cfg), "preset": preset, "device": device,
+                                                    "dtype": resolved(cfg.dtype, results.get("dtype", ""))}],
                                                    list(asdict(cfg)))]
     if histories:
         parts.append(f'<h2>Training</h2><img src="data:image/png;base64,{loss_figure(histories)}">')
@@ -3350,7 +3351,8 @@ def run(cfg: Config, explicit) -> int:
     if rank != 0:
         data = get_data()
     data.check_ctx(cfg.ctx)  # before any step: a window longer than a split cannot be drawn from it
-    results = {"preset": preset, "device": str(device)}
+    results = {"preset": preset, "device": str(device),
+               "dtype": "bfloat16" if isinstance(autocast, torch.autocast) else "float32"}
     histories, models, recipes = {}, {}, {}  # recipes: what each model was trained with, for the final gap
     start_rng = data.rng_state()
     for h in heads:  # the dense twin first, so PRISM's evaluations can print the gap to it

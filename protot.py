@@ -2148,7 +2148,7 @@ def table_html(rows: list[dict], cols: list[str]) -> str:
 
 def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, stem: str = "report") -> Path:
     shown = asdict(cfg)
-    for key in ("preset", "device"):  # the flag as typed and what the run made of it: "auto → cpu"
+    for key in ("preset", "device", "dtype"):  # the flag as typed and what the run made of it: "auto → cpu"
         if results.get(key) and results[key] != shown[key]:
             shown[key] = f"{shown[key]} → {results[key]}"
     parts = [f"<h1>ProtoT report</h1><p>{html.escape(time.strftime('%Y-%m-%d %H:%M'))}, preset "
@@ -2442,7 +2442,8 @@ def run(cfg: Config, explicit) -> int:
         for word in [cfg.target] * bool(cfg.intervene or auto_typed) + [cfg.find_prototype] * (cfg.find_prototype not in
                                                                                                ("auto", "off")):
             prompt_batch(data.tokenizer, load_prompts(cfg, data, word), word, "cpu")
-    results = {"preset": preset, "device": str(device)}
+    results = {"preset": preset, "device": str(device),
+               "dtype": "bfloat16" if isinstance(autocast, torch.autocast) else "float32"}
     histories, models, budgets = {}, {}, {}  # budgets: what each model was trained on, for --compare's ratio
     for mixer in mixers:
         c = replace(cfg, mixer=mixer)

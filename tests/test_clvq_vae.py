@@ -359,6 +359,7 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     assert "vq-l1-h1 on the dev set: dev loss" in log and "unused on dev," in log  # the baseline's, beside the model's
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["fidelity"][0]["ablated"] == 0.1 and "cards_html" not in res and res["variant"] == "clvq-l1-h2"
+    assert (res["device"], res["dtype"]) == ("cpu", "float32")  # what auto resolved to
     assert list(res["eval"]) == ["clvq-l1-h2", "vq-l1-h1"] and res["eval"]["vq-l1-h1"]["rows"] > 0
     report = (tmp_path / "report.html").read_text()
     assert "<p>CARDS</p>" in report and "Concept-ablation fidelity" in report and "data:image/png;base64" in report

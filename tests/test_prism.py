@@ -549,6 +549,7 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
         assert (tmp_path / f).is_file(), f
     res = json.loads((tmp_path / "results.json").read_text())
     assert set(res["ppl"]) == {"dense", "prism"} and "gap" in res
+    assert (res["preset"], res["device"], res["dtype"]) == ("cpu", "cpu", "float32")  # what auto resolved to
     assert res["decomposition"]["max_abs_error"] < 1e-3
     assert [r["method"] for r in res["attribution"]["table"]][:2] == ["PRISM cached (block)", "prototype-space exact"]
     assert len(res["controller"]["table"]) == 2

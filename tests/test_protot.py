@@ -368,6 +368,7 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
         assert (tmp_path / f).is_file(), f
     res = json.loads((tmp_path / "results.json").read_text())
     assert len(res["labels"]["cards"]) == 2 * 32 and res["ppl"]["proto"]["tokens"] == 10_000 - 1  # all of val
+    assert (res["preset"], res["device"], res["dtype"]) == ("cpu", "cpu", "float32")  # what auto resolved to
     lag = res["labels"]["gate_lag"]  # layer 0 reads with its write gate: only layer 1 has a lag to measure
     assert [g["layer"] for g in lag] == [1] and lag[0]["lags"] == [-2, -1, 0, 1, 2] and lag[0]["prototypes"] == 32
     assert "gate lag, layer 1: mean corr(ρ_t, w_t+ℓ) ℓ=-2 " in out and "Read-write gate lag" in (tmp_path / "report.html").read_text()
