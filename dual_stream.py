@@ -266,6 +266,8 @@ class Config:
     sample: Optional[str] = field(default=None, metadata={"help": "generate from this prompt"})
     sample_tokens: int = field(default=100, metadata={
         "help": f"tokens per sample (the amplification's greedy samples: at most {AMP_SAMPLE_TOKENS})"})
+    temperature: float = field(default=0.8, metadata={"help": "sampling temperature (0: greedy)"})
+    top_k: int = field(default=40, metadata={"help": "sample among the k most likely tokens (0: off)"})
     bench: bool = field(default=False, metadata={"help": "benchmarks only (training tok/s per mixing, attention kernel)"})
     report: bool = field(default=True, metadata={"help": "write out_dir/report.html"})
 
@@ -284,7 +286,8 @@ ARCH_KEYS = ("mode", "mixing", "ffn_mixing", *POINT_KEYS, "v_source", "norm", "c
              "heads", "d_model", "pos", "dataset", "tokenizer", "compact", "max_tokens")
 RUNTIME_KEYS = ("mode", "mixing", "ffn_mixing", *POINT_KEYS, "preset", "device", "dtype", "compile", "kernels",
                 "out_dir", "cache_dir", "resume", "train", "sweep", "head_sweep", "bench", "report", "sample",
-                "amplify", "ablation", "ablate_at", "specialization", "analysis_windows", "sample_tokens")
+                "amplify", "ablation", "ablate_at", "specialization", "analysis_windows", "sample_tokens",
+                "temperature", "top_k")
 MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS)
 
 
@@ -1963,10 +1966,10 @@ def head_specialization(model: DualStream, data, device) -> dict:
             "coreference_gap": coreference_gap(model, data.tokenizer, device)}
 
 
-def sample_text(model, tok, prompt: str, n: int, device, seed: int) -> str:
+def sample_text(model, tok, prompt: str, n: int, device, seed: int, temperature: float = 0.8, top_k: int = 40) -> str:
     ids = tok.encode(prompt.replace("\\n", "\n").replace("\\t", "\t")) or [tok.eot]  # "\n" typed in a shell
     g = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(torch.tensor([ids], device=device), n, generator=g)
+    out = model.generate(torch.tensor([ids], device=device), n, temperature, top_k, generator=g)
     return tok.decode(out[0].tolist())
 
 
@@ -2281,6 +2284,8 @@ def validate(cfg: Config, explicit=()) -> None:
               (cfg.weight_decay >= 0, "--weight-decay must be >= 0"), (cfg.grad_clip >= 0, "--grad-clip must be >= 0"),
               (cfg.analysis_windows >= 1, "--analysis-windows must be >= 1"),
               (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"),
+              (cfg.temperature >= 0, "--temperature must be >= 0 (0: greedy)"),
+              (cfg.top_k >= 0, "--top-k must be >= 0 (0: off)"),
               (cfg.train or not cfg.resume, "--resume continues training and --no-train trains nothing; give one"),
               # a standard LayerNorm has one group: a gain per head would be silently a gain per element
               (cfg.norm == "cln" or cfg.cln_gain == "element", "--cln-gain head needs --norm cln (a LayerNorm has no "
@@ -2321,6 +2326,8 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
            "analysis_windows": (amplify or cfg.ablation, "it sizes amplification and stream ablation, and both are off"),
            "sample_tokens": (cfg.train or cfg.sample is not None or amplify, "no samples: a --no-train run samples "
                              "only with --sample, or in amplification's greedy texts"),
+           **{k: (cfg.train or cfg.sample is not None, "no samples: a --no-train run samples only with --sample "
+                  "(amplification's texts are greedy)") for k in ("temperature", "top_k")},
            "alibi_alpha": (cfg.pos == "alibi" and amplify, "it sets how amplification scales ALiBi's bias: it needs "
                            "--pos alibi and --amplify (training runs at α = 1, where both readings agree)")}
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
@@ -2556,7 +2563,8 @@ def run(cfg: Config, explicit) -> int:
         results["samples"] = {}
         for name, m in models.items():
             m.eval()
-            results["samples"][name] = [sample_text(m, data.tokenizer, p, cfg.sample_tokens, device, cfg.seed)
+            results["samples"][name] = [sample_text(m, data.tokenizer, p, cfg.sample_tokens, device, cfg.seed,
+                                                       cfg.temperature, cfg.top_k)
                                         for p in prompts]
             for s in results["samples"][name]:
                 log(f"sample ({name}): " + s.replace("\n", "\n        "))

@@ -262,6 +262,8 @@ class Config:
     controller_l1: float = field(default=1e-3, metadata={"help": "L1 penalty on the controller gains"})
     sample: Optional[str] = field(default=None, metadata={"help": "generate from this prompt"})
     sample_tokens: int = field(default=100, metadata={"help": "tokens per sample"})
+    temperature: float = field(default=0.8, metadata={
+        "help": "sampling temperature of every generated text (samples, suppression, the decomposed text; top-k 40)"})
     bench: bool = field(default=False, metadata={"help": "benchmarks only (training tok/s vs dense, top-k kernel)"})
     report: bool = field(default=True, metadata={"help": "write out_dir/report.html"})
 
@@ -278,7 +280,7 @@ ARCH_KEYS = ("head", "layers", "d_model", "heads", "n_protos", "topk", "act", "r
 ANALYSIS_KEYS = ("cards", "card_windows", "attribution", "attr_seqs", "attr_queries", "attr_ctx", "attr_damping",
                  "attr_curvature", "attr_exact_curvature", "attr_s", "attr_fisher_samples", "ekfac",
                  "suppress_keywords", "suppress", "suppress_factor", "controller", "controller_l1", "sample",
-                 "sample_tokens")
+                 "sample_tokens", "temperature")
 RUNTIME_KEYS = ("head", "preset", "device", "dtype", "compile", "kernels", "out_dir", "cache_dir", "resume", "train",
                 "twin", "bench", "report") + ANALYSIS_KEYS
 MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS)
@@ -1677,7 +1679,7 @@ def suppression_generations(model: PRISM, data, cfg: Config, head_kw: dict, samp
         ids_p = torch.tensor([tok.encode(prompt)], device=data.device)
         for s in range(samples_per_prompt):
             g = torch.Generator(device=data.device).manual_seed(cfg.seed + 100 * p_i + s)
-            out = model.generate(ids_p, cfg.sample_tokens, generator=g, **head_kw)
+            out = model.generate(ids_p, cfg.sample_tokens, cfg.temperature, generator=g, **head_kw)
             texts.append(tok.decode(out[0, ids_p.shape[1]:].tolist()))
     return texts
 
@@ -2835,10 +2837,10 @@ def controller_experiment(model, dense, data, cfg, log) -> dict:
                     f"l1 {cfg.controller_l1}, {GAIN_STEPS} proximal-Adam steps (lr {GAIN_LR})"}
 
 
-def sample_text(model, tok, prompt: str, n: int, device, seed: int) -> str:
+def sample_text(model, tok, prompt: str, n: int, device, seed: int, temperature: float = 0.8) -> str:
     ids = tok.encode(prompt.replace("\\n", "\n").replace("\\t", "\t")) or [tok.eot]  # "\n" typed in a shell
     g = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(torch.tensor([ids], device=device), n, generator=g)
+    out = model.generate(torch.tensor([ids], device=device), n, temperature, generator=g)
     return tok.decode(out[0].tolist())
 
 
@@ -3158,6 +3160,7 @@ def validate(cfg: Config) -> None:
                                                 "them, -1 pushes away)"),
               (0 < cfg.attr_damping <= 1e6, "--attr-damping must be in (0, 1e6]"), (cfg.controller_l1 >= 0, "--controller-l1 must be >= 0"),
               (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"),
+              (cfg.temperature > 0, "--temperature must be > 0"),
               (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file")]
     for ok, msg in checks:
         if not ok:
@@ -3209,8 +3212,8 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
            "twin": (prism, "--head dense trains the twin alone"),
            **{k: (prism, "--head dense has no prototypes") for k in ("n_protos", "topk", "act", "resid_grad", "lambda_rec",
               "lambda_r1", "lambda_r2", "rec", "dist", "r1_detach_z", "init", "init_steps", "revive_dead", "push_interval")},
-           "sample_tokens": (cfg.train or cfg.sample is not None or suppression, "no samples: a --no-train run "
-                             "samples only with --sample, or in suppression's generations")}
+           **{k: (cfg.train or cfg.sample is not None or suppression, "no samples: a --no-train run samples only "
+                  "with --sample, or in suppression's generations") for k in ("sample_tokens", "temperature")}}
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
             if k in explicit and not used and getattr(cfg, k) is not False]  # --no-X of an idle analysis: nothing to say
 
@@ -3412,7 +3415,8 @@ def run(cfg: Config, explicit) -> int:
                 f"training tokens; {out_dir / (stem + '.html')}")
         if cfg.cards:
             prompt = torch.tensor([data.tokenizer.encode("KING:\nMy lords,")], device=device)
-            text = model.generate(prompt, 24, generator=torch.Generator(device=device).manual_seed(cfg.seed))
+            text = model.generate(prompt, 24, cfg.temperature,
+                                  generator=torch.Generator(device=device).manual_seed(cfg.seed))
             window = text[:, -(cfg.ctx + 1):]  # positions < ctx; the prompt's first tokens may fall outside
             dec = logit_decomposition(model, window, data.tokenizer,
                                       prompt_len=max(0, prompt.shape[1] - (text.shape[1] - window.shape[1])))
@@ -3472,8 +3476,8 @@ def run(cfg: Config, explicit) -> int:
                 "differences come from the head")
         for h, m in models.items():
             m.eval()
-            results["samples"][h] = [sample_text(m, data.tokenizer, p, cfg.sample_tokens, device, cfg.seed)
-                                     for p in prompts]
+            results["samples"][h] = [sample_text(m, data.tokenizer, p, cfg.sample_tokens, device, cfg.seed,
+                                                 cfg.temperature) for p in prompts]
             for s in results["samples"][h]:
                 log(f"sample ({h}): " + s.replace("\n", "\n        "))
     tag = "results" if cfg.train else "analysis"  # an analysis-only run never overwrites the training run's report

@@ -934,9 +934,17 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert "without attention writes in every block (logits from x_t + x_e" in r.stdout
     assert "specialization" not in res or not res["specialization"]
     png = (tmp_path / f"kronecker-{name}.png").read_bytes()
+    asked, generate = [], ds.DualStream.generate  # the sampling flags reach the sampler
+
+    def spy(self, idx, new_tokens, temperature=0.8, top_k=40, generator=None):
+        asked.append((temperature, top_k))
+        return generate(self, idx, new_tokens, temperature, top_k, generator)
+    monkeypatch.setattr(ds.DualStream, "generate", spy)
     rc, err = call_main(ds.main, ["--no-train", *arch, "--amplify", "", "--no-ablation", "--analysis-windows", "4",
+                                  "--sample", "KING:", "--sample-tokens", "3", "--temperature", "0.5", "--top-k", "5",
                                   "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys, monkeypatch)
     assert rc == 0, err
+    assert asked == [(0.5, 5)]
     assert "note: --analysis-windows has no effect in this run" in "".join(
         p.read_text() for p in tmp_path.glob("log-*.txt"))  # typed, and nothing it sizes runs: said, not dropped
     assert (tmp_path / f"analysis-kronecker-{name}.png").is_file() and (tmp_path / f"kronecker-{name}.png").read_bytes() == png
@@ -1067,6 +1075,7 @@ def test_resume_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     (["--head-sweep", "--no-specialization"], 1, "--head-sweep compares the specialisation analyses"),
     (["--device", "meta"], 1, "--device meta: expected auto, cpu, cuda, cuda:N or mps"),  # torch.device takes it
     (["--seed", "99999999999999999999999"], 1, "--seed must be in [0, 2**32)"),
+    (["--temperature", "-1"], 1, "--temperature must be >= 0 (0: greedy)"), (["--top-k", "-1"], 1, "--top-k must be"),
     (["--out-dir", "/dev/null/x"], 1, "--out-dir /dev/null/x: cannot write there"),
     (["--ctx", "20000", *SMALL_CORPUS], 1, "--ctx 20000: the val split has 10,000 tokens, fewer than ctx + 1"),
 ])

@@ -357,6 +357,9 @@ SECTIONS = ("Config", "Core op:", "Model", "Training", "Analyses", "main")
 SHARED_FLAGS = ("dataset", "cache_dir", "d_model", "dropout", "batch_size", "lr", "min_lr_ratio", "warmup_frac",
                 "weight_decay", "grad_clip", "max_iters", "eval_interval", "log_interval", "seed", "device", "dtype",
                 "compile", "kernels", "out_dir", "resume", "train", "preset", "report", "bench")
+# ... and the language models' (clvq_vae.py generates no text): the same sampling words. prism.py has no sampling
+# --top-k: its --topk is the paper's k, the prototypes per token, and its sampler keeps top-k 40
+LM_FLAGS = ("tokenizer", "layers", "ctx", "sample", "sample_tokens", "temperature")
 
 
 def test_the_four_scripts_share_one_shape():
@@ -388,6 +391,9 @@ def test_the_four_scripts_share_one_shape():
             assert kernel < src.index(f"class {fn.__name__}(") < model, (name, fn.__name__)
         flags = {f.name for f in dataclasses.fields(mod.Config)}
         assert set(SHARED_FLAGS) <= flags, (name, set(SHARED_FLAGS) - flags)
+        assert name == "clvq_vae" or set(LM_FLAGS) <= flags, (name, set(LM_FLAGS) - flags)
+        assert ("top_k" in flags) == (name != "prism"), name
+        assert "damaged_fields" in vars(mod) and "FIXED_ON_RESUME" in vars(mod), name
         assert mod.log_line(3, 10, 2.5, 1e-3, 12.0, 4567.0, 0.25) == \
             "step 3/10 | loss 2.5000 | lr 1.00e-03 | 12.0 ms | 4.6k tok/s | mfu 25.0%"
         assert {"config", "model", "optimizer", "step", "history", "rng"} <= set(mod.CKPT_KEYS), name

@@ -572,9 +572,17 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
 
     # analyses on the saved checkpoints, without training; then a mismatched architecture
     cards = (tmp_path / "prototypes.json").read_text()
+    temperatures, generate = [], prism.PRISM.generate  # --temperature reaches the samples and suppression's texts
+
+    def spy(self, idx, new_tokens, temperature=0.8, top_k=40, generator=None, **head_kw):
+        temperatures.append(temperature)
+        return generate(self, idx, new_tokens, temperature, top_k, generator, **head_kw)
+    monkeypatch.setattr(prism.PRISM, "generate", spy)
     r = run_main(prism.main, ["--no-train", "--suppress", "0,1", "--no-attribution", "--no-controller",
+                              "--sample", "KING:", "--temperature", "0.5",
                               "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert len(temperatures) > 2 and set(temperatures) == {0.5}
     assert "suppression of 2 prototypes" in r.stdout and "auto keyword" not in r.stdout  # the ids typed, alone
     assert (tmp_path / "analysis-prototypes.html").is_file() and (tmp_path / "prototypes.json").read_text() == cards
     rc, err = call_main(prism.main, ["--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir",
@@ -682,6 +690,7 @@ def test_resume_checks_the_seeding_of_a_prism_that_starts_from_step_0(tmp_path, 
     (["--suppress-factor", "1e30"], 1, "--suppress-factor must be in [-100, 100]"),
     (["--device", "meta"], 1, "--device meta: expected auto, cpu, cuda, cuda:N or mps"),  # torch.device takes it
     (["--seed", "99999999999999999999999"], 1, "--seed must be in [0, 2**32)"),
+    (["--temperature", "0"], 1, "--temperature must be > 0"), (["--temperature", "inf"], 1, "must be a finite number"),
     (["--out-dir", "/dev/null/x"], 1, "--out-dir /dev/null/x: cannot write there"),
     (["--ctx", "20000", *SMALL_CORPUS], 1, "--ctx 20000: the val split has 10,000 tokens, fewer than ctx + 1"),
 ])
