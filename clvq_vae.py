@@ -3635,6 +3635,8 @@ def validate(cfg: Config, explicit=()) -> None:
                 (("genres", cfg.genres), ("baselines", cfg.baselines))],
               (len(set(genres)) == len(genres),
                f"--genres {cfg.genres}: each genre once (a genre named twice would be two classes of one genre)"),
+              (len(set(names(cfg.baselines))) == len(names(cfg.baselines)),
+               f"--baselines {cfg.baselines}: each baseline once (one named twice would be fitted twice)"),
               (cfg.train or not cfg.resume, "--resume continues training and --no-train trains nothing; give one"),
               (cfg.batch_size >= 1, "--batch-size must be >= 1"), (cfg.max_iters >= 1, "--max-iters must be >= 1"),
               (cfg.eval_interval >= 1 and cfg.log_interval >= 1, "intervals must be >= 1"),

@@ -1375,12 +1375,12 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         raise RunError(f"{path} is not a protot.py checkpoint")
     if missing:
         raise RunError(f"{path} is an incomplete checkpoint (no {', '.join(missing)}); delete it or retrain")
+    if saved.get("mixer") != cfg.mixer:  # a file renamed by hand: the name says one mixer, the contents another
+        raise RunError(f"{path} holds a --mixer {saved.get('mixer')} model, not {cfg.mixer}")
     damaged = damaged_fields(ck)
     if damaged:
         raise RunError(f"{path} is a damaged checkpoint ({', '.join(damaged)}: not what save_checkpoint writes); "
                        "delete it or retrain")
-    if saved.get("mixer") != cfg.mixer:  # a file renamed by hand: the name says one mixer, the contents another
-        raise RunError(f"{path} holds a --mixer {saved.get('mixer')} model, not {cfg.mixer}")
     bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k)]
     if bad:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)

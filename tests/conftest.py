@@ -176,10 +176,15 @@ def check_ddp_weights(a: dict, b: dict, lr: float, max_frac: float = 1e-4):
 
 
 def save_envelope(path, script: str, config: dict, history=None) -> None:
-    """A checkpoint file with every key a script's load_checkpoint asks for and no weights: enough for the checks
-    that read the stored config (a renamed file, a twin's recipe) before any model is built."""
+    """A checkpoint file with every key a script's load_checkpoint asks for, each of the kind it checks, and no
+    weights: enough for the checks that read the stored config (a renamed file, a twin's recipe) before any model
+    is built. `history` defaults to the script's empty one."""
+    import importlib
+
+    keys = importlib.import_module(script).HISTORY_KEYS
     torch.save({"format": "glassbox-checkpoint/1", "script": script, "model": {}, "optimizer": {}, "step": 5,
-                "best_val_loss": 6.0, "tokenizer": {}, "history": {} if history is None else history,
+                "best_val_loss": 6.0, "tokenizer": {"name": "cl100k", "compacted": False, "kept": torch.empty(0)},
+                "history": {k: [] for k in keys} if history is None else history,
                 "rng": {"torch": 0, "data": 0, "cuda": 0}, "config": config}, path)
 
 

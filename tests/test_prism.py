@@ -478,7 +478,7 @@ def test_gap_needs_a_twin_trained_with_the_same_recipe(tmp_path):
     """--no-twin reads the twin's history from its checkpoint; a twin of another recipe gives no gap (and says
     why) rather than a gap at equal step numbers between two different schedules."""
     cfg = prism.Config(out_dir=str(tmp_path), head="prism")
-    hist = {"step": [5], "val": [6.0]}
+    hist = {**{k: [] for k in prism.HISTORY_KEYS}, "step": [5], "val": [6.0]}
 
     def twin(**kw):
         save_envelope(tmp_path / "ckpt-dense.pt", "prism",
