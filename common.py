@@ -28,7 +28,8 @@ Corpora
   fineweb-edu   HuggingFaceFW/fineweb-edu, config sample-10BT, streamed; every 20th document goes to val (val's
                 budget is a twentieth of train's, so both passes read about as many records).
   PATH          a .txt file (one document), a folder of .txt files (one document each, sorted; every 10th to
-                val), or a .jsonl with a `text` field (every 10th line to val). A single .txt file is split
+                val), or a .jsonl with a `text` field (every 10th line to val), in UTF-8 (a file with NUL bytes,
+                binary or UTF-16, is refused). A single .txt file is split
                 90/10 by characters, at the line boundary nearest to 90% when one lies within 5% of the
                 text, else at 90% itself.
   The cache key holds each corpus' split rule (SPLIT_RULES, and the held-out plays), so a changed rule builds
@@ -216,13 +217,22 @@ def _local_files(path: Path) -> list[Path]:
     return [path]
 
 
+def _read_text(f: Path) -> str:
+    """A local text file as UTF-8 (a stray invalid byte becomes U+FFFD). NUL bytes mean it is no UTF-8 text at all
+    (a binary file, or UTF-16), which would train on garbage: refused."""
+    data = f.read_bytes()
+    if b"\x00" in data:
+        raise DataError(f"{f} holds NUL bytes: a binary file, or text not in UTF-8 (UTF-16?); convert it to UTF-8")
+    return data.decode("utf-8", errors="replace")
+
+
 def load_local(path: str | Path) -> list[Document]:
     path = Path(path)
     if not path.exists():
         raise DataError(f"dataset '{path}' is neither {'|'.join(DATASETS)} nor an existing path")
     files = _local_files(path)
     if path.is_dir():  # every 10th file to val (at least one file each when there are two or more)
-        docs = [Document(f.read_text(encoding="utf-8", errors="replace"), f.stem) for f in files]
+        docs = [Document(_read_text(f), f.stem) for f in files]
     elif path.suffix == ".jsonl":
         docs = []
         with open(path, encoding="utf-8", errors="replace") as fh:
@@ -237,7 +247,7 @@ def load_local(path: str | Path) -> list[Document]:
                     raise DataError(f"{path}:{i + 1}: 'text' is a {type(text).__name__}, not a string")
                 docs.append(Document(text, f"{path.stem}:{i + 1}"))
     else:  # one file: the last ~10% of its characters is val, cut at the nearest line boundary if one is near
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = _read_text(path)
         at = int(len(text) * 0.9)
         near = [c for c in (text.rfind("\n", 0, at) + 1, text.find("\n", at) + 1)
                 if 0 < c < len(text) and abs(c - at) <= 0.05 * len(text)]

@@ -413,6 +413,15 @@ def test_local_path_errors(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="expected a .txt file"):
         common.prepare(str(tmp_path / "x.csv"), cache_dir=tmp_path / "cache")
+    # a binary file, or UTF-16 text, named .txt: refused, not decoded into U+FFFD garbage and trained on
+    (tmp_path / "model.txt").write_bytes(bytes(range(256)) * 40)
+    (tmp_path / "utf16").mkdir()
+    (tmp_path / "utf16" / "a.txt").write_text("to be or not to be\n" * 50, encoding="utf-16")
+    (tmp_path / "utf16" / "b.txt").write_text("that is the question\n" * 50)
+    for bad, name in ((tmp_path / "model.txt", "model.txt"), (tmp_path / "utf16", "a.txt")):
+        with pytest.raises(DataError, match=rf"{name} holds NUL bytes: a binary file, or text not in UTF-8"):
+            common.prepare(str(bad), cache_dir=tmp_path / "cache")
+    assert not any((tmp_path / "cache").glob("*/meta.json"))
 
 
 # ---------------------------------------------------------------- hub corpora (simulated)
