@@ -2355,6 +2355,11 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
         raise RunError(f"the training split holds {M} window of --ctx {cfg.ctx} tokens; attribution needs 2 or more")
     xq, yq = val_queries(data, cfg.attr_queries, cfg.ctx, device)
     Q = len(xq)
+    for flag, asked, got, split in (("attr-seqs", cfg.attr_seqs, M, "training"),
+                                    ("attr-queries", cfg.attr_queries, Q, "val")):
+        if got < asked:  # a small corpus: said, not silently fewer
+            log(f"note: --{flag} {asked}: the {split} split holds {got} distinct windows of --ctx {cfg.ctx}; "
+                f"using {got}")
     rows, ranked = [], {}
 
     def overlaps(s, ref):

@@ -282,6 +282,31 @@ class SuppressionData:
                torch.stack([self.val[s + 1:s + ctx + 1] for s in starts]))
 
 
+def test_attribution_says_when_the_corpus_holds_fewer_windows_than_asked():
+    """--attr-seqs and --attr-queries larger than the splits hold are cut to what they hold, and the log says so
+    (the table would otherwise read as if every asked window was attributed)."""
+    import numpy as np
+
+    class AttrData(SuppressionData):
+        def __init__(self):
+            super().__init__()
+            g = np.random.default_rng(0)
+            self.split = {"train": g.integers(0, V, 5 * 8 + 1).astype(np.uint16),
+                          "val": g.integers(0, V, 3 * 8 + 1).astype(np.uint16)}
+
+        def tokens(self, split):
+            return self.split[split]
+    m = tiny_model().float()  # init random: the prototypes are live
+    lines = []
+    prism.run_attribution(m, AttrData(), dataclasses.replace(m.cfg, attr_seqs=100, attr_queries=50), lines.append)
+    assert [ln for ln in lines if ln.startswith("note:")] == [
+        "note: --attr-seqs 100: the training split holds 5 distinct windows of --ctx 8; using 5",
+        "note: --attr-queries 50: the val split holds 17 distinct windows of --ctx 8; using 17"]
+    lines.clear()
+    prism.run_attribution(m, AttrData(), dataclasses.replace(m.cfg, attr_seqs=5, attr_queries=4), lines.append)
+    assert not [ln for ln in lines if ln.startswith("note:")]
+
+
 def test_suppression_counts_how_often_the_suppressed_prototypes_fired():
     """An unchanged before/after must read as a no-op when the prototypes never fired (a zero row: cos 0, a = 0),
     and the count must be the (token, suppressed prototype) activations a > 0 of the val windows."""
