@@ -1002,7 +1002,7 @@ class DualStream(nn.Module):
             if temperature <= 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
-                logits = logits / temperature
+                logits = logits / max(temperature, 1e-6)  # a tiny temperature: near-greedy, not inf/NaN
                 if top_k:
                     kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))

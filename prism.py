@@ -1230,7 +1230,8 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     if bad:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
         raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
-    fixed_keys = FIXED_ON_RESUME + SEED_KEYS * (ck["step"] >= saved.get("init_steps", 0))
+    seeded = saved.get("head") == "prism" and ck["step"] >= saved.get("init_steps", 0)  # the twin has no prototypes
+    fixed_keys = FIXED_ON_RESUME + SEED_KEYS * seeded
     fixed = [k for k in fixed_keys if cfg.resume and k in explicit and getattr(cfg, k) != saved.get(k)]
     if fixed:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in fixed)
@@ -3217,8 +3218,11 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
            "twin": (prism, "--head dense trains the twin alone"),
            **{k: (prism, "--head dense has no prototypes") for k in ("n_protos", "topk", "act", "resid_grad", "lambda_rec",
               "lambda_r1", "lambda_r2", "rec", "dist", "r1_detach_z", "init", "init_steps", "revive_dead", "push_interval")},
-           **{k: (cfg.train or cfg.sample is not None or suppression, "no samples: a --no-train run samples only "
-                  "with --sample, or in suppression's generations") for k in ("sample_tokens", "temperature")}}
+           "sample_tokens": (cfg.train or cfg.sample is not None or suppression, "no samples: a --no-train run "
+                             "samples only with --sample, or in suppression's generations"),
+           "temperature": (cfg.train or cfg.sample is not None or suppression or prism and cfg.cards, "no text is "
+                           "generated: a --no-train run generates only with --sample, suppression or the cards' "
+                           "decomposed text")}
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
             if k in explicit and not used and getattr(cfg, k) is not False]  # --no-X of an idle analysis: nothing to say
 

@@ -1368,6 +1368,8 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         ok = isinstance(ck, dict) and ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "protot"
         if ok:
             saved = dict(ck["config"])
+            if saved.get("grad_clip") == math.inf:  # accepted before 2026-12-03, which refuses non-finite flags:
+                saved["grad_clip"] = 0.0            # clipping at inf multiplies by 1.0, the same steps as off (0)
             missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
     except Exception as e:  # truncated file, not a checkpoint, unpickling refused
         raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None

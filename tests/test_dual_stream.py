@@ -945,6 +945,9 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
                                   "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys, monkeypatch)
     assert rc == 0, err
     assert asked == [(0.5, 5)]
+    m = ds.DualStream(ds.Config(layers=1, d_model=24, heads=3, ctx=8), 50)  # a tiny temperature: near-greedy,
+    ids = torch.zeros(1, 2, dtype=torch.long)                                  # not an overflow to NaN
+    assert torch.equal(generate(m, ids, 4, 1e-40, 0, torch.Generator().manual_seed(0)), generate(m, ids, 4, 0))
     assert "note: --analysis-windows has no effect in this run" in "".join(
         p.read_text() for p in tmp_path.glob("log-*.txt"))  # typed, and nothing it sizes runs: said, not dropped
     assert (tmp_path / f"analysis-kronecker-{name}.png").is_file() and (tmp_path / f"kronecker-{name}.png").read_bytes() == png

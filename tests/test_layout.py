@@ -350,6 +350,13 @@ def test_resume_refuses_a_seed_it_cannot_apply(name, tmp_path, cache_dir):
         torch.save({**ck, "step": cfg.init_steps}, tmp_path / "seeded.pt")
         with pytest.raises(mod.RunError, match=r"seeded.pt was trained with init='kmeans\+\+' \(asked 'random'\)"):
             mod.load_checkpoint(tmp_path / "seeded.pt", moved, explicit=("init",))
+        # the dense twin has no prototypes: its step says nothing about seeding, so --init stays free beside it
+        torch.save({**ck, "step": cfg.init_steps, "config": {**ck["config"], "head": "dense"}}, tmp_path / "twin.pt")
+        mod.load_checkpoint(tmp_path / "twin.pt", replace(moved, head="dense"), explicit=("init",))
+    if name == "protot":  # --grad-clip inf was accepted before non-finite flags were refused: clipping at inf is off
+        ck = torch.load(path, weights_only=True)
+        torch.save({**ck, "config": {**ck["config"], "grad_clip": float("inf")}}, tmp_path / "inf.pt")
+        assert mod.load_checkpoint(tmp_path / "inf.pt", replace(cfg, train=False))[1].grad_clip == 0.0
 
 
 # The section banners every script has, in this order (a script may add its own between them: clvq_vae's Data)

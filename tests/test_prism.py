@@ -841,6 +841,9 @@ def test_unused_flags_are_noted():
     assert notes({"sample_tokens"}, train=False) == []
     assert notes({"sample_tokens"}, train=False, suppress_keywords="") == ["note: --sample-tokens"]
     assert notes({"sample_tokens"}, train=False, suppress_keywords="", sample="KING:") == []
+    # --temperature also samples the cards' decomposed text, which a --no-train run builds unless --no-cards
+    assert notes({"temperature"}, train=False, suppress_keywords="") == []
+    assert notes({"temperature"}, train=False, suppress_keywords="", cards=False) == ["note: --temperature"]
     # attribution runs under every gradient routing (full: along the prototype path, spec §2.3 A): no note
     assert notes({"attr_seqs"}, resid_grad="full") == []
     assert notes({"attr_seqs"}, resid_grad="detach-r") == []
