@@ -190,7 +190,9 @@ if TYPE_CHECKING:
 @dataclass
 class Config:
     # model (spec §1-§4; defaults are the latest official scripts for BERT/RoBERTa-base, 768-d, layers 8 -> 12)
-    d_model: int = field(default=768, metadata={"help": "LM hidden size d = code dimension (no down-projection, §2.1)"})
+    d_model: int = field(default=768, metadata={"help": "LM hidden size d = code dimension (no down-projection, §2.1); "
+                                                "a run takes it from the source model (typed, it must equal it); "
+                                                "768 is only Config()'s value, built in Python"})
     codebook_size: int = field(default=400, metadata={"help": "codebook entries K (concepts); 600 for LLaMA-2-7B (§2.1)"})
     top_k: int = field(default=5, metadata={"help": "training samples the code among the top_k nearest (§2.2)"})
     temperature: float = field(default=1.0, metadata={"help": "T of softmax(-d/T) over the top_k raw squared distances"})

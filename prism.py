@@ -27,9 +27,9 @@ Analyses (the default run does all of them and writes out/prism/report.html):
   * training-data attribution (§5.3): a cache of per-sequence prototype-space gradient summaries
     g_{m,i} = Σ_t a_{t,i} δ_t with an inverted index prototype -> sequences, block-diagonal curvature
     A_ii·S + λ (S of the true labels' δ, or of drawn targets' with --attr-s fisher); baselines: exact
-    prototype-space gradients with the damped true Fisher (targets sampled from the model;
-    --attr-exact-curvature empirical: the empirical Fisher) inverted exactly, dense gradient similarity, EK-FAC
-    through kronfluence (with --ekfac, when kronfluence is installed);
+    prototype-space gradients with the damped empirical Fisher of the true-label window gradients
+    (--attr-exact-curvature fisher: the true Fisher, from targets sampled from the model) inverted exactly, dense
+    gradient similarity, EK-FAC through kronfluence (with --ekfac, when kronfluence is installed);
   * suppression (§2.4, §6.3): drop keyword-matched prototypes' terms, keeping r from the unsuppressed ẑ;
   * a sparse linear controller over active prototypes vs the same controller over a top-k SAE on the twin (§6.3).
 
