@@ -2154,6 +2154,7 @@ def damaged_fields(ck: dict) -> list[str]:
           and isinstance(best.get("model"), dict)}
     return [k for k, good in ok.items() if not good]
 
+
 def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]:
     """Load with weights_only=True; the architecture and data settings come from the checkpoint, and one given on
     the command line that disagrees with it is an error (one line) rather than a silent mismatch."""
@@ -2188,7 +2189,8 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     if fixed:
         diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in fixed)
         raise RunError(f"{path} was trained with {diff}, which --resume cannot change (it continues from the "
-                       "checkpoint's random state and codebook); drop those flags, or train afresh in another --out-dir")
+                       "checkpoint's random state and codebook); drop those flags, or train afresh in another "
+                       "--out-dir")
     taken = {k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and k not in explicit}
     merged = replace(cfg, **taken)
     from common import stored_config_error

@@ -1289,7 +1289,7 @@ def damaged_fields(ck: dict) -> list[str]:
           "best_val_loss": type(ck["best_val_loss"]) in (int, float),
           "history": isinstance(hist, dict) and all(isinstance(hist.get(k), list) for k in HISTORY_KEYS),
           "tokenizer": isinstance(tok, dict) and isinstance(tok.get("name"), str)
-          and type(tok.get("compacted")) is bool and isinstance(tok.get("kept"), torch.Tensor),}
+          and type(tok.get("compacted")) is bool and isinstance(tok.get("kept"), torch.Tensor)}
     return [k for k, good in ok.items() if not good]
 
 

@@ -41,7 +41,8 @@ the row: with the running max m and running sum s = Σ exp(z − m) so far, a ti
 m_new = max(m, m'), s ← s · exp(m − m_new) + Σ_tile exp(z − m_new). Sweep 2 writes the gradient, already
 multiplied by 1/n_valid for reduction="mean", in the logits' dtype (fp16 logits: unscaled, since p/n_valid would
 fall below fp16's range before a loss scale could lift it; the backward applies 1/n_valid with grad_output). Rows
-whose target is `ignore_index` get loss 0 and gradient 0. The backward only rescales the stored gradient by the incoming grad_output, in place.
+whose target is `ignore_index` get loss 0 and gradient 0. The backward only rescales the stored gradient by the
+incoming grad_output, in place.
 So no fp32 copy of the logits ever exists and at most one [N, V] buffer (the gradient) comes on top of the
 logits; F.cross_entropy by contrast saves a log-softmax copy for backward and builds further [N, V]
 temporaries there. `inplace_grad=True` writes the gradient into the logits' own storage (as Liger-Kernel's

@@ -1198,7 +1198,7 @@ def damaged_fields(ck: dict) -> list[str]:
           "best_val_loss": type(ck["best_val_loss"]) in (int, float),
           "history": isinstance(hist, dict) and all(isinstance(hist.get(k), list) for k in HISTORY_KEYS),
           "tokenizer": isinstance(tok, dict) and isinstance(tok.get("name"), str)
-          and type(tok.get("compacted")) is bool and isinstance(tok.get("kept"), torch.Tensor),}
+          and type(tok.get("compacted")) is bool and isinstance(tok.get("kept"), torch.Tensor)}
     return [k for k, good in ok.items() if not good]
 
 
@@ -3216,8 +3216,9 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
            "card_windows": (prism and bool(cfg.cards or cfg.suppress_keywords), "no cards are built: --no-cards and "
                             "no --suppress-keywords, or --head dense"),
            "twin": (prism, "--head dense trains the twin alone"),
-           **{k: (prism, "--head dense has no prototypes") for k in ("n_protos", "topk", "act", "resid_grad", "lambda_rec",
-              "lambda_r1", "lambda_r2", "rec", "dist", "r1_detach_z", "init", "init_steps", "revive_dead", "push_interval")},
+           **{k: (prism, "--head dense has no prototypes") for k in (
+               "n_protos", "topk", "act", "resid_grad", "lambda_rec", "lambda_r1", "lambda_r2", "rec", "dist",
+               "r1_detach_z", "init", "init_steps", "revive_dead", "push_interval")},
            "sample_tokens": (cfg.train or cfg.sample is not None or suppression, "no samples: a --no-train run "
                              "samples only with --sample, or in suppression's generations"),
            "temperature": (cfg.train or cfg.sample is not None or suppression or prism and cfg.cards, "no text is "
