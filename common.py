@@ -504,6 +504,8 @@ def _corpus_spec(dataset: str, max_tokens: int | None) -> tuple[str, str]:
     if dataset in HUB and dataset in DATASETS:
         repo, config, _, _ = HUB[dataset]
         return dataset, f"hub:{repo}:{config}:max_tokens={max_tokens}"
+    if not dataset.strip():  # Path("") is the current folder: its .txt files would be read without being named
+        raise DataError(f"the dataset name is empty; name one of {'|'.join(DATASETS)} or a path")
     path = Path(dataset)
     if not path.exists():
         raise DataError(f"dataset '{dataset}' is neither {'|'.join(DATASETS)} nor an existing path")

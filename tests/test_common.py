@@ -404,9 +404,15 @@ def test_local_jsonl_errors(tmp_path, content, match):
         common.prepare(str(tmp_path / "data.jsonl"), "bytes", cache_dir=tmp_path / "cache")
 
 
-def test_local_path_errors(tmp_path):
+def test_local_path_errors(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="neither shakespeare|tinystories|fineweb-edu nor an existing path"):
         common.prepare(str(tmp_path / "missing"), cache_dir=tmp_path / "cache")
+    (tmp_path / "here").mkdir()  # an empty name is not the current folder, whatever .txt files it holds
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "here" / name).write_text("words " * 50)
+    monkeypatch.chdir(tmp_path / "here")
+    with pytest.raises(DataError, match="the dataset name is empty; name one of"):
+        common.prepare("", cache_dir=tmp_path / "cache")
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no .txt files"):
         common.prepare(str(tmp_path / "empty"), cache_dir=tmp_path / "cache")
