@@ -2181,13 +2181,16 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     if damaged:
         raise RunError(f"{path} is a damaged checkpoint ({', '.join(damaged)}: not what save_checkpoint writes); "
                        "delete it or retrain")
-    bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k)]
-    if bad:
-        diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
+
+    def typed_otherwise(keys) -> str:  # "k=stored (asked typed)" for each typed key that differs from the checkpoint
+        return ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in keys
+                         if k in explicit and getattr(cfg, k) != saved.get(k))
+
+    diff = typed_otherwise(ARCH_KEYS)
+    if diff:
         raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
-    fixed = [k for k in FIXED_ON_RESUME if cfg.resume and k in explicit and getattr(cfg, k) != saved.get(k)]
-    if fixed:
-        diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in fixed)
+    diff = typed_otherwise(FIXED_ON_RESUME) if cfg.resume else ""
+    if diff:
         raise RunError(f"{path} was trained with {diff}, which --resume cannot change (it continues from the "
                        "checkpoint's random state and codebook); drop those flags, or train afresh in another "
                        "--out-dir")

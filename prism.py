@@ -1226,15 +1226,17 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     if damaged:
         raise RunError(f"{path} is a damaged checkpoint ({', '.join(damaged)}: not what save_checkpoint writes); "
                        "delete it or retrain")
-    bad = [k for k in ARCH_KEYS if k in explicit and getattr(cfg, k) != saved.get(k)]
-    if bad:
-        diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in bad)
+
+    def typed_otherwise(keys) -> str:  # "k=stored (asked typed)" for each typed key that differs from the checkpoint
+        return ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in keys
+                         if k in explicit and getattr(cfg, k) != saved.get(k))
+
+    diff = typed_otherwise(ARCH_KEYS)
+    if diff:
         raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
     seeded = saved.get("head") == "prism" and ck["step"] >= saved.get("init_steps", 0)  # the twin has no prototypes
-    fixed_keys = FIXED_ON_RESUME + SEED_KEYS * seeded
-    fixed = [k for k in fixed_keys if cfg.resume and k in explicit and getattr(cfg, k) != saved.get(k)]
-    if fixed:
-        diff = ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in fixed)
+    diff = typed_otherwise(FIXED_ON_RESUME + SEED_KEYS * seeded) if cfg.resume else ""
+    if diff:
         raise RunError(f"{path} was trained with {diff}, which --resume cannot change (it continues from the "
                        "checkpoint's random state and prototypes); drop those flags, or train afresh in another "
                        "--out-dir")
