@@ -77,8 +77,8 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     sizes this file runs: its curvature has rank M·S, far below K·d, and the same reference built from other
     draws (--seed + 1; every fisher run logs this re-draw agreement) kept only 0.44/0.62 of its own
     top-10/top-100 at S = 1 and 0.31/0.57 at S = 4 on the CPU preset's checkpoint, no more than the cached
-    method shares with it (0.49/0.67, 0.45/0.63). The overlaps measure agreement with the chosen reference. The cache's S is spec §5.3's E[δδᵀ] of the
-    true-label δ (--attr-s empirical, the default); --attr-s fisher takes the δ̃ of targets drawn from the model
+    method shares with it (0.49/0.67, 0.45/0.63). The overlaps measure agreement with the chosen reference.
+    The cache's S is spec §5.3's E[δδᵀ] of the true-label δ (--attr-s empirical, the default); --attr-s fisher takes the δ̃ of targets drawn from the model
     instead, K-FAC's true-Fisher factor, with the exact fisher reference's draws (same --seed). On the CPU preset's
     checkpoint against the true-Fisher reference (2026-12-03) the two agree to a query or two: cached 0.49/0.67
     top-10/top-100 with the labels' S, 0.47/0.67 with the drawn one, the curvature alone 0.47/0.66 with either.

@@ -2293,7 +2293,7 @@ def validate(cfg: Config) -> None:
     for ok, msg in checks:
         if not ok:
             raise RunError(msg)
-    bad = [f.name for f in fields(cfg) if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
+    bad = [f.name for f in fields(cfg) if isinstance(v := getattr(cfg, f.name), float) and not math.isfinite(v)]
     if bad:  # --lr inf passes "> 0" and would train to a NaN loss
         raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number")
     if (cfg.intervene or cfg.find_prototype not in ("auto", "off")) and cfg.mixer != "proto" and not cfg.compare:
