@@ -124,7 +124,10 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     (r' = r - ((r - μ)·ê)ê, μ = the mean r of the scored sentences). MiniLM's [CLS] has a large shared mean, so
     the paper's projection of a random direction already moves every r far off the data and takes the probe to
     chance; the centred one removes only the variation along ê, so the random control says something.
-  * SAE baseline (§6.4): only the cross-layer SAE (l -> h); a single-layer SAE (l -> l, which a secondary note
+  * SAE baseline (§6.4): a top-k SAE (k = 32, no L1) by default; the official one is ReLU + 1e-4·L1, which
+    `--sae-k 0 --sae-l1 1e-4` trains. Top-k sets the sparsity directly, where an L1 weight tuned for RoBERTa's
+    layer 8 would give another sparsity on MiniLM's differently scaled activations.
+    Only the cross-layer SAE (l -> h); a single-layer SAE (l -> l, which a secondary note
     attributes to the paper's v4) is not offered. It trains on every training row, [CLS] (and the [SEP] rows the
     filter keeps) included, where the official SAE drops [CLS] ("no_cls"); kept so that every method sees the same
     rows (CLVQ-VAE keeps [CLS], §5.1).
@@ -294,7 +297,9 @@ class Config:
         "help": "k-means baseline: Lloyd iterations per restart (K = codebook_size, §10.10)"})
     kmeans_restarts: int = field(default=3, metadata={"help": "k-means baseline: restarts, the lowest objective kept"})
     sae_latents: int = field(default=4096, metadata={"help": "SAE baseline width (official: 4096)"})
-    sae_k: int = field(default=32, metadata={"help": "SAE baseline: latents kept per token (top-k)"})
+    sae_k: int = field(default=32, metadata={
+        "help": "SAE baseline: latents kept per token (top-k); 0 = every positive one, the official ReLU SAE "
+                "(with --sae-l1 1e-4)"})
     sae_l1: float = field(default=0.0, metadata={
         "help": "SAE baseline: L1 weight on the kept latents (official ReLU SAE: 1e-4)"})
     sae_steps: int = field(default=2000, metadata={"help": "SAE baseline: Adam steps (CPU preset: 500)"})
@@ -2494,7 +2499,8 @@ def fit(cfg: Config, train_acts: Activations, dev_acts: Activations, device, log
 #   k-means            Euclidean k-means on the training x_l rows, K = the codebook size (§6.4, §10.10); the
 #                      centroid c_k (the clustering baseline; the paper clusters agglomeratively, ConceptX-style)
 #   VQ-VAE (l = h)     the same model trained to reconstruct layer l itself (§5.2, §6.4); its e_k
-#   top-k SAE          Linear(d -> L) + ReLU, top-k kept, Linear(L -> d), trained l -> h (§6.4); a token's concept
+#   top-k SAE          Linear(d -> L) + ReLU, top-k kept (k = 0: all, the ReLU SAE), Linear(L -> d), trained
+#                      l -> h (§6.4); a token's concept
 #                      is its argmax latent, ablated as the span of its top-`sae_ablate_k` encoder rows (TMLR)
 #
 # Fidelity (§6.1): the "model" whose predicted class Integrated Gradients explains is the fine-tuned encoder and its
@@ -2575,39 +2581,43 @@ def kmeans_method(cfg, x_train: torch.Tensor, device, log=print) -> ConceptMetho
                                                      seeding=c.init_seeding), secs)
 
 
-class TopKTranscoderSAE(nn.Module):
+class TranscoderSAE(nn.Module):
     """The SAE baseline (§6.4): f = TopK_k(ReLU(W_enc x + b_enc)) (the k largest kept, the rest 0), ŷ = W_dec f +
     b_dec, trained from layer l to layer h. The official SAE is ReLU + L1 (Xavier init, encoder bias 0.1, kept
-    here); top-k fixes the sparsity without tuning an L1 weight (an L1 term stays available, sae_l1)."""
+    here): k = 0 is that form, f = ReLU(W_enc x + b_enc), with sae_l1 1e-4 its loss. The default top-k fixes the
+    sparsity without tuning an L1 weight on a corpus other than the paper's."""
 
     def __init__(self, d: int, n_latents: int, k: int):
         super().__init__()
-        self.k = k
+        self.k = k  # 0: no top-k, every positive latent kept
         self.enc, self.dec = nn.Linear(d, n_latents), nn.Linear(n_latents, d)
         nn.init.xavier_uniform_(self.enc.weight)
         nn.init.xavier_uniform_(self.dec.weight)
         nn.init.constant_(self.enc.bias, 0.1)
         nn.init.zeros_(self.dec.bias)
 
-    def encode(self, x):
-        """-> (f [N, L] with at most k non-zeros per row, the kept latents [N, k] in descending order)."""
+    def encode(self, x, top: Optional[int] = None):
+        """-> (f [N, L] with at most k non-zeros per row (k = 0: every positive one), the `top` most active latents
+        [N, top] in descending order; top defaults to k, or 1 when k = 0, and is at most k when k > 0)."""
         a = F.relu(self.enc(x))
+        if not self.k:
+            return a, a.topk(top or 1, dim=-1).indices
         v, i = a.topk(self.k, dim=-1)
-        return torch.zeros_like(a).scatter(-1, i, v), i
+        return torch.zeros_like(a).scatter(-1, i, v), i[:, :top]
 
     def forward(self, x):
         f, _ = self.encode(x)
         return self.dec(f), f
 
 
-def train_sae(cfg, x: torch.Tensor, y: torch.Tensor, device, log=print) -> tuple[TopKTranscoderSAE, dict]:
+def train_sae(cfg, x: torch.Tensor, y: torch.Tensor, device, log=print) -> tuple[TranscoderSAE, dict]:
     """Adam on MSE(ŷ, y) + sae_l1·mean|f|₁ over seeded minibatches of (x_l, x_h) rows. -> (sae, info).
     Every row the caller passes is used, [CLS] included (the official SAE drops it, "no_cls"; module docstring)."""
     t0 = time.time()
     g = torch.Generator().manual_seed(cfg.analysis_seed)
     torch.manual_seed(cfg.analysis_seed)
     L, k = cfg.sae_latents, min(cfg.sae_k, cfg.sae_latents)
-    sae = TopKTranscoderSAE(x.shape[1], L, k).to(device)
+    sae = TranscoderSAE(x.shape[1], L, k).to(device)
     opt = torch.optim.Adam(sae.parameters(), lr=cfg.sae_lr)
     B, l1, steps = min(cfg.sae_batch, len(x)), cfg.sae_l1, cfg.sae_steps
     x, y = x.to(device).float(), y.to(device).float()
@@ -2630,16 +2640,16 @@ def train_sae(cfg, x: torch.Tensor, y: torch.Tensor, device, log=print) -> tuple
     info = dict(latents=L, k=k, l1=l1, steps=steps, batch=B, lr=cfg.sae_lr, fvu=round(fvu, 4),
                 argmax_latents_used=int(used.sum()))
     secs = time.time() - t0
-    log(f"baseline SAE l->h: {L} latents, top-{k}, {steps} steps, FVU {fvu:.3f}, {info['argmax_latents_used']} "
+    log(f"baseline SAE l->h: {L} latents, {f'top-{k}' if k else 'ReLU'}, L1 {l1:g}, {steps} steps, FVU {fvu:.3f}, {info['argmax_latents_used']} "
         f"latents are some token's argmax, {secs:.1f}s")
     return sae, dict(info, seconds=secs)
 
 
-def sae_method(cfg, sae: TopKTranscoderSAE, device, info: dict) -> ConceptMethod:
+def sae_method(cfg, sae: TranscoderSAE, device, info: dict) -> ConceptMethod:
     """A token's concept is its argmax latent (§6.4). Ablation: `encoder-topk` (default, the TMLR revision) =
     the span of the encoder rows W_enc[j] of the token's sae_ablate_k most active latents (orthonormalised when
     projected); `decoder` (v1) = the argmax latent's decoder column alone."""
-    how, m = cfg.sae_ablation, min(cfg.sae_ablate_k, sae.k)
+    how, m = cfg.sae_ablation, min(cfg.sae_ablate_k, sae.k or cfg.sae_ablate_k)
     W_enc, W_dec = sae.enc.weight.detach().float().cpu(), sae.dec.weight.detach().float().T.cpu()  # [L, d] both
 
     def assign(x):
@@ -2650,10 +2660,10 @@ def sae_method(cfg, sae: TopKTranscoderSAE, device, info: dict) -> ConceptMethod
         if how == "decoder":
             return W_dec[ids][:, None, :]
         with torch.no_grad():
-            top = _chunked(lambda xb: sae.encode(xb.float())[1][:, :m], x, device)
+            top = _chunked(lambda xb: sae.encode(xb.float(), top=m)[1], x, device)
         return W_enc[top]
     settings = {k: v for k, v in info.items() if k != "seconds"}  # the time is the method's fit_seconds
-    return ConceptMethod("top-k SAE", sae.enc.out_features, assign, ablation,
+    return ConceptMethod("top-k SAE" if sae.k else "ReLU SAE", sae.enc.out_features, assign, ablation,
                          dict(settings, ablation=how, ablate_k=m if how != "decoder" else 1), info["seconds"])
 
 
@@ -3655,7 +3665,7 @@ def validate(cfg: Config, explicit=()) -> None:
               (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file"),
               # the analyses' options
               (cfg.kmeans_iters >= 1 and cfg.kmeans_restarts >= 1, "--kmeans-iters and --kmeans-restarts must be >= 1"),
-              (1 <= cfg.sae_k <= cfg.sae_latents, "--sae-k must be in [1, --sae-latents]"),
+              (0 <= cfg.sae_k <= cfg.sae_latents, "--sae-k must be in [0, --sae-latents] (0: the ReLU SAE)"),
               (1 <= cfg.sae_ablate_k <= cfg.sae_latents, "--sae-ablate-k must be in [1, --sae-latents]"),
               (cfg.sae_steps >= 1 and cfg.sae_batch >= 1 and cfg.sae_lr > 0 and cfg.sae_l1 >= 0,
                "--sae-steps, --sae-batch and --sae-lr must be > 0, --sae-l1 >= 0"),

@@ -57,6 +57,9 @@ offline corpus are fixed)
   * Initialisation: N(0, 0.02) for embeddings, Q, K, dense/independent V and the Kronecker A's (lineage code);
     the output projections (O, FFN down) N(0, 0.02/√(2L)) as GPT-2; --kron-out-init scaled gives the Kronecker
     A_O the same scaling (tft-gtp). FTS normalises the frozen x_t once with a CLN (--fts-cln-at-init, default on).
+  * Weight decay (0.1) on every matrix, the Kronecker A's (H×H) included; norm gains are not decayed. The spec
+    does not say how the authors grouped A: decay pulls its entries toward 0, so the hub tables read smaller
+    values than without it, while the hub ratios (column mass over the mean) do not depend on A's scale.
   * Position (spec §1, §8, §11.5): RoPE θ = 10⁴ on q and k (--pos rope, the 2026 configs and the default) or ALiBi
     (--pos alibi, the 2025 lineage): no rotation, a fixed bias −s_h·(t − s) on head h's logits with Press et al.'s
     slopes (alibi_slopes; H = 6: 1/4, 1/16, 1/64, 1/256, 1/2, 1/8); no position embeddings either way. Whether

@@ -100,7 +100,9 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     the cache's curvature in both, 0.84/0.95 with none): the two losses do not compound.
   * Suppression keywords default to `auto`: of the words (4+ letters) that live cards are about, the one the
     model generates most, so that the default run suppresses prototypes that fire, measured on a word whose
-    rate can move (a fixed word such as "lord" matched only a dead card of the CPU preset: a no-op). A live
+    rate can move (a fixed word such as "lord" matched only a dead card of the CPU preset: a no-op). The word is
+    chosen on generations from other seeds than those its rate is measured on before and after: chosen on the
+    "before" texts themselves, its rate there would be inflated, and any edit would seem to lower it. A live
     card (active on the card windows) matches when a keyword is one of its signature's top 3 tokens, or is the
     activating token or the next token in at least half of its top contexts; dead cards never match.
   * Controllers: a 4-way cloze from the val text (fit on the first half of the stream, scored on the second;
@@ -1637,9 +1639,9 @@ def match_keywords(cards: list[dict], keywords: list[str], sig_top: int = 3) -> 
 
 def auto_keyword(cards: list[dict], generated: Optional[list[str]] = None, min_letters: int = 4) -> list[str]:
     """--suppress-keywords auto: among the words of min_letters+ letters that live cards are about, the one the
-    model generates most (its rate in `generated`, the unsuppressed generations), so that the before/after rate
-    can move; ties, and no generations, go to the uses-weighted card score. [] when no live card is about such
-    a word."""
+    model generates most (its rate in `generated`: unsuppressed generations from SELECTION_SEED_OFFSET's seeds,
+    not those the rate is then measured on), so that the before/after rate can move; ties, and no generations,
+    go to the uses-weighted card score. [] when no live card is about such a word."""
     score: dict[str, int] = {}
     for c in cards:
         if c["uses"] > 0:
@@ -1672,16 +1674,24 @@ SUPPRESS_PROMPTS = ["ROMEO:\n", "JULIET:\n", "KING:\nMy lords,", "HAMLET:\n", "O
                     "PORTIA:\n", "BENEDICK:\n"]
 
 
+# --suppress-keywords auto picks its word on generations drawn from these seeds, never those the rate is measured
+# on: a word chosen for being frequent in a sample is over-represented in that sample, so measuring "before" on it
+# would show a fall after any edit that changes the texts at all (regression to the mean), a targeted one or not.
+SELECTION_SEED_OFFSET = 10_000
+
+
 @torch.no_grad()
-def suppression_generations(model: PRISM, data, cfg: Config, head_kw: dict, samples_per_prompt: int = 2) -> list:
+def suppression_generations(model: PRISM, data, cfg: Config, head_kw: dict, samples_per_prompt: int = 2,
+                            seed_offset: int = 0) -> list:
     """The generations the keyword rate is counted in: SUPPRESS_PROMPTS × samples_per_prompt, seeded per
-    (prompt, sample), so the texts before and after a suppression differ only by the suppression."""
+    (prompt, sample), so the texts before and after a suppression differ only by the suppression. seed_offset
+    SELECTION_SEED_OFFSET draws the auto keyword's own, disjoint set."""
     model.eval()
     texts, tok = [], data.tokenizer
     for p_i, prompt in enumerate(SUPPRESS_PROMPTS):
         ids_p = torch.tensor([tok.encode(prompt)], device=data.device)
         for s in range(samples_per_prompt):
-            g = torch.Generator(device=data.device).manual_seed(cfg.seed + 100 * p_i + s)
+            g = torch.Generator(device=data.device).manual_seed(cfg.seed + seed_offset + 100 * p_i + s)
             out = model.generate(ids_p, cfg.sample_tokens, cfg.temperature, generator=g, **head_kw)
             texts.append(tok.decode(out[0, ids_p.shape[1]:].tolist()))
     return texts
@@ -3440,22 +3450,24 @@ def run(cfg: Config, explicit) -> int:
         if cfg.attribution:
             results["attribution"] = attribution_experiment(model, models.get("dense"), data,
                                                             replace(cfg, ctx=cfg.attr_ctx), log)
-        targets, before = [], None  # before: the unsuppressed generations (the same for every target), once made
+        targets = []
         if cfg.suppress:
             targets.append(("ids", parse_ids(cfg.suppress, cfg.n_protos), []))
         if cfg.suppress_keywords:
             kws = keywords_of(cfg.suppress_keywords)
             if kws == ["auto"]:
-                before = suppression_generations(model, data, cfg, {})
-                kws = auto_keyword(cards["cards"], before)
-                rate = keyword_rate(before, kws) if kws else 0.0
+                chosen_on = suppression_generations(model, data, cfg, {}, seed_offset=SELECTION_SEED_OFFSET)
+                kws = auto_keyword(cards["cards"], chosen_on)
+                rate = keyword_rate(chosen_on, kws) if kws else 0.0
                 log(f"suppression: auto keyword {kws[0]!r}, of the words live cards are about the one the model "
-                    f"generates most ({rate:.2f} per 1k words"
+                    f"generates most ({rate:.2f} per 1k words in {len(chosen_on)} generations of their own, other "
+                    "seeds than the rate's before and after"
                     + ("; never generated, so its rate cannot fall: the perplexity change still shows the edit's cost"
                        if rate == 0 else "") + "; --suppress-keywords WORD,... chooses)" if kws else
                     "suppression: no live prototype card is about a word of 4+ letters; nothing to suppress")
             if kws:
                 targets.append(("keywords", match_keywords(cards["cards"], kws), kws))
+        before = None  # the unsuppressed generations, the same for every target: made once, when first needed
         for kind, ids, kws in targets:
             if not ids:
                 log(f"suppression: no live prototype card matches {', '.join(kws)}; nothing to suppress")
@@ -3467,6 +3479,7 @@ def run(cfg: Config, explicit) -> int:
             if len(ids) > 0.1 * cfg.n_protos:
                 log(f"suppression: warning, {len(ids)} of {cfg.n_protos} prototypes match ({len(ids) / cfg.n_protos:.0%} of "
                     "the bank); the keywords are too common for a targeted edit")
+            before = before or suppression_generations(model, data, cfg, {})
             r = suppression(model, data, cfg, ids, kws, autocast, before=before)
             results.setdefault("suppression", []).append(r)
             measured = (f"for {', '.join(kws)}: keyword rate {r['rate_before']:.2f} -> {r['rate_after']:.2f} per 1k "

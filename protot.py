@@ -57,8 +57,10 @@ What differs from the official code, and why
     n-grams; no figure here scores the samples (the paper's Elo needs an LLM judge, and offline there is none).
   * Robustness reports JS, Spearman rank correlation, top-10 overlap and top-1 agreement (spec §5.4), means over
     the pairs. The paper's metric code is not public, so its Spearman's support is not known: here it ranks the
-    whole (compacted) vocabulary, ties averaged. The slices are five of this corpus (typo, synonym, punctuation,
-    contraction, casing), not the paper's seven datasets, nor its semantic interventions.
+    whole (compacted) vocabulary, ties averaged, and JS uses the natural log (the paper's base is not stated). The
+    slices are five of this corpus (typo, synonym, punctuation, contraction, casing), not the paper's seven
+    datasets, nor its semantic interventions; punctuation keeps a line's final mark, so that clean and perturbed
+    predict after the same token.
   * Not switchable, though spec §9 asks: force_write / force_read clamping is not exposed, as no analysis here
     clamps (§9.9); the head is always tied, as in the reproduction command (§9.12).
   * Not here: GLUE fine-tuning (spec §5.5, §9.9: its hyperparameters are unknown, and its data is online only).
@@ -1874,6 +1876,7 @@ SYNONYMS = {"good": "fine", "lord": "master", "speak": "talk", "love": "adore", 
             "little": "small", "fair": "lovely", "dead": "slain", "leave": "quit", "sweet": "dear",
             "friend": "comrade", "fear": "dread", "kill": "slay", "tell": "say", "king": "monarch",
             "happy": "glad", "poor": "wretched", "true": "honest", "man": "fellow", "night": "evening"}
+PUNCTUATION_MARKS = ",;:.!?"
 CONTRACTIONS = {"it is": "'tis", "do not": "don't", "I am": "I'm", "I will": "I'll", "is not": "isn't",
                 "over": "o'er", "never": "ne'er", "even": "e'en", "it was": "'twas", "will not": "won't"}
 
@@ -1899,10 +1902,18 @@ def _table(table):
     return apply
 
 
+def _punctuation(line, rng):
+    # Marks inside the line go, a final one stays: stripping it too would set the prediction after a full stop
+    # beside the prediction after a word, a different next token rather than the same text less its commas.
+    body, end = (line[:-1], line[-1]) if line[-1:] in PUNCTUATION_MARKS else (line, "")
+    s = body.translate(str.maketrans("", "", PUNCTUATION_MARKS)) + end
+    return s if s != line else None
+
+
 PERTURBATIONS = {
     "typo": _typo,
     "synonym": _table(SYNONYMS),
-    "punctuation": lambda line, rng: (s if (s := line.translate(str.maketrans("", "", ",;:.!?"))) != line else None),
+    "punctuation": _punctuation,
     "contraction": _table(CONTRACTIONS),
     "casing": lambda line, rng: line.lower() if line.lower() != line else None,
 }

@@ -131,7 +131,7 @@ def test_subspace_projection_removes_every_basis_vector(where):
 
 def test_sae_keeps_exactly_k_latents():
     torch.manual_seed(0)
-    sae = cv.TopKTranscoderSAE(16, 64, 5)
+    sae = cv.TranscoderSAE(16, 64, 5)
     x = torch.randn(40, 16)
     f, idx = sae.encode(x)
     pre = torch.relu(sae.enc(x))
@@ -142,11 +142,31 @@ def test_sae_keeps_exactly_k_latents():
     assert y.shape == x.shape
 
 
+def test_relu_sae_keeps_every_positive_latent():
+    """--sae-k 0: the official ReLU SAE (§6.4), f = ReLU(W_enc x + b_enc); its concept is still the argmax latent,
+    and the ablation's top rows are the most active ones."""
+    torch.manual_seed(0)
+    sae = cv.TranscoderSAE(16, 64, 0)
+    x = torch.randn(40, 16)
+    f, idx = sae.encode(x)
+    pre = torch.relu(sae.enc(x))
+    assert torch.equal(f, pre) and (idx[:, 0] == pre.argmax(-1)).all() and idx.shape == (40, 1)
+    assert torch.equal(sae.encode(x, top=7)[1], pre.topk(7, -1).indices)
+    cfg = cv.Config(d_model=16, sae_ablate_k=7)
+    m = cv.sae_method(cfg, sae, torch.device("cpu"), dict(seconds=0.0))
+    assert m.name == "ReLU SAE" and m.settings["ablate_k"] == 7
+    torch.testing.assert_close(m.ablation(x, m.assign(x)), sae.enc.weight.detach()[pre.topk(7, -1).indices])
+    cfg = cv.Config(sae_latents=32, sae_k=0, sae_l1=1e-4, sae_steps=30)
+    y = torch.randn(200, 16)
+    trained, info = cv.train_sae(cfg, x.repeat(5, 1), y, torch.device("cpu"), log=lambda s: None)
+    assert trained.k == 0 and info["k"] == 0 and info["l1"] == 1e-4 and 0 < info["fvu"] < 2
+
+
 def test_sae_method_ablates_the_top_encoder_rows():
     torch.manual_seed(0)
     cfg = cv.Config(d_model=16)
     cfg.sae_ablate_k = 3
-    sae = cv.TopKTranscoderSAE(16, 64, 5)
+    sae = cv.TranscoderSAE(16, 64, 5)
     m = cv.sae_method(cfg, sae, torch.device("cpu"), dict(seconds=0.0))
     x = torch.randn(7, 16)
     ids = m.assign(x)

@@ -610,6 +610,22 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert len(temperatures) > 2 and set(temperatures) == {0.5}
     assert "suppression of 2 prototypes" in r.stdout and "auto keyword" not in r.stdout  # the ids typed, alone
     assert (tmp_path / "analysis-prototypes.html").is_file() and (tmp_path / "prototypes.json").read_text() == cards
+    # the auto keyword is chosen on generations of its own: chosen on the "before" texts, its rate there would be
+    # inflated and any edit would seem to lower it
+    draws, chosen_on = [], []
+    generations, auto_keyword = prism.suppression_generations, prism.auto_keyword
+    monkeypatch.setattr(prism, "suppression_generations", lambda model, data, cfg, head_kw, seed_offset=0: draws.append(
+        (seed_offset, bool(head_kw), generations(model, data, cfg, head_kw, seed_offset=seed_offset))) or draws[-1][2])
+    monkeypatch.setattr(prism, "auto_keyword", lambda cards, generated: chosen_on.append(generated) or auto_keyword(
+        cards, generated))
+    r = run_main(prism.main, ["--no-train", "--suppress", "0,1", "--suppress-keywords", "auto", "--no-attribution",
+                              "--no-controller", "--no-report", "--out-dir", str(tmp_path), "--cache-dir",
+                              str(cache_dir)], capsys, monkeypatch)
+    assert r.returncode == 0, r.stderr[-3000:]
+    unsuppressed = [(offset, texts) for offset, edited, texts in draws if not edited]
+    assert [offset for offset, _ in unsuppressed] == [prism.SELECTION_SEED_OFFSET, 0]  # "before" made once, shared
+    assert chosen_on == [unsuppressed[0][1]] and unsuppressed[0][1] != unsuppressed[1][1]
+    assert sum(edited for _, edited, _ in draws) == len(json.loads((tmp_path / "analysis.json").read_text())["suppression"])
     rc, err = call_main(prism.main, ["--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir",
                                      str(cache_dir)], capsys, monkeypatch)
     assert rc == 1 and err.count("\n") == 1

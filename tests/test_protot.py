@@ -593,7 +593,9 @@ def test_robustness_compares_both_mixers_and_routing(data):
         assert all(-1 <= row[m]["spearman"] <= 1 for m in ("proto", "attention"))
         assert len(row["proto"]["route_js_per_layer"]) == 2 and "route_js_per_layer" not in row["attention"]
     assert protot.PERTURBATIONS["contraction"]("And it is not so", None) == "And 'tis not so"
-    assert protot.PERTURBATIONS["punctuation"]("No, sir.", None) == "No sir"
+    punctuation = protot.PERTURBATIONS["punctuation"]
+    assert punctuation("No, sir.", None) == "No sir." and punctuation("Ay, my lord", None) == "Ay my lord"
+    assert punctuation("Away, away!", None) == "Away away!" and punctuation("Away!", None) is None  # the end stays
 
 
 def test_spearman_is_the_rank_correlation_with_ties_averaged():
