@@ -257,7 +257,27 @@ def test_a_decoder_run_explains_the_prompted_lm_end_to_end(folder, tmp_path, cap
     assert "prompt: " in log and "classifier = the prompted LM's next-token logits of '0', '1'" in log
     res = __import__("json").loads((out / "results.json").read_text())
     assert res["fidelity_info"]["classifier"].startswith("the prompted LM's")
-    assert torch.load(out / "ckpt-clvq-l1-h2.pt", weights_only=True)["config"]["decoder_prompt"] == "paper"
+    config = torch.load(out / "ckpt-clvq-l1-h2.pt", weights_only=True)["config"]
+    assert config["decoder_prompt"] == "paper" and config["lr"] == 1e-3  # a decoder's lr (spec §4), not 5e-3
+    assert f"note: {folder} is a decoder LM: the spec's settings for it, lr=0.001 (§2.1, §4; a typed flag wins)" in log
+
+
+def test_decoder_and_llama_source_models_take_the_spec_settings():
+    """Spec §2.1, §4: lr 1e-3 and batch 64 for decoder LLMs, K = 600 for LLaMA; a typed flag, and the CPU preset's
+    own values, win; an encoder keeps the defaults."""
+    from types import SimpleNamespace
+
+    def src(kind, model_type):
+        return SimpleNamespace(kind=kind, model=SimpleNamespace(config=SimpleNamespace(model_type=model_type)))
+    cfg, changed = C.apply_source_settings(C.Config(), (), "paper", src("decoder", "llama"))
+    assert (cfg.lr, cfg.batch_size, cfg.codebook_size) == (1e-3, 64, 600)
+    assert changed == ["lr=0.001", "batch_size=64", "codebook_size=600"]
+    cfg, changed = C.apply_source_settings(C.Config(), ("lr",), "paper", src("decoder", "qwen2"))
+    assert (cfg.lr, cfg.batch_size, cfg.codebook_size) == (5e-3, 64, 400) and changed == ["batch_size=64"]
+    cfg, changed = C.apply_source_settings(C.Config(batch_size=32, codebook_size=128), (), "cpu",
+                                           src("decoder", "llama"))
+    assert (cfg.lr, cfg.batch_size, cfg.codebook_size) == (1e-3, 32, 128) and changed == ["lr=0.001"]
+    assert C.apply_source_settings(C.Config(), (), "paper", src("encoder", "bert")) == (C.Config(), [])
 
 
 def test_a_typed_decoder_prompt_is_noted_for_an_encoder(tmp_path, capsys, monkeypatch):

@@ -137,6 +137,8 @@ def test_training_validates_on_held_out_training_sentences(tmp_path, acts, monke
     lines = []
     model, hist = cv.train(cfg0, tr, dv, CPU, DIST, log=lines.append)
     assert any("validation on the dev set (--val-frac 0)" in ln for ln in lines)
+    assert any(ln.startswith("step 6: dev loss ") and "unused on dev" in ln for ln in lines)  # named as what it is
+    assert not any(": val loss" in ln for ln in lines)
     assert hist["val"][-1] == pytest.approx(cv.evaluate(model.eval(), dv, cfg0, CPU)["loss"], rel=1e-6)
     # a checkpoint from before --val-frac (no key) was validated on the dev set: it loads as --val-frac 0, so
     # --resume keeps its training sentences, and asking for a split is the one-line mismatch error
