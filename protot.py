@@ -80,7 +80,7 @@ decay 0.1 on matrices but not on P, γ, τ, α or norms, 2% warmup then cosine t
 Commands
     python protot.py --layers 6                  # train, evaluate, analyse, write out/protot/report.html
                                                  # (no GPU: a CPU preset of about 5 minutes, announced)
-    python protot.py --compare                   # ProtoT and the attention baseline on one budget: ppl ratio
+    python protot.py --compare                   # ProtoT and the attention baseline, same batches: ppl ratio
     python protot.py --mixer attention           # the LLaMA baseline (RoPE, causal SDPA), same block otherwise
     python protot.py --no-train --find-prototype woman            # rank (layer, prototype) by masking effect
     python protot.py --no-train --intervene 3:7 --mode write-mask --target woman
@@ -1434,15 +1434,19 @@ def build_model(cfg: Config, vocab_size: int, device) -> ProtoT:
     return ProtoT(cfg, vocab_size).to(device)
 
 
-def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print, ck=None) -> tuple[ProtoT, dict]:
+def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print, ck=None,
+          start_rng: Optional[dict] = None) -> tuple[ProtoT, dict]:
     """The nanoGPT-shaped loop. Returns the trained (unwrapped) model, with the best evaluation's weights (its step
     as `model.weights_step`), and its history. With cfg.resume it continues from `ck`, the checkpoint already
-    loaded by the caller (read from out_dir when not given)."""
+    loaded by the caller (read from out_dir when not given). `start_rng` is the data streams' state to start
+    from: under --compare ProtoT and the baseline train and evaluate on the same batches."""
     rank, world = dist_info["rank"], dist_info["world"]
     if cfg.batch_size % world:
         raise RunError(f"--batch-size {cfg.batch_size} must be divisible by the {world} ranks")
     micro = cfg.batch_size // world
     path = ckpt_path(cfg)
+    if start_rng is not None and not cfg.resume:
+        data.set_rng_state(start_rng)
     model = build_model(cfg, data.vocab_size, device)
     optimizer = make_optimizer(model, cfg, device.type)
     step, best, history = 0, float("inf"), {k: [] for k in HISTORY_KEYS}
@@ -2461,6 +2465,7 @@ def run(cfg: Config, explicit) -> int:
     results = {"preset": preset, "device": str(device),
                "dtype": "bfloat16" if isinstance(autocast, torch.autocast) else "float32"}
     histories, models, budgets = {}, {}, {}  # budgets: what each model was trained on, for --compare's ratio
+    start_rng = data.rng_state()  # each model from the same data state: a paired comparison, batch for batch
     for mixer in mixers:
         c = replace(cfg, mixer=mixer)
         if cfg.train:
@@ -2472,7 +2477,8 @@ def run(cfg: Config, explicit) -> int:
                 c = replace(c, resume=False)
                 log(f"{mixer}: no checkpoint at {ckpt_path(c)} yet; training it from step 0")
             t0 = time.time()
-            models[mixer], histories[mixer] = train(c, data, device, autocast, dist_info, explicit, log, ck)
+            models[mixer], histories[mixer] = train(c, data, device, autocast, dist_info, explicit, log, ck,
+                                                    start_rng)
             log(f"{mixer}: trained in {time.time() - t0:.0f}s; checkpoint {ckpt_path(c)}")
             budgets[mixer] = {**asdict(c), "step": c.max_iters}
         else:

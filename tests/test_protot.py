@@ -469,6 +469,12 @@ def test_resume_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
         assert c["step"] == 10 and c["config"]["mixer"] == mixer, mixer
         assert (c["config"]["batch_size"], c["config"]["lr"], c["config"]["max_iters"], c["config"]["d_model"]) == \
             (4, 1e-3, 10, 32), mixer
+    # the baseline trained the batches a run of its own trains (and ProtoT trained): the comparison is paired
+    alone = [a if a != str(tmp_path) else str(tmp_path / "alone") for a in quiet]
+    rc, err = call_main(protot.main, [*small, *alone, "--mixer", "attention", "--max-iters", "10"], capsys, monkeypatch)
+    assert rc == 0, err
+    paired, own = (torch.load(d / "ckpt-attention.pt", weights_only=True)["model"] for d in (tmp_path, tmp_path / "alone"))
+    assert all(torch.equal(paired[k], own[k]) for k in own)
     samples = json.loads((tmp_path / "results.json").read_text())["samples"]  # --compare samples both models
     assert set(samples) == {"proto", "attention"} and all(len(v) == 2 for v in samples.values())
     rc, err = call_main(protot.main, ["--resume", "--max-iters", "15", "--weight-decay", "0.5", *quiet], capsys,
