@@ -2640,13 +2640,17 @@ def train_sae(cfg, x: torch.Tensor, y: torch.Tensor, device, log=print) -> tuple
         err = sum((sae(x[s:s + 4096])[0] - y[s:s + 4096]).pow(2).sum().item() for s in range(0, len(x), 4096))
         fvu = err / (y - y.mean(0)).pow(2).sum().item()
         used = torch.zeros(L, dtype=torch.bool, device=device)
+        active = 0  # non-zero latents, summed over rows: the ReLU SAE's sparsity is what its L1 weight makes it
         for s in range(0, len(x), 4096):
-            used[sae.encode(x[s:s + 4096])[1][:, 0]] = True
+            f, top = sae.encode(x[s:s + 4096])
+            used[top[:, 0]] = True
+            active += (f != 0).sum().item()
     info = dict(latents=L, k=k, l1=l1, steps=steps, batch=B, lr=cfg.sae_lr, fvu=round(fvu, 4),
-                argmax_latents_used=int(used.sum()))
+                argmax_latents_used=int(used.sum()), active_per_row=round(active / len(x), 1))
     secs = time.time() - t0
-    log(f"baseline SAE l->h: {L} latents, {f'top-{k}' if k else 'ReLU'}, L1 {l1:g}, {steps} steps, FVU {fvu:.3f}, {info['argmax_latents_used']} "
-        f"latents are some token's argmax, {secs:.1f}s")
+    log(f"baseline SAE l->h: {L} latents, {f'top-{k}' if k else 'ReLU'}, L1 {l1:g}, {steps} steps, FVU {fvu:.3f}, "
+        f"{info['active_per_row']} latents active per row, {info['argmax_latents_used']} latents are some token's "
+        f"argmax, {secs:.1f}s")
     return sae, dict(info, seconds=secs)
 
 

@@ -160,6 +160,8 @@ def test_relu_sae_keeps_every_positive_latent():
     y = torch.randn(200, 16)
     trained, info = cv.train_sae(cfg, x.repeat(5, 1), y, torch.device("cpu"), log=lambda s: None)
     assert trained.k == 0 and info["k"] == 0 and info["l1"] == 1e-4 and 0 < info["fvu"] < 2
+    f = trained.encode(x.repeat(5, 1))[0]
+    assert info["active_per_row"] == round((f != 0).sum().item() / 200, 1) and info["active_per_row"] > 0
 
 
 def test_sae_method_ablates_the_top_encoder_rows():
