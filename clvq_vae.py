@@ -2622,6 +2622,9 @@ def train_sae(cfg, x: torch.Tensor, y: torch.Tensor, device, log=print) -> tuple
     g = torch.Generator().manual_seed(cfg.analysis_seed)
     torch.manual_seed(cfg.analysis_seed)
     L, k = cfg.sae_latents, min(cfg.sae_k, cfg.sae_latents)
+    if not k and not cfg.sae_l1:
+        log("note: --sae-k 0 with --sae-l1 0 trains a ReLU SAE with no sparsity penalty, so its codes are dense; "
+            "the official SAE adds --sae-l1 1e-4")
     sae = TranscoderSAE(x.shape[1], L, k).to(device)
     opt = torch.optim.Adam(sae.parameters(), lr=cfg.sae_lr)
     B, l1, steps = min(cfg.sae_batch, len(x)), cfg.sae_l1, cfg.sae_steps
@@ -3477,15 +3480,16 @@ def figure(draw, size=(6, 3.5)) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def loss_figure(histories: dict) -> str:
-    """Training loss and val loss per variant (left), val codebook perplexity (right)."""
+def loss_figure(histories: dict, on: str = "val") -> str:
+    """Training loss and val loss per variant (left), val codebook perplexity (right); on = "dev" when the
+    evaluations read the dev set (--val-frac 0)."""
     def draw(fig):
         ax1, ax2 = fig.subplots(1, 2)
         for name, h in histories.items():
             if h["train"]:
                 ax1.plot(*zip(*h["train"]), label=f"{name} train", alpha=0.6)
             if h["val"]:
-                ax1.plot(h["step"], h["val"], "o-", ms=3, label=f"{name} val")
+                ax1.plot(h["step"], h["val"], "o-", ms=3, label=f"{name} {on}")
                 ax2.plot(h["step"], h["perplexity"], "o-", ms=3, label=name)
         ax1.set_xlabel("step")
         ax1.set_ylabel("loss (MSE + β·commit)")
@@ -3537,7 +3541,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
              f"{html.escape(preset)}, device {html.escape(device)}</p>",
              "<h2>Configuration</h2>" + table_html([config], list(config))]
     if histories:
-        parts.append("<h2>Training</h2>" + img(loss_figure(histories)))
+        parts.append("<h2>Training</h2>" + img(loss_figure(histories, "val" if cfg.val_frac else "dev")))
     if results.get("eval"):
         rows = [{"model": m, **ev} for m, ev in results["eval"].items()]
         parts.append("<h2>The dev set after training (every dev row, nearest codes)</h2>"

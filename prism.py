@@ -3462,8 +3462,8 @@ def run(cfg: Config, explicit) -> int:
                 log(f"suppression: auto keyword {kws[0]!r}, of the words live cards are about the one the model "
                     f"generates most ({rate:.2f} per 1k words in {len(chosen_on)} generations of their own, other "
                     "seeds than the rate's before and after"
-                    + ("; never generated, so its rate cannot fall: the perplexity change still shows the edit's cost"
-                       if rate == 0 else "") + "; --suppress-keywords WORD,... chooses)" if kws else
+                    + ("; never generated there, so its measured rate is likely 0 and cannot fall: the perplexity "
+                       "change still shows the edit's cost" if rate == 0 else "") + "; --suppress-keywords WORD,... chooses)" if kws else
                     "suppression: no live prototype card is about a word of 4+ letters; nothing to suppress")
             if kws:
                 targets.append(("keywords", match_keywords(cards["cards"], kws), kws))

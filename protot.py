@@ -192,7 +192,7 @@ class Config:
     resume: bool = field(default=False, metadata={"help": "continue from out_dir's checkpoint"})
     train: bool = field(default=True, metadata={"help": "train (--no-train: load out_dir's checkpoint)"})
     # analyses (the default run does all that apply)
-    compare: bool = field(default=False, metadata={"help": "train ProtoT and attention on one budget, print the ppl ratio"})
+    compare: bool = field(default=False, metadata={"help": "train ProtoT and attention on the same batches, print the ppl ratio"})
     labels: bool = field(default=True, metadata={"help": "prototype labelling (top contexts, half-lives)"})
     label_windows: int = field(default=1024, metadata={"help": "val windows of 32 tokens scanned for labelling"})
     intervene: str = field(default="", metadata={"help": "LAYER:PROTO[,LAYER:PROTO...] to intervene on"})
@@ -1909,7 +1909,7 @@ def _table(table):
 def _punctuation(line, rng):
     # Marks inside the line go, a final one stays: stripping it too would set the prediction after a full stop
     # beside the prediction after a word, a different next token rather than the same text less its commas.
-    body, end = (line[:-1], line[-1]) if line[-1:] in PUNCTUATION_MARKS else (line, "")
+    body, end = (line[:-1], line[-1]) if line and line[-1] in PUNCTUATION_MARKS else (line, "")
     s = body.translate(str.maketrans("", "", PUNCTUATION_MARKS)) + end
     return s if s != line else None
 

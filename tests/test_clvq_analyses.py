@@ -162,6 +162,9 @@ def test_relu_sae_keeps_every_positive_latent():
     assert trained.k == 0 and info["k"] == 0 and info["l1"] == 1e-4 and 0 < info["fvu"] < 2
     f = trained.encode(x.repeat(5, 1))[0]
     assert info["active_per_row"] == round((f != 0).sum().item() / 200, 1) and info["active_per_row"] > 0
+    lines = []  # without its L1 weight the ReLU SAE is not sparse at all: said, not left to the user to notice
+    cv.train_sae(replace(cfg, sae_l1=0.0, sae_steps=1), x.repeat(5, 1), y, torch.device("cpu"), log=lines.append)
+    assert lines[0].startswith("note: --sae-k 0 with --sae-l1 0 trains a ReLU SAE with no sparsity penalty")
 
 
 def test_sae_method_ablates_the_top_encoder_rows():

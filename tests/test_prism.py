@@ -614,8 +614,9 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     # inflated and any edit would seem to lower it
     draws, chosen_on = [], []
     generations, auto_keyword = prism.suppression_generations, prism.auto_keyword
-    monkeypatch.setattr(prism, "suppression_generations", lambda model, data, cfg, head_kw, seed_offset=0: draws.append(
-        (seed_offset, bool(head_kw), generations(model, data, cfg, head_kw, seed_offset=seed_offset))) or draws[-1][2])
+    monkeypatch.setattr(prism, "suppression_generations", lambda model, data, cfg, head_kw, samples_per_prompt=2,
+                        seed_offset=0: draws.append((seed_offset, bool(head_kw), generations(
+                            model, data, cfg, head_kw, samples_per_prompt, seed_offset=seed_offset))) or draws[-1][2])
     monkeypatch.setattr(prism, "auto_keyword", lambda cards, generated: chosen_on.append(generated) or auto_keyword(
         cards, generated))
     r = run_main(prism.main, ["--no-train", "--suppress", "0,1", "--suppress-keywords", "auto", "--no-attribution",
@@ -626,6 +627,7 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert [offset for offset, _ in unsuppressed] == [prism.SELECTION_SEED_OFFSET, 0]  # "before" made once, shared
     assert chosen_on == [unsuppressed[0][1]] and unsuppressed[0][1] != unsuppressed[1][1]
     assert sum(edited for _, edited, _ in draws) == len(json.loads((tmp_path / "analysis.json").read_text())["suppression"])
+    assert all(offset == 0 for offset, edited, _ in draws if edited)  # "after" on the seeds of "before"
     rc, err = call_main(prism.main, ["--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir",
                                      str(cache_dir)], capsys, monkeypatch)
     assert rc == 1 and err.count("\n") == 1

@@ -602,6 +602,7 @@ def test_robustness_compares_both_mixers_and_routing(data):
     punctuation = protot.PERTURBATIONS["punctuation"]
     assert punctuation("No, sir.", None) == "No sir." and punctuation("Ay, my lord", None) == "Ay my lord"
     assert punctuation("Away, away!", None) == "Away away!" and punctuation("Away!", None) is None  # the end stays
+    assert punctuation("", None) is None
 
 
 def test_spearman_is_the_rank_correlation_with_ties_averaged():
