@@ -1856,23 +1856,44 @@ def run_intervention(model, data, cfg, units, mode, target, autocast, ppl_window
             **change_stats(rel), "ppl": ppl0, "ppl_change": ppl1 / ppl0 - 1}
 
 
-def find_prototype(model, data, cfg, target, autocast, top: int = 10) -> dict:
-    """Rank every (layer, prototype) by the mean relative change of the target's probability when its write
-    gate is masked; the perplexity change is measured for the top three."""
-    prompts = load_prompts(cfg, data, target)
-    batch = prompt_batch(data.tokenizer, prompts, target, data.device)
-    base = target_probs(model, batch)
-    n = kept_prompts(base, target)
+def rank_units(model, cfg, batch, base) -> list[dict]:
+    """Every (layer, prototype) with the relative change of the target's probability when its write gate is
+    masked, the most negative mean first."""
     ranking = []
     for l in range(len(model.blocks)):
         for k in range(cfg.n_protos):
             with intervention(model, [(l, k)], "write-mask"):
                 rel = relative(target_probs(model, batch), base)
             ranking.append({"unit": f"L{l} P{k}", "layer": l, "proto": k, **change_stats(rel)})
-    ranking.sort(key=lambda r: r["mean"])
+    return sorted(ranking, key=lambda r: r["mean"])
+
+
+def find_prototype(model, data, cfg, target, autocast, top: int = 10) -> dict:
+    """Rank every (layer, prototype) by the mean relative change of the target's probability when its write
+    gate is masked; the perplexity change is measured for the top three. The best unit is picked on the same
+    prompts its change is measured on, which flatters it; with 4+ prompts `split_half` also ranks on the even
+    prompts alone and measures that half's best unit on the odd ones, a figure the selection did not see."""
+    prompts = load_prompts(cfg, data, target)
+    batch = prompt_batch(data.tokenizer, prompts, target, data.device)
+    base = target_probs(model, batch)
+    n = kept_prompts(base, target)
+    ranking = rank_units(model, cfg, batch, base)
     for r in ranking[:3]:
         r.update(run_intervention(model, data, cfg, [(r["layer"], r["proto"])], "write-mask", target, autocast))
-    return {"target": target, "prompts": n, "ranking": ranking[:top]}
+    out = {"target": target, "prompts": n, "ranking": ranking[:top]}
+    if len(prompts) >= 4:
+        halves = []
+        for part in (prompts[0::2], prompts[1::2]):
+            b = prompt_batch(data.tokenizer, part, target, data.device)
+            halves.append((b, target_probs(model, b)))
+        if all((p >= 1e-6).any() for _, p in halves):
+            best = rank_units(model, cfg, *halves[0])[0]
+            with intervention(model, [(best["layer"], best["proto"])], "write-mask"):
+                rel = relative(target_probs(model, halves[1][0]), halves[1][1])
+            out["split_half"] = {"unit": best["unit"], "selected_on": int((halves[0][1] >= 1e-6).sum()),
+                                 "measured_on": int((halves[1][1] >= 1e-6).sum()), "selection_mean": best["mean"],
+                                 **change_stats(rel)}
+    return out
 
 
 # Perturbations of val lines that keep the meaning (spec §5.4), each a function line -> line (or None).
@@ -2205,6 +2226,12 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, ste
                      "max_rise: the mean, the most negative and the most positive relative change over the prompts; "
                      f"ppl_change: the perplexity change on {PPL_WINDOWS} val windows, measured for the top three "
                      "only</p>" + table_html(fp["ranking"], ["unit", "mean", "max_drop", "max_rise", "ppl_change"]))
+        if "split_half" in fp:
+            h = fp["split_half"]
+            parts.append(f"<p>The best unit above is picked on the prompts it is measured on. Split half: ranked on "
+                         f"{h['selected_on']} prompts alone, their best unit {html.escape(h['unit'])} "
+                         f"({h['selection_mean']:+.1%} there), measured on the other {h['measured_on']}: "
+                         f"{html.escape(change_line(h, 1))}.</p>")
     if "intervention" in results:
         iv = {**results["intervention"], "units": ", ".join(results["intervention"]["units"])}  # not a list's repr
         parts.append(f"<h2>Intervention</h2><p>{html.escape(iv['mode'])} of {html.escape(iv['units'])} together. "
@@ -2533,6 +2560,11 @@ def run(cfg: Config, explicit) -> int:
                 best = fp["ranking"][0]
                 log(f"  best {best['unit']}: target probability {change_line(best, 1)}, perplexity on "
                     f"{PPL_WINDOWS} val windows {best['ppl_change']:+.2%}")
+                if "split_half" in fp:  # the best unit above is chosen on the prompts it is measured on
+                    h = fp["split_half"]
+                    log(f"  split half: ranked on {h['selected_on']} prompts alone, their best {h['unit']} "
+                        f"({h['selection_mean']:+.1%} there), measured on the other {h['measured_on']}: "
+                        f"{change_line(h, 1)}")
         if cfg.intervene:
             r = run_intervention(model, data, cfg, parse_units(cfg.intervene, cfg.layers, cfg.n_protos), cfg.mode,
                                  cfg.target, autocast)

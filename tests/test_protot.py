@@ -1,5 +1,6 @@
 """protot.py beyond the core op: the model and its O(1) cache, training (resume, NaN, DDP), checkpoints,
 the command line, interventions, and that the script works when copied alone."""
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -879,6 +880,25 @@ def test_interventions_report_a_rise_as_well_as_a_drop(tmp_path, monkeypatch):
     assert all("ppl_change" in u for u in fp["ranking"][:3])
     report = protot.write_report(tmp_path, cfg, {"find_prototype": fp, "intervention": r}, {}).read_text()
     assert report.count("<th>max_rise</th>") == 2 and report.count("<td>+50.00%</td>") == 6 + 1
+
+
+def test_find_prototype_measures_its_split_half_pick_on_the_other_half(data, tmp_path):
+    """The best unit is picked on the prompts it is measured on; split_half ranks on the even prompts and measures
+    that pick on the odd ones, which the selection never saw."""
+    torch.manual_seed(0)
+    cfg = Config(layers=2, d_model=32, n_protos=4, heads=2, dropout=0.0)
+    model = ProtoT(cfg, data.vocab_size).eval()
+    fp = protot.find_prototype(model, data, cfg, "woman", contextlib.nullcontext())
+    h = fp["split_half"]
+    prompts = protot.PROMPTS["woman"]
+    even, odd = (protot.prompt_batch(data.tokenizer, p, "woman", data.device) for p in (prompts[0::2], prompts[1::2]))
+    best = protot.rank_units(model, cfg, even, protot.target_probs(model, even))[0]
+    assert h["unit"] == best["unit"] and h["selection_mean"] == best["mean"] and h["measured_on"] <= len(prompts) // 2
+    base = protot.target_probs(model, odd)
+    with protot.intervention(model, [(best["layer"], best["proto"])], "write-mask"):
+        rel = protot.relative(protot.target_probs(model, odd), base)
+    assert h["mean"] == pytest.approx(rel.mean().item()) and h["max_drop"] == pytest.approx(rel.min().item())
+    assert "Split half: ranked on" in protot.write_report(tmp_path, cfg, {"find_prototype": fp}, {}).read_text()
 
 
 def test_js_divergence_is_never_negative():
