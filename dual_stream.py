@@ -1852,6 +1852,31 @@ def over_prompts(values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
     return mean, stderr, (x > 0).float().mean(0)
 
 
+def split_half(values: list[torch.Tensor], seed: int = 0) -> dict:
+    """The best head picked on a random half of the prompts and scored on the other half, which the pick never
+    saw: the best of L·H noisy means is flattered by its own selection, and this is the figure it would earn
+    elsewhere. The halves are a seeded permutation's, not even/odd: coref_prompts alternates the pronoun, so parity
+    would pick on "he" and score on "she". Per-prompt scores [n][L, H] -> {layer, head, selection (its mean on the
+    picking half), mean, stderr, accuracy (on the other half), prompts (that half's)}; {} with fewer than 4."""
+    if len(values) < 4:
+        return {}
+    order = torch.randperm(len(values), generator=torch.Generator().manual_seed(seed)).tolist()
+    half = len(values) // 2
+    picked = over_prompts([values[i] for i in order[:half]])[0]
+    mean, stderr, accuracy = over_prompts([values[i] for i in order[half:]])
+    best, H = int(picked.flatten().argmax()), picked.shape[-1]
+    return {"layer": best // H, "head": best % H, "selection": picked.flatten()[best].item(),
+            "mean": mean.flatten()[best].item(), "stderr": stderr.flatten()[best].item(),
+            "accuracy": accuracy.flatten()[best].item(), "prompts": len(values) - half}
+
+
+def split_half_text(h: dict) -> str:
+    """split_half's result, for the log and the report."""
+    return (f"split half: the best head on a random half of the prompts, L{h['layer']}h{h['head']} "
+            f"({h['selection']:+.3g} there), scores {h['mean']:+.3g} ± {h['stderr']:.2g} on the other {h['prompts']} "
+            f"(> 0 in {h['accuracy']:.0%})") if h else "split half: fewer than 4 prompts"
+
+
 NO_COREF = ("coreference probe: no usable prompt (each has a token lost to the vocabulary compaction, so it does "
             "not decode token by token, or is longer than --ctx)")
 NO_COREF_GAP = ("coreference logit gap: no usable prompt (each has a token lost to the vocabulary compaction, or "
@@ -1862,7 +1887,8 @@ NO_COREF_GAP = ("coreference logit gap: no usable prompt (each has a token lost 
 def coreference(model: DualStream, tok, device) -> dict:
     """Per (layer, head): mean over the probe of the attention mass from the pronoun's token to the right name's
     tokens minus the mass to the wrong name's, and the fraction of prompts where the right name gets more (chance
-    50%). The best head is the largest of L·H noisy means: its standard error and the mean over heads come with it."""
+    50%). The best head is the largest of L·H noisy means: its standard error, the mean over heads and a split half
+    (its pick on a random half of the prompts, scored on the other half) come with it."""
     model.eval()
     H = model.cfg.heads
     margins = []
@@ -1880,7 +1906,7 @@ def coreference(model: DualStream, tok, device) -> dict:
     margin, stderr, correct = over_prompts(margins)
     best = int(margin.flatten().argmax())
     return {"prompts": len(margins), "margin": margin.tolist(), "accuracy": correct.tolist(),
-            "mean_margin": margin.mean().item(),
+            "mean_margin": margin.mean().item(), "split_half": split_half(margins),
             "best": {"layer": best // H, "head": best % H, "margin": margin.flatten()[best].item(),
                      "stderr": stderr.flatten()[best].item(), "accuracy": correct.flatten()[best].item()},
             "layer_best_margin": margin.max(1).values.tolist()}
@@ -1948,6 +1974,7 @@ def coreference_gap(model: DualStream, tok, device) -> dict:
     best = int(heads.flatten().argmax())
     return {"prompts": len(terms), "gap": gap.item(), "stderr": gap_se.item(), "accuracy": gap_pos.item(),
             "heads": heads.tolist(), "heads_accuracy": heads_pos.tolist(),
+            "split_half": split_half([t["heads"] for t in terms]),
             "best": {"layer": best // H, "head": best % H, "gap": heads.flatten()[best].item(),
                      "stderr": heads_se.flatten()[best].item(), "accuracy": heads_pos.flatten()[best].item()},
             "embed": sum(t["embed"] for t in terms) / len(terms), "bias": sum(t["bias"] for t in terms) / len(terms),
@@ -1962,6 +1989,7 @@ def gap_text(g: dict) -> str:
     return (f"coreference logit gap ({g['prompts']} prompts, right name's first token minus the wrong one's): "
             f"{g['gap']:+.3f} ± {g['stderr']:.3f}, right name ahead in {g['accuracy']:.0%} (chance 50%); per head, "
             f"direct logit attribution: best L{b['layer']}h{b['head']} {b['gap']:+.3g} ± {b['stderr']:.2g} (> 0 in {b['accuracy']:.0%}), "
+            f"{split_half_text(g.get('split_half', {}))}, "
             f"embedding {g['embed']:+.3g}, FFN per layer " + " ".join(f"{v:+.3g}" for v in g["ffn"]))
 
 
@@ -2221,7 +2249,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
             parts.append(f"<p>coreference probe, {c['prompts']} prompts: best head layer {b['layer']} head {b['head']} "
                          f"(attention margin {b['margin']:+.3f} ± {b['stderr']:.3f}, right > wrong in {b['accuracy']:.0%}, "
                          f"chance 50%); mean margin over heads {c['mean_margin']:+.3f}; best margin per layer "
-                         + " ".join(f"{v:+.3f}" for v in c["layer_best_margin"]) + "</p>")
+                         + " ".join(f"{v:+.3f}" for v in c["layer_best_margin"])
+                         + f"; {html.escape(split_half_text(c.get('split_half', {})))}</p>")
         else:
             parts.append(f"<p>{NO_COREF}</p>")
         parts.append(f"<p>{html.escape(gap_text(s['coreference_gap']))}</p>")
@@ -2545,7 +2574,8 @@ def run(cfg: Config, explicit) -> int:
             if c.get("prompts"):
                 line += (f"; coreference ({c['prompts']} prompts): best head L{c['best']['layer']}h{c['best']['head']} "
                          f"margin {c['best']['margin']:+.3f} ± {c['best']['stderr']:.3f}, right name first in "
-                         f"{c['best']['accuracy']:.0%} (chance 50%); mean over heads {c['mean_margin']:+.3f}")
+                         f"{c['best']['accuracy']:.0%} (chance 50%); mean over heads {c['mean_margin']:+.3f}; "
+                         f"{split_half_text(c.get('split_half', {}))}")
             else:
                 line += f"; {NO_COREF}"
             line += f"; {gap_text(s['coreference_gap'])}"

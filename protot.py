@@ -82,7 +82,9 @@ Commands
                                                  # (no GPU: a CPU preset of about 5 minutes, announced)
     python protot.py --compare                   # ProtoT and the attention baseline, same batches: ppl ratio
     python protot.py --mixer attention           # the LLaMA baseline (RoPE, causal SDPA), same block otherwise
-    python protot.py --no-train --find-prototype woman            # rank (layer, prototype) by masking effect
+    python protot.py --no-train --find-prototype woman            # rank (layer, prototype) by masking effect,
+                                                                  # with a split half: picked on a random half
+                                                                  # of the prompts, measured on the other half
     python protot.py --no-train --intervene 3:7 --mode write-mask --target woman
     python protot.py --no-train --sample "HAMLET:\n"              # generation with the O(1) cache
     python protot.py --bench                     # tokens/s vs context, decode ms/token, scan kernel vs chunked
@@ -1871,8 +1873,9 @@ def rank_units(model, cfg, batch, base) -> list[dict]:
 def find_prototype(model, data, cfg, target, autocast, top: int = 10) -> dict:
     """Rank every (layer, prototype) by the mean relative change of the target's probability when its write
     gate is masked; the perplexity change is measured for the top three. The best unit is picked on the same
-    prompts its change is measured on, which flatters it; with 4+ prompts `split_half` also ranks on the even
-    prompts alone and measures that half's best unit on the odd ones, a figure the selection did not see."""
+    prompts its change is measured on, which flatters it; with 4+ prompts `split_half` also ranks on a random half
+    (a seeded permutation, so a prompt file's order cannot line the halves up with its structure) and measures
+    that half's best unit on the other half, a figure the selection did not see."""
     prompts = load_prompts(cfg, data, target)
     batch = prompt_batch(data.tokenizer, prompts, target, data.device)
     base = target_probs(model, batch)
@@ -1882,8 +1885,9 @@ def find_prototype(model, data, cfg, target, autocast, top: int = 10) -> dict:
         r.update(run_intervention(model, data, cfg, [(r["layer"], r["proto"])], "write-mask", target, autocast))
     out = {"target": target, "prompts": n, "ranking": ranking[:top]}
     if len(prompts) >= 4:
+        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
         halves = []
-        for part in (prompts[0::2], prompts[1::2]):
+        for part in ([prompts[i] for i in order[:len(prompts) // 2]], [prompts[i] for i in order[len(prompts) // 2:]]):
             b = prompt_batch(data.tokenizer, part, target, data.device)
             halves.append((b, target_probs(model, b)))
         if all((p >= 1e-6).any() for _, p in halves):
@@ -2229,7 +2233,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, ste
         if "split_half" in fp:
             h = fp["split_half"]
             parts.append(f"<p>The best unit above is picked on the prompts it is measured on. Split half: ranked on "
-                         f"{h['selected_on']} prompts alone, their best unit {html.escape(h['unit'])} "
+                         f"a random {h['selected_on']} prompts alone, their best unit {html.escape(h['unit'])} "
                          f"({h['selection_mean']:+.1%} there), measured on the other {h['measured_on']}: "
                          f"{html.escape(change_line(h, 1))}.</p>")
     if "intervention" in results:
@@ -2562,7 +2566,7 @@ def run(cfg: Config, explicit) -> int:
                     f"{PPL_WINDOWS} val windows {best['ppl_change']:+.2%}")
                 if "split_half" in fp:  # the best unit above is chosen on the prompts it is measured on
                     h = fp["split_half"]
-                    log(f"  split half: ranked on {h['selected_on']} prompts alone, their best {h['unit']} "
+                    log(f"  split half: ranked on a random {h['selected_on']} prompts alone, their best {h['unit']} "
                         f"({h['selection_mean']:+.1%} there), measured on the other {h['measured_on']}: "
                         f"{change_line(h, 1)}")
         if cfg.intervene:

@@ -690,6 +690,26 @@ def test_coreference_scores_an_oracle_head(monkeypatch):
     assert res["prompts"] == len(ds.coref_prompts())
     assert res["best"] == {"layer": 0, "head": 0, "margin": 1.0, "accuracy": 1.0, "stderr": 0.0}
     assert res["margin"][1][2] == 0.0 and res["accuracy"][1][2] == 0.0
+    n = len(ds.coref_prompts())
+    assert res["split_half"] == {"layer": 0, "head": 0, "selection": 1.0, "mean": 1.0, "stderr": 0.0, "accuracy": 1.0,
+                                 "prompts": n - n // 2}
+
+
+def test_split_half_scores_one_halfs_pick_on_the_other():
+    """The best head on a seeded random half of the prompts is scored on the other half: a head that wins the
+    picking half by chance and is 0 elsewhere shows 0 there, where the pick on every prompt reports its flattered
+    mean."""
+    order = torch.randperm(7, generator=torch.Generator().manual_seed(0)).tolist()
+    values = [torch.zeros(2, 3) for _ in range(7)]
+    for i in order[:3]:
+        values[i][1, 2] = 1.0  # L1h2 wins the picking half alone
+    for i in order[3:]:
+        values[i][0, 1] = 1.0  # L0h1 the other
+    h = ds.split_half(values)
+    assert (h["layer"], h["head"], h["prompts"]) == (1, 2, 4)
+    assert h["selection"] == 1.0 and h["mean"] == 0.0 and h["accuracy"] == 0.0
+    assert ds.split_half(values[:3]) == {} and "fewer than 4 prompts" in ds.split_half_text({})
+    assert ds.split_half_text(h).startswith("split half: the best head on a random half of the prompts, L1h2 (+1 there)")
 
 
 def test_coref_gap_prompts_end_before_the_antecedent():

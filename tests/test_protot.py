@@ -883,22 +883,24 @@ def test_interventions_report_a_rise_as_well_as_a_drop(tmp_path, monkeypatch):
 
 
 def test_find_prototype_measures_its_split_half_pick_on_the_other_half(data, tmp_path):
-    """The best unit is picked on the prompts it is measured on; split_half ranks on the even prompts and measures
-    that pick on the odd ones, which the selection never saw."""
+    """The best unit is picked on the prompts it is measured on; split_half ranks on a seeded random half of the
+    prompts and measures that pick on the other half, which the selection never saw."""
     torch.manual_seed(0)
     cfg = Config(layers=2, d_model=32, n_protos=4, heads=2, dropout=0.0)
     model = ProtoT(cfg, data.vocab_size).eval()
     fp = protot.find_prototype(model, data, cfg, "woman", contextlib.nullcontext())
     h = fp["split_half"]
     prompts = protot.PROMPTS["woman"]
-    even, odd = (protot.prompt_batch(data.tokenizer, p, "woman", data.device) for p in (prompts[0::2], prompts[1::2]))
-    best = protot.rank_units(model, cfg, even, protot.target_probs(model, even))[0]
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    pick, held = (protot.prompt_batch(data.tokenizer, [prompts[i] for i in half], "woman", data.device)
+                  for half in (order[:4], order[4:]))
+    best = protot.rank_units(model, cfg, pick, protot.target_probs(model, pick))[0]
     assert h["unit"] == best["unit"] and h["selection_mean"] == best["mean"] and h["measured_on"] <= len(prompts) // 2
-    base = protot.target_probs(model, odd)
+    base = protot.target_probs(model, held)
     with protot.intervention(model, [(best["layer"], best["proto"])], "write-mask"):
-        rel = protot.relative(protot.target_probs(model, odd), base)
+        rel = protot.relative(protot.target_probs(model, held), base)
     assert h["mean"] == pytest.approx(rel.mean().item()) and h["max_drop"] == pytest.approx(rel.min().item())
-    assert "Split half: ranked on" in protot.write_report(tmp_path, cfg, {"find_prototype": fp}, {}).read_text()
+    assert "Split half: ranked on a random" in protot.write_report(tmp_path, cfg, {"find_prototype": fp}, {}).read_text()
 
 
 def test_js_divergence_is_never_negative():
