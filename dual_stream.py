@@ -1989,7 +1989,7 @@ def gap_text(g: dict) -> str:
     return (f"coreference logit gap ({g['prompts']} prompts, right name's first token minus the wrong one's): "
             f"{g['gap']:+.3f} ± {g['stderr']:.3f}, right name ahead in {g['accuracy']:.0%} (chance 50%); per head, "
             f"direct logit attribution: best L{b['layer']}h{b['head']} {b['gap']:+.3g} ± {b['stderr']:.2g} (> 0 in {b['accuracy']:.0%}), "
-            f"{split_half_text(g.get('split_half', {}))}, "
+            f"{split_half_text(g['split_half'])}, "
             f"embedding {g['embed']:+.3g}, FFN per layer " + " ".join(f"{v:+.3g}" for v in g["ffn"]))
 
 
@@ -2250,7 +2250,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                          f"(attention margin {b['margin']:+.3f} ± {b['stderr']:.3f}, right > wrong in {b['accuracy']:.0%}, "
                          f"chance 50%); mean margin over heads {c['mean_margin']:+.3f}; best margin per layer "
                          + " ".join(f"{v:+.3f}" for v in c["layer_best_margin"])
-                         + f"; {html.escape(split_half_text(c.get('split_half', {})))}</p>")
+                         + f"; {html.escape(split_half_text(c['split_half']))}</p>")
         else:
             parts.append(f"<p>{NO_COREF}</p>")
         parts.append(f"<p>{html.escape(gap_text(s['coreference_gap']))}</p>")
@@ -2575,7 +2575,7 @@ def run(cfg: Config, explicit) -> int:
                 line += (f"; coreference ({c['prompts']} prompts): best head L{c['best']['layer']}h{c['best']['head']} "
                          f"margin {c['best']['margin']:+.3f} ± {c['best']['stderr']:.3f}, right name first in "
                          f"{c['best']['accuracy']:.0%} (chance 50%); mean over heads {c['mean_margin']:+.3f}; "
-                         f"{split_half_text(c.get('split_half', {}))}")
+                         f"{split_half_text(c['split_half'])}")
             else:
                 line += f"; {NO_COREF}"
             line += f"; {gap_text(s['coreference_gap'])}"

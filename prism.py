@@ -3458,13 +3458,15 @@ def run(cfg: Config, explicit) -> int:
             if kws == ["auto"]:
                 chosen_on = suppression_generations(model, data, cfg, {}, seed_offset=SELECTION_SEED_OFFSET)
                 kws = auto_keyword(cards["cards"], chosen_on)
-                rate = keyword_rate(chosen_on, kws) if kws else 0.0
-                log(f"suppression: auto keyword {kws[0]!r}, of the words live cards are about the one the model "
-                    f"generates most ({rate:.2f} per 1k words in {len(chosen_on)} generations of their own, other "
-                    "seeds than the rate's before and after"
-                    + ("; never generated there, so its measured rate is likely 0 and cannot fall: the perplexity "
-                       "change still shows the edit's cost" if rate == 0 else "") + "; --suppress-keywords WORD,... chooses)" if kws else
-                    "suppression: no live prototype card is about a word of 4+ letters; nothing to suppress")
+                if not kws:
+                    log("suppression: no live prototype card is about a word of 4+ letters; nothing to suppress")
+                else:
+                    rate = keyword_rate(chosen_on, kws)
+                    never = ("; never generated there, so its measured rate is likely 0 and cannot fall: the "
+                             "perplexity change still shows the edit's cost") if rate == 0 else ""
+                    log(f"suppression: auto keyword {kws[0]!r}, of the words live cards are about the one the model "
+                        f"generates most ({rate:.2f} per 1k words in {len(chosen_on)} generations of their own, other "
+                        f"seeds than the rate's before and after{never}; --suppress-keywords WORD,... chooses)")
             if kws:
                 targets.append(("keywords", match_keywords(cards["cards"], kws), kws))
         before = None  # the unsuppressed generations, the same for every target: made once, when first needed
@@ -3479,7 +3481,8 @@ def run(cfg: Config, explicit) -> int:
             if len(ids) > 0.1 * cfg.n_protos:
                 log(f"suppression: warning, {len(ids)} of {cfg.n_protos} prototypes match ({len(ids) / cfg.n_protos:.0%} of "
                     "the bank); the keywords are too common for a targeted edit")
-            before = before or suppression_generations(model, data, cfg, {})
+            if before is None:
+                before = suppression_generations(model, data, cfg, {})
             r = suppression(model, data, cfg, ids, kws, autocast, before=before)
             results.setdefault("suppression", []).append(r)
             measured = (f"for {', '.join(kws)}: keyword rate {r['rate_before']:.2f} -> {r['rate_after']:.2f} per 1k "

@@ -1815,15 +1815,18 @@ def parse_units(spec: str, layers: Optional[int], n_protos: Optional[int]) -> li
     return units
 
 
+MIN_BASE_PROB = 1e-6  # the official script skips sentences whose baseline probability is below this
+
+
 def relative(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     if not torch.isfinite(new).all():
         raise RunError("the intervened model gives non-finite probabilities")
-    keep = base >= 1e-6  # the official script skips sentences whose baseline probability is below 1e-6
+    keep = base >= MIN_BASE_PROB
     return (new[keep] - base[keep]) / base[keep]
 
 
 def kept_prompts(base: torch.Tensor, target: str) -> int:
-    n = int((base >= 1e-6).sum())
+    n = int((base >= MIN_BASE_PROB).sum())
     if n == 0:
         raise RunError(f"no prompt gives {target!r} a baseline probability of at least 1e-6; try other prompts")
     return n
@@ -1886,18 +1889,24 @@ def find_prototype(model, data, cfg, target, autocast, top: int = 10) -> dict:
     out = {"target": target, "prompts": n, "ranking": ranking[:top]}
     if len(prompts) >= 4:
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        halves = []
-        for part in ([prompts[i] for i in order[:len(prompts) // 2]], [prompts[i] for i in order[len(prompts) // 2:]]):
-            b = prompt_batch(data.tokenizer, part, target, data.device)
-            halves.append((b, target_probs(model, b)))
-        if all((p >= 1e-6).any() for _, p in halves):
-            best = rank_units(model, cfg, *halves[0])[0]
+        half = len(prompts) // 2
+        pick, held = (prompt_batch(data.tokenizer, [prompts[i] for i in part], target, data.device)
+                      for part in (order[:half], order[half:]))
+        pick_base, held_base = target_probs(model, pick), target_probs(model, held)
+        counts = [int((p >= MIN_BASE_PROB).sum()) for p in (pick_base, held_base)]
+        if all(counts):
+            best = rank_units(model, cfg, pick, pick_base)[0]
             with intervention(model, [(best["layer"], best["proto"])], "write-mask"):
-                rel = relative(target_probs(model, halves[1][0]), halves[1][1])
-            out["split_half"] = {"unit": best["unit"], "selected_on": int((halves[0][1] >= 1e-6).sum()),
-                                 "measured_on": int((halves[1][1] >= 1e-6).sum()), "selection_mean": best["mean"],
-                                 **change_stats(rel)}
+                rel = relative(target_probs(model, held), held_base)
+            out["split_half"] = {"unit": best["unit"], "selected_on": counts[0], "measured_on": counts[1],
+                                 "selection_mean": best["mean"], **change_stats(rel)}
     return out
+
+
+def split_half_text(h: dict) -> str:
+    """find_prototype's split half, for the log and the report."""
+    return (f"ranked on a random {h['selected_on']} prompts alone, their best {h['unit']} ({h['selection_mean']:+.1%} "
+            f"there), measured on the other {h['measured_on']}: {change_line(h, 1)}")
 
 
 # Perturbations of val lines that keep the meaning (spec §5.4), each a function line -> line (or None).
@@ -2231,11 +2240,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, ste
                      f"ppl_change: the perplexity change on {PPL_WINDOWS} val windows, measured for the top three "
                      "only</p>" + table_html(fp["ranking"], ["unit", "mean", "max_drop", "max_rise", "ppl_change"]))
         if "split_half" in fp:
-            h = fp["split_half"]
-            parts.append(f"<p>The best unit above is picked on the prompts it is measured on. Split half: ranked on "
-                         f"a random {h['selected_on']} prompts alone, their best unit {html.escape(h['unit'])} "
-                         f"({h['selection_mean']:+.1%} there), measured on the other {h['measured_on']}: "
-                         f"{html.escape(change_line(h, 1))}.</p>")
+            parts.append("<p>The best unit above is picked on the prompts it is measured on. Split half: "
+                         f"{html.escape(split_half_text(fp['split_half']))}.</p>")
     if "intervention" in results:
         iv = {**results["intervention"], "units": ", ".join(results["intervention"]["units"])}  # not a list's repr
         parts.append(f"<h2>Intervention</h2><p>{html.escape(iv['mode'])} of {html.escape(iv['units'])} together. "
@@ -2565,10 +2571,7 @@ def run(cfg: Config, explicit) -> int:
                 log(f"  best {best['unit']}: target probability {change_line(best, 1)}, perplexity on "
                     f"{PPL_WINDOWS} val windows {best['ppl_change']:+.2%}")
                 if "split_half" in fp:  # the best unit above is chosen on the prompts it is measured on
-                    h = fp["split_half"]
-                    log(f"  split half: ranked on a random {h['selected_on']} prompts alone, their best {h['unit']} "
-                        f"({h['selection_mean']:+.1%} there), measured on the other {h['measured_on']}: "
-                        f"{change_line(h, 1)}")
+                    log("  split half: " + split_half_text(fp["split_half"]))
         if cfg.intervene:
             r = run_intervention(model, data, cfg, parse_units(cfg.intervene, cfg.layers, cfg.n_protos), cfg.mode,
                                  cfg.target, autocast)
