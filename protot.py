@@ -1847,12 +1847,15 @@ def change_line(r: dict, digits: int = 2) -> str:
 PPL_WINDOWS = 64  # val windows behind an intervention's perplexity change (the full split per unit would be slow)
 
 
-def run_intervention(model, data, cfg, units, mode, target, autocast, ppl_windows=PPL_WINDOWS) -> dict:
+def run_intervention(model, data, cfg, units, mode, target, autocast, ppl_windows=PPL_WINDOWS, ppl0=None) -> dict:
+    """The target's probability and the perplexity on ppl_windows val windows, before and with `units` masked.
+    ppl0: the unmasked perplexity when the caller has it (find_prototype measures three units against one)."""
     prompts = load_prompts(cfg, data, target)
     batch = prompt_batch(data.tokenizer, prompts, target, data.device)
     base = target_probs(model, batch)
     n = kept_prompts(base, target)
-    ppl0 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows)["ppl"]
+    if ppl0 is None:
+        ppl0 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows)["ppl"]
     with intervention(model, units, mode, cfg.seed):
         new = target_probs(model, batch)
         ppl1 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=ppl_windows)["ppl"]
@@ -1884,8 +1887,10 @@ def find_prototype(model, data, cfg, target, autocast, top: int = 10) -> dict:
     base = target_probs(model, batch)
     n = kept_prompts(base, target)
     ranking = rank_units(model, cfg, batch, base)
+    ppl0 = evaluate_ppl(model, data, cfg.ctx, autocast, max_windows=PPL_WINDOWS)["ppl"]
     for r in ranking[:3]:
-        r.update(run_intervention(model, data, cfg, [(r["layer"], r["proto"])], "write-mask", target, autocast))
+        r.update(run_intervention(model, data, cfg, [(r["layer"], r["proto"])], "write-mask", target, autocast,
+                                  ppl0=ppl0))
     out = {"target": target, "prompts": n, "ranking": ranking[:top]}
     if len(prompts) >= 4:
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()

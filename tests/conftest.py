@@ -113,6 +113,24 @@ def check_close(name, ref, out, ratio=None, atol=None):
     assert err < ratio, f"{name}: rel rms err {err:.3e} >= {ratio:.1e} (max abs err {abs_err:.3e})"
 
 
+
+def compiled_ops(fn, *args):
+    """Run fn under torch.compile with a backend that records the graphs dynamo captures (and runs them eagerly).
+    -> (fn's output, the call targets of every captured graph and of the subgraphs it calls (an autograd.Function's
+    forward and backward), as strings such as '<built-in function matmul>').
+    A function kept out of compiled graphs (torch.compiler.disable) leaves no op of its own in them; comparing the
+    compiled output with the eager one cannot show that, since the eager backend computes the same either way."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    out = torch.compile(fn, backend=backend)(*args)
+    modules = [m for g in graphs for m in g.modules() if isinstance(m, torch.fx.GraphModule)]  # with the bodies
+    return out, [str(n.target) for m in modules for n in m.graph.nodes if n.op in ("call_function", "call_method")]
+
+
 ROOT = Path(__file__).resolve().parent.parent
 # Command-line runs train on the first 200k tokens (the comedies) and score on a 10k-token val slice: the full
 # corpus's 19k-row vocabulary and 122k-token val perplexity would dominate every tiny run.

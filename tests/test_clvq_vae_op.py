@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import clvq_vae as cv
-from conftest import check_close
+from conftest import check_close, compiled_ops
 
 ROOT = Path(cv.__file__).resolve().parent
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -598,3 +598,16 @@ class TestOnCUDA:
         assert (at.sum(1) == 1).all()
         check_close("cuda dist", top_d[at], dist)
         assert (idx != r_idx).float().mean() < 1e-3 and (idx != top[:, 0]).float().mean() > 0.01
+
+
+def test_torch_compile_graph_breaks_around_triton():
+    """torch.compiler.disable on the Triton launch: dynamo traces the rest, and the search (nearest and sampled)
+    runs eagerly, with the eager results; no captured graph allocates the kernel's outputs."""
+    x, e = make_inputs(37, 50, 24)
+    u = torch.rand(37, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    fn = lambda x, e: (cv.vq_topk(x * 2, e, 5, backend="triton"), cv.vq_search(x * 2, e, 5, 0.5, uniforms=u,
+                                                                               backend="triton"))
+    (top, sampled), ops = compiled_ops(fn, x, e)
+    want_top, want_sampled = fn(x, e)
+    assert all(torch.equal(a, b) for a, b in zip((*top, *sampled), (*want_top, *want_sampled)))
+    assert "<built-in function mul>" in ops and not any("empty" in op for op in ops), ops

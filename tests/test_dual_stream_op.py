@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dual_stream as op
-from conftest import check_close
+from conftest import check_close, compiled_ops
 
 
 needs_triton = pytest.mark.skipif(
@@ -407,3 +407,18 @@ class TestOnCUDA:
         check_close("loss", losses["torch"], losses["triton"], ratio=1e-2 if bf16 else None)
         for n, g in grads["torch"].items():  # bf16: two roundings of p and dS apart (the kernel's and SDPA's)
             check_close(n, g, grads["triton"][n], ratio=5e-2 if bf16 else 1e-4)
+
+
+@needs_triton
+def test_torch_compile_graph_breaks_around_triton():
+    """torch.compiler.disable on the Triton launch: dynamo traces the rest of the function, calls the kernels
+    eagerly (no captured graph holds the autograd.Function) and the gradients flow."""
+    q, k, v, do = _inputs(1, 2, 33, 16)
+    fn = lambda q, k, v: op.amp_attention(q * 2, k, v, 4.0, backend="triton")
+    eager = _run(fn, q, k, v, do)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    (o, ent, maxw), ops = compiled_ops(fn, *leaves)
+    grads = torch.autograd.grad(o, leaves, do)
+    for name, want, got in zip(("o", "entropy", "max_weight", "dq", "dk", "dv"), eager, (o, ent, maxw, *grads)):
+        assert torch.equal(want, got), name
+    assert "<built-in function mul>" in ops and not any("autograd_function" in op for op in ops), ops

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import common
-from conftest import (SMALL_CORPUS, call_main, check_cuda_run, check_ddp_weights, run_main, run_one_and_ddp,
-                      run_script, save_envelope)
+from conftest import (SMALL_CORPUS, call_main, check_close, check_cuda_run, check_ddp_weights, compiled_ops, run_main,
+                      run_one_and_ddp, run_script, save_envelope)
 import prism
 from prism import Config, PRISM
 
@@ -50,6 +50,32 @@ def test_logits_equal_the_dense_head_in_every_routing(mode):
     torch.testing.assert_close(out["r"] + out["zhat"], z, rtol=1e-12, atol=1e-12)
     assert (out["a"] >= 0).all() and out["idx"].shape == (2, 8, 3)
 
+
+
+@pytest.mark.parametrize("mode", ["full", "detach-r"])
+def test_triton_model_matches_the_torch_model(mode):
+    """--kernels triton (the top-k selection and the gathered-dot kernels, the LayerNorms, the cross-entropy) and
+    --kernels torch on the same weights: the training loss with its R1/R2 terms, every statistic and every
+    parameter's gradient."""
+    out = {}
+    x, y = batch(3, 8)
+    for backend in ("torch", "triton"):
+        m = tiny_model(resid_grad=mode, kernels=backend, lambda_r1=0.1, lambda_r2=0.1).float()
+        loss, stats = m(x, y)
+        loss.backward()
+        out[backend] = loss.detach(), stats, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    (loss_t, stats_t, grads_t), (loss_k, stats_k, grads_k) = out["torch"], out["triton"]
+    check_close("loss", loss_t, loss_k)
+    assert set(stats_t) == set(stats_k) and {"ce", "r1", "r2"} <= set(stats_t)
+    for k, v in stats_t.items():  # the means close, the counts (R2's coverage) equal
+        v, w = torch.as_tensor(v), torch.as_tensor(stats_k[k])
+        if v.is_floating_point():
+            check_close(k, v, w)
+        else:
+            assert torch.equal(v, w), k
+    assert set(grads_t) == set(grads_k) and "P" in grads_t
+    for n, g in grads_t.items():
+        check_close(n, g, grads_k[n])
 
 def ce_grads(m, x, y, ce_of_z):
     """Gradients of a CE for the backbone's z and for P, given how the logits are formed from z."""
@@ -196,20 +222,29 @@ def test_nearest_pairs_chunked_equals_brute_force():
 
 
 def test_nearest_pairs_ignore_autocast():
-    """Under bf16 autocast (CUDA training) the neighbour search still runs in fp32."""
-    z, P = torch.randn(300, 64), torch.randn(40, 64)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = prism.nearest_pairs(z, P, "l2")
+    """Under bf16 autocast (CUDA training) the neighbour search still runs in fp32. Pairs of prototypes 0.01 apart,
+    tokens near the first of each: bf16 dot products (8 significand bits) misorder such pairs, fp32 does not."""
+    P = torch.randn(20, 64)
+    P = torch.cat([P, P + 0.01 * torch.randn(20, 64)])
+    z = P[:20].repeat(15, 1) + 0.05 * torch.randn(300, 64)
     want = prism.nearest_pairs(z, P, "l2")
+    d = torch.cdist(z.double(), P.double())
+    assert torch.equal(want[0], d.argmin(1)) and torch.equal(want[1], d.argmin(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = (2 * (z @ P.T).float() - P.pow(2).sum(-1)).argmax(1)  # the search's score, as autocast computes it
+        got = prism.nearest_pairs(z, P, "l2")
+    assert not torch.equal(bf16, want[0])  # the premise: in bf16 these neighbours change
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_nearest_pairs_runs_eagerly_inside_torch_compile():
-    """It toggles the TF32 flags, so it is kept out of compiled graphs (the model's forward calls it)."""
+    """It toggles the TF32 flags, so it is kept out of compiled graphs (the model's forward calls it): dynamo
+    graph-breaks around it, and no captured graph holds its distance GEMM."""
     z, P = torch.randn(30, 8), torch.randn(7, 8)
-    got = torch.compile(lambda z, P: prism.nearest_pairs(z, P, "l2"), backend="eager")(z, P)
-    want = prism.nearest_pairs(z, P, "l2")
+    got, ops = compiled_ops(lambda z, P: prism.nearest_pairs(z * 2, P, "l2"), z, P)
+    want = prism.nearest_pairs(z * 2, P, "l2")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert "<built-in function mul>" in ops and not any("matmul" in op or "tf32" in op for op in ops), ops
 
 
 def test_seeding_draws_hidden_states_and_is_remembered():
@@ -772,16 +807,17 @@ def test_corrupt_checkpoint_is_one_line(tmp_path, cache_dir, capsys, monkeypatch
 
 @pytest.mark.slow
 def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
-    """torchrun with 2 gloo processes: each rank takes half of the global batch; P is seeded on rank 0 and
-    broadcast. R1 and R2 are batch-local (their nearest neighbours are per rank), so the equality is checked with
-    λ1 = λ2 = 0 and random init; then a seeded run with R1 on must simply work."""
+    """torchrun with 2 gloo processes: each rank takes half of the global batch; P is seeded by k-means++ on rank 0
+    from every rank's states and broadcast, so the seeded bank is the single process's (without the broadcast rank
+    1 would keep its own P and the weights would part). R1 and R2 are batch-local (their nearest neighbours are per
+    rank), so the equality is checked with λ1 = λ2 = 0; then a seeded run with R1 on must simply work."""
     args = ["--layers", "1", "--d-model", "32", "--heads", "2", "--n-protos", "16", "--topk", "4", "--ctx", "32",
             "--batch-size", "8", "--max-iters", "6", "--init-steps", "2", "--eval-interval", "3", "--eval-iters", "2",
             "--log-interval", "3", "--lambda-r1", "0", "--lambda-r2", "0", "--no-twin", "--no-cards",
             "--no-attribution", "--no-controller", "--suppress-keywords", "", "--no-report", "--sample-tokens", "5",
             *SMALL_CORPUS, "--cache-dir", str(cache_dir)]
     common.load_data(max_tokens=int(SMALL_CORPUS[1]), cache_dir=cache_dir)  # the cache exists before the ranks start
-    a, b = run_one_and_ddp("prism.py", [*args, "--init", "random"], tmp_path, "ckpt-prism.pt")
+    a, b = run_one_and_ddp("prism.py", [*args, "--init", "kmeans++"], tmp_path, "ckpt-prism.pt")
     torch.testing.assert_close(a["history"]["val"], b["history"]["val"], rtol=1e-5, atol=0)
     check_ddp_weights(a["model"], b["model"], a["config"]["lr"])
     # every evaluation figure is reduced over the ranks to the global batch's (not rank 0's half): per-token means
@@ -791,7 +827,6 @@ def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
             assert eb[key] == pytest.approx(ea[key], rel=1e-4), (ea["step"], key, ea[key], eb[key])
         for key in ("cover_r1", "cover_r2"):
             assert eb[key] == pytest.approx(ea[key], abs=1e-6), (ea["step"], key, ea[key], eb[key])
-    # k-means++ on rank 0, broadcast: both ranks hold the same bank (else DDP's all-reduced steps would differ)
     seeded = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "prism.py", *args,
                         "--lambda-r1", "0.1", "--out-dir", str(tmp_path / "seeded"), env={"OMP_NUM_THREADS": "1"})
     assert seeded.returncode == 0 and "prototypes seeded by k-means++" in seeded.stdout, seeded.stderr[-2000:]

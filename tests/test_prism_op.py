@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import prism as op
-from conftest import RATIO, check_close
+from conftest import RATIO, check_close, compiled_ops
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -299,16 +299,18 @@ def test_nan_poisoning_catches_a_skipped_block():
 
 @pytest.mark.parametrize("form", ["torch", "triton"])
 def test_torch_compile_graph_breaks_around_the_selection(form):
-    """Inside torch.compile the selection runs eagerly (a graph break) and the gradients still flow."""
+    """Inside torch.compile the selection runs eagerly (a graph break: no captured graph holds its scoring GEMM or
+    its top-k) and the gradients still flow."""
     z, P = make_inputs(5, 10, 16)
     fn = functools.partial(op.proto_topk, k=3, backend=form)
     zc = z.clone().requires_grad_()
-    idx_c, a_c = torch.compile(fn, backend="eager")(zc, P)
+    (idx_c, a_c), ops = compiled_ops(fn, zc, P)
     a_c.sum().backward()
     zl = z.clone().requires_grad_()
     idx, a = fn(zl, P)
     a.sum().backward()
     assert torch.equal(idx_c, idx) and torch.equal(a_c, a) and torch.equal(zc.grad, zl.grad)
+    assert ops and not any(name in op for op in ops for name in ("matmul", "topk", "tf32")), ops
 
 
 class RecordTF32(torch.overrides.TorchFunctionMode):

@@ -886,7 +886,7 @@ def test_find_prototype_measures_its_split_half_pick_on_the_other_half(data, tmp
     """The best unit is picked on the prompts it is measured on; split_half ranks on a seeded random half of the
     prompts and measures that pick on the other half, which the selection never saw."""
     torch.manual_seed(0)
-    cfg = Config(layers=2, d_model=32, n_protos=4, heads=2, dropout=0.0)
+    cfg = Config(layers=2, d_model=32, n_protos=4, heads=2, dropout=0.0, ctx=32)  # short perplexity windows
     model = ProtoT(cfg, data.vocab_size).eval()
     fp = protot.find_prototype(model, data, cfg, "woman", contextlib.nullcontext())
     h = fp["split_half"]
