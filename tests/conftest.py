@@ -206,6 +206,23 @@ def save_envelope(path, script: str, config: dict, history=None) -> None:
                 "rng": {"torch": 0, "data": 0, "cuda": 0}, "config": config}, path)
 
 
+def half_written_save(obj, f, *args, **kwargs):
+    """A stand-in for torch.save that writes the first bytes of its file and fails, as on a full disk."""
+    Path(f).write_bytes(b"PK\x03\x04 the first bytes of a zip")
+    raise OSError(28, "No space left on device")
+
+
+def check_save_is_atomic(save, path: Path, monkeypatch) -> None:
+    """save(step) writes a checkpoint to `path`. One at step 1; then a save of step 2 whose torch.save writes a few
+    bytes and fails (half_written_save): the error reaches the caller and step 1's file still loads, which a save
+    written in place of the old file would have destroyed."""
+    save(1)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", half_written_save)
+        with pytest.raises(OSError, match="No space left on device"):
+            save(2)
+    assert torch.load(path, weights_only=True)["step"] == 1
+
 def run_main(main, argv, capsys, monkeypatch, env=None) -> subprocess.CompletedProcess:
     """A script's main(argv) in-process, as `python script.py ...` would run it (offline, without the suite's
     Triton interpreter, with `env` on top), returned like run_script's result: returncode, stdout, stderr.

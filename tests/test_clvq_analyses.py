@@ -65,7 +65,7 @@ def test_ig_is_complete(bert):
                                  baseline=baseline, batch=16)
     gap = ig["f_x"] - ig["f_base"]
     assert abs(gap) > 1e-3  # a non-trivial path
-    assert abs(ig["attr"].sum().item() - gap) < 1e-3 * max(1.0, abs(gap))
+    assert abs(ig["attr"].sum().item() - gap) < 1e-3 * abs(gap)  # relative: one step misses by ~4% here
     assert ig["attr"].shape == (len(enc["input_ids"]),)
     # the target is the head's prediction on the unmodified sentence
     out = bert.model(input_ids=torch.tensor([enc["input_ids"]]), output_hidden_states=True)

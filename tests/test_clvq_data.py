@@ -5,6 +5,7 @@ import torch
 
 import clvq_vae as C
 from common import DataError
+from conftest import half_written_save
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -183,10 +184,29 @@ def test_cache_is_reused_and_keyed(bert, tmp_path, monkeypatch):
     monkeypatch.setattr(C, "extract_activations", boom)
     b = C.cached_activations(bert, "toy", texts, labels, (1, 2), 0, None, cache_dir=tmp_path)
     assert torch.equal(a.x_l, b.x_l) and torch.equal(a.x_h, b.x_h) and a.words == b.words and b.labels == labels
-    for other in [dict(layers=(0, 2)), dict(min_count=2), dict(texts=texts[::-1])]:
+    base = dict(dataset="toy", texts=texts, labels=labels, layers=(1, 2), min_count=0, max_per_type=None)
+    for other in [dict(layers=(0, 2)), dict(min_count=2), dict(texts=texts[::-1]), dict(labels=[1, 0]),
+                  dict(max_per_type=1), dict(dataset="other")]:  # each a part of the key
         with pytest.raises(AssertionError, match="extracted again"):
-            C.cached_activations(bert, "toy", other.get("texts", texts), labels, other.get("layers", (1, 2)),
-                                 other.get("min_count", 0), None, cache_dir=tmp_path)
+            C.cached_activations(bert, **{**base, **other}, cache_dir=tmp_path)
+    # a file whose stored key is not the one its name stands for (renamed, or written by other code) is refused
+    sd = torch.load(files[0], weights_only=True)
+    sd["spec"]["n"] += 1
+    torch.save(sd, files[0])
+    with pytest.raises(DataError, match=r"activation cache .* is unreadable \(ValueError\); delete it"):
+        C.cached_activations(bert, **base, cache_dir=tmp_path)
+
+
+def test_a_failed_cache_write_is_one_line_and_keeps_the_old_file(tmp_path, monkeypatch):
+    """_save_cache writes a temporary file and renames it: a write that fails (a full disk) is a one-line DataError
+    naming the file, the file already there is intact and no temporary file is left."""
+    path = tmp_path / "clvq-activations" / "x.pt"
+    C._save_cache({"v": 1}, path, "activation cache")
+    monkeypatch.setattr(torch, "save", half_written_save)
+    with pytest.raises(DataError, match=f"^activation cache {path}: No space left on device$"):
+        C._save_cache({"v": 2}, path, "activation cache")
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=True) == {"v": 1} and [f.name for f in path.parent.iterdir()] == ["x.pt"]
 
 
 def test_cache_key_changes_with_the_weights(tmp_path):

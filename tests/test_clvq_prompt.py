@@ -215,6 +215,7 @@ def test_fidelity_runs_with_the_prompted_classifier(lm):
     acc = sum(p == y for p, y in zip(pred, dev.labels)) / len(pred)
     assert info["head_dev_accuracy"] == pytest.approx(acc)  # zero-shot: the argmax over the label tokens
     assert head.weight.requires_grad is False and table[0]["method"] == "k-means"
+    assert len(info["salient_rows"]) == len(dev.texts)  # one per sentence
     for r, s in zip(info["salient_rows"], range(len(dev.texts))):
         assert int(dev.sent[r]) == s  # the salient row is one of the sentence's own words
 

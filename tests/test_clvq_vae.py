@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import clvq_vae as cv
-from conftest import call_main, check_cuda_run, run_script, run_one_and_ddp
+from conftest import call_main, check_cuda_run, check_save_is_atomic, run_one_and_ddp, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST = dict(ddp=False, rank=0, local_rank=0, world=1)
@@ -97,6 +97,15 @@ def test_training_loss_falls_and_evaluations_are_logged(tmp_path, acts):
     assert any(ln.startswith("codebook: spherical-kmeans init") for ln in lines)
     assert bool(model.vq.initialised) and (cv.ckpt_path(cfg)).name == "ckpt-clvq-l1-h2.pt"
 
+
+def test_a_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    cfg = tiny_cfg(tmp_path)
+    model = cv.build_model(cfg, CPU)
+    opt = cv.make_optimizer(model, cfg, "cpu")
+    path = cv.ckpt_path(cfg)
+    sched = dict(scale=1.0, best=float("inf"), bad=0, since_best=0)
+    check_save_is_atomic(lambda step: cv.save_checkpoint(path, model, opt, cfg, step, sched, {}, {k: [] for k in
+                                                         cv.HISTORY_KEYS}, {}), path, monkeypatch)
 
 def test_holdout_split_is_seeded_disjoint_and_by_sentence():
     """Spec §4: 90/10 train/val by sentence; frac 0 holds nothing out."""

@@ -265,6 +265,26 @@ def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
     assert list((tmp_path / "cache").iterdir()) == []
 
 
+def test_two_processes_building_one_cache_both_succeed(tmp_path, monkeypatch):
+    """A first torchrun with no cache: every rank tokenises and renames its copy into place; the rename of the
+    later ones fails (the folder is there) and each keeps the copy already in place, leaving no temporary folder.
+    Simulated in one process: a second build of the same cache finishes while the first is still building."""
+    corpus, cache = write_corpus(tmp_path / "c"), tmp_path / "cache"
+    choose_kept, nested = common.choose_kept, []
+
+    def other_process_finishes_first(*args, **kwargs):
+        if not nested:  # the outer build: the other one runs (with the original choose_kept) and finishes first
+            nested.append(None)
+            monkeypatch.setattr(common, "choose_kept", choose_kept)
+            nested[0] = common.prepare(str(corpus), "bytes", cache_dir=cache)
+        return choose_kept(*args, **kwargs)
+    monkeypatch.setattr(common, "choose_kept", other_process_finishes_first)
+    path = common.prepare(str(corpus), "bytes", cache_dir=cache)
+    assert nested == [path] and [f.name for f in cache.iterdir()] == [path.name]
+    tokens = common.TokenData(path).tokens("train")
+    assert len(tokens) > 0 and np.array_equal(tokens, common.TokenData(common.prepare(str(corpus), "bytes",
+                                                                                       cache_dir=cache)).tokens("train"))
+
 def test_cache_folder_without_meta_is_rebuilt(tmp_path):
     """A folder under the final name without meta.json (damaged by hand) is replaced, not a crash on every run."""
     corpus, cache = write_corpus(tmp_path / "c"), tmp_path / "cache"
@@ -526,19 +546,28 @@ def test_hub_probe_dials_the_https_proxy(monkeypatch):
 
 def test_fineweb_edu_holds_out_every_20th_document(monkeypatch, tmp_path):
     """Every 20th document is val, as val's budget is a twentieth of train's: with a budget, both passes read about
-    as many records (every 200th made the val pass read ten times as many)."""
-    docs = [{"text": f"document {i} " + "word " * 5} for i in range(1000)]
+    as many records (every 200th made the val pass read ten times as many). Each pass stops at its budget, to the
+    tokeniser's batch of 256 documents, so the stream is long enough for that to show."""
+    docs = [{"text": f"document {i:05d} " + "word " * 5} for i in range(30_000)]
     monkeypatch.setattr(common, "hub_reachable", lambda timeout=3.0: True)
-    monkeypatch.setattr(common, "_hub_stream", fake_stream({"train": docs}, []))
+    monkeypatch.setattr(common, "_hub_stream", fake_stream({"train": docs[:1000]}, []))
     data = common.load_data("fineweb-edu", "bytes", cache_dir=tmp_path)
     assert data.meta["splits"]["val"]["documents"] == 50 and data.meta["splits"]["train"]["documents"] == 950
-    assert data.tokenizer.decode(data.tokens("val")[:12].tolist()).startswith("document 0 ")
-    read = []
-    monkeypatch.setattr(common, "_hub_stream", lambda name, split: (read.append(split) or r for r in docs))
-    budget = common.load_data("fineweb-edu", "bytes", max_tokens=4000, cache_dir=tmp_path)
-    per_doc = len("document 100 " + "word " * 5) + 1
-    assert budget.meta["splits"]["train"]["tokens"] == 4000 and budget.meta["splits"]["val"]["tokens"] == 200
-    assert budget.meta["splits"]["val"]["documents"] <= 200 // per_doc + 1
+    assert data.tokenizer.decode(data.tokens("val")[:16].tolist()).startswith("document 00000 ")
+    reads = []  # records each pass took from the stream
+
+    def counted(name, split):
+        reads.append(0)
+        for r in docs:
+            reads[-1] += 1
+            yield r
+    monkeypatch.setattr(common, "_hub_stream", counted)
+    budget = common.load_data("fineweb-edu", "bytes", max_tokens=400_000, cache_dir=tmp_path)
+    per_doc = len(docs[0]["text"]) + 1
+    assert budget.meta["splits"]["train"]["tokens"] == 400_000 and budget.meta["splits"]["val"]["tokens"] == 20_000
+    assert budget.meta["splits"]["val"]["documents"] <= 20_000 // per_doc + 1
+    train_reads, val_reads = reads
+    assert 400_000 / per_doc < train_reads < len(docs) / 2 and val_reads < 2 * train_reads, reads
 
 
 def test_labeled_hub_dataset_with_stand_in(monkeypatch):

@@ -13,6 +13,7 @@ import pytest
 from dataclasses import replace
 
 import common
+from conftest import check_save_is_atomic
 import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -279,6 +280,16 @@ def tiny_lm_checkpoint(name, tmp_path, cache_dir):
                         {k: [] for k in mod.HISTORY_KEYS})
     return mod, data, cfg, path
 
+
+@pytest.mark.parametrize("name", list(TINY_LM))
+def test_a_failed_save_keeps_the_last_checkpoint(name, tmp_path, cache_dir, monkeypatch):
+    import torch
+
+    mod, data, cfg, path = tiny_lm_checkpoint(name, tmp_path, cache_dir)
+    model = mod.build_model(cfg, data.vocab_size, torch.device("cpu"))
+    opt = mod.make_optimizer(model, cfg, "cpu")
+    check_save_is_atomic(lambda step: mod.save_checkpoint(path, model, opt, cfg, step, 9.0, data.rng_state(), data,
+                                                          {k: [] for k in mod.HISTORY_KEYS}), path, monkeypatch)
 
 @pytest.mark.parametrize("name", list(TINY_LM))
 def test_damaged_checkpoints_are_one_line_errors(name, tmp_path, cache_dir):
