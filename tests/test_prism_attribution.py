@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import prism
-from prism import Config, PRISM, RunError
+from prism import Config, PRISM
 
 V = 30
 
