@@ -1485,6 +1485,7 @@ REPORTED_AMPLIFICATION = "paper: 16-27% degradation for α up to 16; the summary
 REPORTED_ABLATION = ("third-party write-ups of the paper: +36% without x_t, +9.5% without x_e (read here as a "
                      "readout ablation)")
 REPORTED_HUB = "third-party write-ups of the paper: head 0 amplified about 3.5× in deeper layers"
+REPORTED_HEAD_SWEEP = "the paper's summary: distinctiveness and coreference scores rise with the number of heads"
 # The head sweep (spec §7, §10.5: "distinctiveness and coreference scores rise with the number of heads"): H at
 # fixed d (d_h = d/H), the run's mode and mixing, every model on the same batches as in the sweep above.
 HEAD_SWEEP = (2, 3, 6, 12)
@@ -1532,8 +1533,10 @@ def sweep_table(models: dict, ppl: dict, compare: bool = True) -> list[dict]:
 def head_sweep_table(models: dict, ppl: dict, spec: dict) -> list[dict]:
     """Per H: val loss, distinctiveness (mean over layers, and per layer), the coreference probe's best head
     (its accuracy, right name ahead, and margin; chance 50%, 0) and the logit gap (mean, standard error, fraction
-    above 0, chance 50%) with its best head by direct logit attribution."""
+    above 0, chance 50%) with its best head by direct logit attribution. Each best head is picked on the prompts
+    it is scored on; the held-out columns are split_half's: picked on one half, scored on the other."""
     rows = []
+    held_out = lambda h: f"L{h['layer']}h{h['head']} {h['mean']:+.3g} ± {h['stderr']:.2g}" if h else ""  # noqa: E731
     for name, m in models.items():
         s, c, g = spec[name], spec[name]["coreference"], spec[name]["coreference_gap"]
         b, gb = c.get("best", {}), g.get("best", {})
@@ -1542,10 +1545,11 @@ def head_sweep_table(models: dict, ppl: dict, spec: dict) -> list[dict]:
                      "per layer": per_layer(s["distinctiveness"]),
                      "coref best head": f"L{b['layer']}h{b['head']}" if b else "",
                      "coref accuracy": b.get("accuracy", ""), "coref margin": b.get("margin", ""),
-                     "coref prompts": c.get("prompts", 0), "logit gap": g.get("gap", ""),
+                     "coref prompts": c.get("prompts", 0), "coref held-out margin": held_out(c.get("split_half")),
+                     "logit gap": g.get("gap", ""),
                      "logit gap stderr": g.get("stderr", ""), "logit gap > 0": g.get("accuracy", ""),
                      "gap best head": f"L{gb['layer']}h{gb['head']}" if gb else "", "gap best head DLA": gb.get("gap", ""),
-                     "gap prompts": g.get("prompts", 0)})
+                     "gap held-out DLA": held_out(g.get("split_half")), "gap prompts": g.get("prompts", 0)})
     return rows
 
 
@@ -2071,13 +2075,16 @@ def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
     return res
 
 
+BENCH_KERNEL_CTX = {"cuda": (256, 512, 1024, 2048, 4096), "cpu": (256, 512, 1024)}  # looked up per call: tests shorten
+
+
 def bench_kernel(cfg: Config, device, log=print) -> dict:
     """amp_attention (o plus entropy and max weight) against SDPA (o only) and the explicit reference, forward and
     forward + backward, B·H = 4·6 heads of d_h = 64. On CUDA the Triton kernel in bf16 at ctx 256 … 4096; without
-    one the blocked torch form (what the model runs there) in fp32 at ctx 256 … 1024."""
+    one the blocked torch form (what the model runs there) in fp32 at ctx 256 … 1024 (BENCH_KERNEL_CTX)."""
     cuda = device.type == "cuda" and HAS_TRITON
     name, backend = ("triton", "triton") if cuda else ("torch", "torch")
-    dtype, lengths = (torch.bfloat16, (256, 512, 1024, 2048, 4096)) if cuda else (torch.float32, (256, 512, 1024))
+    dtype, lengths = (torch.bfloat16, BENCH_KERNEL_CTX["cuda"]) if cuda else (torch.float32, BENCH_KERNEL_CTX["cpu"])
     out = {"form": name, "dtype": str(dtype).removeprefix("torch.")}
     B, H, dh = 4, 6, 64
     forms = {name: lambda q, k, v: amp_attention(q, k, v, 1.0, backend=backend)[0],
@@ -2233,8 +2240,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                      "full: both streams kept</p>" + table_html(rows, list(rows[0])) + notes)
     if results.get("head_sweep"):
         rows = results["head_sweep"]
-        parts.append("<h2>Head sweep</h2><p>the summary: distinctiveness and coreference rise with the number of "
-                     "heads</p>" + table_html(rows, list(rows[0])))
+        parts.append(f"<h2>Head sweep</h2><p>{REPORTED_HEAD_SWEEP}; this run's figures:</p>"
+                     + table_html(rows, list(rows[0])))
     for m, s in results.get("specialization", {}).items():
         parts.append(f"<h2>Head specialisation, {html.escape(m)}</h2><p>distinctiveness (mean pairwise JS, bits) per "
                      "layer: " + per_layer(s["distinctiveness"]) + "</p>")
@@ -2582,13 +2589,15 @@ def run(cfg: Config, explicit) -> int:
             log(f"specialisation, {name}: {line}")
     if cfg.head_sweep:
         rows = results["head_sweep"] = head_sweep_table(models, ppl, results["specialization"])
-        log("head sweep (spec §7, §10.5; the summary: distinctiveness and coreference rise with the number of heads):")
+        log(f"head sweep (spec §7, §10.5; {REPORTED_HEAD_SWEEP}):")
         for r in rows:
+            held = lambda col: f", held out {r[col]}" if r[col] else ""  # noqa: E731
             coref = (f"coreference best head {r['coref best head']} right name first in {r['coref accuracy']:.0%} "
-                     f"(margin {r['coref margin']:+.3f})" if r["coref prompts"] else "coreference: no usable prompt")
+                     f"(margin {r['coref margin']:+.3f}{held('coref held-out margin')})" if r["coref prompts"]
+                     else "coreference: no usable prompt")
             coref += (f"  logit gap {r['logit gap']:+.3f} ± {r['logit gap stderr']:.3f}, > 0 in {r['logit gap > 0']:.0%}"
-                      f", best head by DLA {r['gap best head']} ({r['gap best head DLA']:+.3g})" if r["gap prompts"]
-                      else "  logit gap: no usable prompt")
+                      f", best head by DLA {r['gap best head']} ({r['gap best head DLA']:+.3g}{held('gap held-out DLA')})"
+                      if r["gap prompts"] else "  logit gap: no usable prompt")
             log(f"  H={r['heads']:<3} d_h={r['d_h']:<4} val loss {r['val loss']:.4f}  distinctiveness {r['distinctiveness']:.3f} "
                 f"(per layer {r['per layer']})  {coref}")
     if cfg.sample is not None or cfg.train:

@@ -638,8 +638,9 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
         temperatures.append(temperature)
         return generate(self, idx, new_tokens, temperature, top_k, generator, **head_kw)
     monkeypatch.setattr(prism.PRISM, "generate", spy)
+    short = ["--sample-tokens", "12", "--card-windows", "16"]  # the training run's, not the defaults' 100 and 512
     r = run_main(prism.main, ["--no-train", "--suppress", "0,1", "--no-attribution", "--no-controller",
-                              "--sample", "KING:", "--temperature", "0.5",
+                              "--sample", "KING:", "--temperature", "0.5", *short,
                               "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(temperatures) > 2 and set(temperatures) == {0.5}
@@ -655,7 +656,7 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     monkeypatch.setattr(prism, "auto_keyword", lambda cards, generated: chosen_on.append(generated) or auto_keyword(
         cards, generated))
     r = run_main(prism.main, ["--no-train", "--suppress", "0,1", "--suppress-keywords", "auto", "--no-attribution",
-                              "--no-controller", "--no-report", "--out-dir", str(tmp_path), "--cache-dir",
+                              "--no-controller", "--no-report", *short, "--out-dir", str(tmp_path), "--cache-dir",
                               str(cache_dir)], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-3000:]
     unsuppressed = [(offset, texts) for offset, edited, texts in draws if not edited]
