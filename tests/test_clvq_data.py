@@ -329,13 +329,19 @@ def test_finetune_learns_the_task_and_is_cached(tmp_path, monkeypatch):
                           seed=0, cache_dir=tmp_path)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncate"])
+@pytest.mark.parametrize("damage", ["garbage", "truncate", "stored-key"])
 def test_corrupt_finetune_cache_is_one_line(tmp_path, damage):
+    """An unreadable file, or one whose stored key is not the one its name stands for: one line, naming it."""
     folder = _save_tiny_bert(tmp_path / "m")
     kw = dict(epochs=1, lr=1e-3, batch=8, seed=0, cache_dir=tmp_path, log=lambda m: None)
     C.cached_finetune(C.load_source_model(str(folder)), TOY_TEXTS, TOY_LABELS, 2, **kw)
     (path,) = (tmp_path / "clvq-finetuned").iterdir()
-    path.write_bytes(b"not a torch file" if damage == "garbage" else path.read_bytes()[:300])
+    if damage == "stored-key":
+        sd = torch.load(path, weights_only=True)
+        sd["spec"]["epochs"] += 1
+        torch.save(sd, path)
+    else:
+        path.write_bytes(b"not a torch file" if damage == "garbage" else path.read_bytes()[:300])
     with pytest.raises(DataError) as e:
         C.cached_finetune(C.load_source_model(str(folder)), TOY_TEXTS, TOY_LABELS, 2, **kw)
     assert str(path) in str(e.value) and "\n" not in str(e.value) and "delete it" in str(e.value)
