@@ -2148,8 +2148,11 @@ def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, sched:
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # atomic: a crash or a full disk leaves the last checkpoint whole
+    finally:
+        tmp.unlink(missing_ok=True)  # no half-written file left beside it
 
 
 def damaged_fields(ck: dict) -> list[str]:

@@ -1280,8 +1280,11 @@ def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: 
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # atomic: a crash or a full disk leaves the last checkpoint whole
+    finally:
+        tmp.unlink(missing_ok=True)  # no half-written file left beside it
 
 
 def damaged_fields(ck: dict) -> list[str]:
@@ -2596,8 +2599,9 @@ def run(cfg: Config, explicit) -> int:
                      f"(margin {r['coref margin']:+.3f}{held('coref held-out margin')})" if r["coref prompts"]
                      else "coreference: no usable prompt")
             coref += (f"  logit gap {r['logit gap']:+.3f} ± {r['logit gap stderr']:.3f}, > 0 in {r['logit gap > 0']:.0%}"
-                      f", best head by DLA {r['gap best head']} ({r['gap best head DLA']:+.3g}{held('gap held-out DLA')})"
-                      if r["gap prompts"] else "  logit gap: no usable prompt")
+                      f", best head by DLA {r['gap best head']} "
+                      f"({r['gap best head DLA']:+.3g}{held('gap held-out DLA')})" if r["gap prompts"]
+                      else "  logit gap: no usable prompt")
             log(f"  H={r['heads']:<3} d_h={r['d_h']:<4} val loss {r['val loss']:.4f}  distinctiveness {r['distinctiveness']:.3f} "
                 f"(per layer {r['per layer']})  {coref}")
     if cfg.sample is not None or cfg.train:

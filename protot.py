@@ -1343,8 +1343,11 @@ def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: 
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # atomic: a crash or a full disk leaves the last checkpoint whole
+    finally:
+        tmp.unlink(missing_ok=True)  # no half-written file left beside it
 
 
 def damaged_fields(ck: dict) -> list[str]:
@@ -1849,7 +1852,8 @@ PPL_WINDOWS = 64  # val windows behind an intervention's perplexity change (the 
 
 def run_intervention(model, data, cfg, units, mode, target, autocast, ppl_windows=PPL_WINDOWS, ppl0=None) -> dict:
     """The target's probability and the perplexity on ppl_windows val windows, before and with `units` masked.
-    ppl0: the unmasked perplexity when the caller has it (find_prototype measures three units against one)."""
+    ppl0: the unmasked perplexity over the same ppl_windows when the caller has it (find_prototype measures three
+    units against one)."""
     prompts = load_prompts(cfg, data, target)
     batch = prompt_batch(data.tokenizer, prompts, target, data.device)
     base = target_probs(model, batch)

@@ -113,11 +113,10 @@ def check_close(name, ref, out, ratio=None, atol=None):
     assert err < ratio, f"{name}: rel rms err {err:.3e} >= {ratio:.1e} (max abs err {abs_err:.3e})"
 
 
-
 def compiled_ops(fn, *args):
     """Run fn under torch.compile with a backend that records the graphs dynamo captures (and runs them eagerly).
-    -> (fn's output, the call targets of every captured graph and of the subgraphs it calls (an autograd.Function's
-    forward and backward), as strings such as '<built-in function matmul>').
+    -> (fn's output, the names of the calls in every captured graph and in the subgraphs it calls (an
+    autograd.Function's forward and backward), such as 'mul', 'matmul', '_enter_autocast', 'detach').
     A function kept out of compiled graphs (torch.compiler.disable) leaves no op of its own in them; comparing the
     compiled output with the eager one cannot show that, since the eager backend computes the same either way."""
     graphs = []
@@ -128,7 +127,8 @@ def compiled_ops(fn, *args):
 
     out = torch.compile(fn, backend=backend)(*args)
     modules = [m for g in graphs for m in g.modules() if isinstance(m, torch.fx.GraphModule)]  # with the bodies
-    return out, [str(n.target) for m in modules for n in m.graph.nodes if n.op in ("call_function", "call_method")]
+    return out, [getattr(n.target, "__name__", str(n.target)) for m in modules for n in m.graph.nodes
+                 if n.op in ("call_function", "call_method")]
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,14 +214,16 @@ def half_written_save(obj, f, *args, **kwargs):
 
 def check_save_is_atomic(save, path: Path, monkeypatch) -> None:
     """save(step) writes a checkpoint to `path`. One at step 1; then a save of step 2 whose torch.save writes a few
-    bytes and fails (half_written_save): the error reaches the caller and step 1's file still loads, which a save
-    written in place of the old file would have destroyed."""
+    bytes and fails (half_written_save): the error reaches the caller, step 1's file still loads (a save written in
+    place of the old file would have destroyed it) and nothing else is left in its folder."""
     save(1)
     with monkeypatch.context() as m:
         m.setattr(torch, "save", half_written_save)
         with pytest.raises(OSError, match="No space left on device"):
             save(2)
     assert torch.load(path, weights_only=True)["step"] == 1
+    assert [f.name for f in path.parent.iterdir()] == [path.name]  # and the half-written file is removed
+
 
 def run_main(main, argv, capsys, monkeypatch, env=None) -> subprocess.CompletedProcess:
     """A script's main(argv) in-process, as `python script.py ...` would run it (offline, without the suite's

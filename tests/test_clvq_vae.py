@@ -99,6 +99,7 @@ def test_training_loss_falls_and_evaluations_are_logged(tmp_path, acts):
 
 
 def test_a_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    """As the language models' (test_layout): a save that fails half-way leaves the last checkpoint whole."""
     cfg = tiny_cfg(tmp_path)
     model = cv.build_model(cfg, CPU)
     opt = cv.make_optimizer(model, cfg, "cpu")
@@ -106,6 +107,7 @@ def test_a_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     sched = dict(scale=1.0, best=float("inf"), bad=0, since_best=0)
     check_save_is_atomic(lambda step: cv.save_checkpoint(path, model, opt, cfg, step, sched, {}, {k: [] for k in
                                                          cv.HISTORY_KEYS}, {}), path, monkeypatch)
+
 
 def test_holdout_split_is_seeded_disjoint_and_by_sentence():
     """Spec §4: 90/10 train/val by sentence; frac 0 holds nothing out."""

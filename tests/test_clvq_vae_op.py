@@ -602,7 +602,7 @@ class TestOnCUDA:
 
 def test_torch_compile_graph_breaks_around_triton():
     """torch.compiler.disable on the Triton launch: dynamo traces the rest, and the search (nearest and sampled)
-    runs eagerly, with the eager results; no captured graph allocates the kernel's outputs."""
+    runs eagerly, with the eager results; no captured graph holds anything of the launch."""
     x, e = make_inputs(37, 50, 24)
     u = torch.rand(37, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     fn = lambda x, e: (cv.vq_topk(x * 2, e, 5, backend="triton"), cv.vq_search(x * 2, e, 5, 0.5, uniforms=u,
@@ -610,4 +610,6 @@ def test_torch_compile_graph_breaks_around_triton():
     (top, sampled), ops = compiled_ops(fn, x, e)
     want_top, want_sampled = fn(x, e)
     assert all(torch.equal(a, b) for a, b in zip((*top, *sampled), (*want_top, *want_sampled)))
-    assert "<built-in function mul>" in ops and not any("empty" in op for op in ops), ops
+    # the x * 2, _vq_select's no-grad, no-autocast detaching around the launch and scalar glue: nothing of the kernel's
+    glue = {"mul", "detach", "_set_grad_enabled", "_enter_autocast", "_exit_autocast", "item", "scalar_tensor"}
+    assert "mul" in ops and set(ops) <= glue, ops

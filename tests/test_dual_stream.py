@@ -344,7 +344,6 @@ def test_alibi_model_triton_path_matches_torch_path(scaling):
     check_close("logits at α = 4", amplified["torch"], amplified["triton"])
 
 
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_alpha_one_reproduces_the_training_loss_exactly(backend):
     m = tiny_model(kernels=backend).float()

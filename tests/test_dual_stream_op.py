@@ -421,4 +421,4 @@ def test_torch_compile_graph_breaks_around_triton():
     grads = torch.autograd.grad(o, leaves, do)
     for name, want, got in zip(("o", "entropy", "max_weight", "dq", "dk", "dv"), eager, (o, ent, maxw, *grads)):
         assert torch.equal(want, got), name
-    assert "<built-in function mul>" in ops and not any("autograd_function" in op for op in ops), ops
+    assert ops == ["mul"], ops  # the q * 2 alone

@@ -389,7 +389,7 @@ def test_torch_compile_graph_breaks_around_triton(assert_close):
     f = lambda x, w: rms_norm(x * 2, w, backend="triton") + 1
     got, ops = compiled_ops(f, x, w)
     assert_close("compiled", f(x, w), got)
-    assert "<built-in function mul>" in ops and not any("autograd_function" in op for op in ops), ops
+    assert sorted(ops) == ["add", "mul"], ops  # the x * 2 and the + 1 alone
 
 
 # ----------------------------------------------------------------------------------------------------------

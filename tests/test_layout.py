@@ -283,6 +283,8 @@ def tiny_lm_checkpoint(name, tmp_path, cache_dir):
 
 @pytest.mark.parametrize("name", list(TINY_LM))
 def test_a_failed_save_keeps_the_last_checkpoint(name, tmp_path, cache_dir, monkeypatch):
+    """save_checkpoint writes a temporary file and renames it: a save that fails half-way (a full disk) leaves the
+    last checkpoint whole and no partial file beside it."""
     import torch
 
     mod, data, cfg, path = tiny_lm_checkpoint(name, tmp_path, cache_dir)
@@ -290,6 +292,7 @@ def test_a_failed_save_keeps_the_last_checkpoint(name, tmp_path, cache_dir, monk
     opt = mod.make_optimizer(model, cfg, "cpu")
     check_save_is_atomic(lambda step: mod.save_checkpoint(path, model, opt, cfg, step, 9.0, data.rng_state(), data,
                                                           {k: [] for k in mod.HISTORY_KEYS}), path, monkeypatch)
+
 
 @pytest.mark.parametrize("name", list(TINY_LM))
 def test_damaged_checkpoints_are_one_line_errors(name, tmp_path, cache_dir):

@@ -248,7 +248,7 @@ def test_torch_compile_graph_breaks_around_triton():
     (w, v, rho, beta), _ = make_inputs(1, 20, 5, 24)
     got, ops = compiled_ops(lambda w, v, rho, beta: triton_form(w * 2, v, rho, beta), w, v, rho, beta)
     assert_close("compiled", triton_form(w * 2, v, rho, beta), got, RATIO[torch.float32], atol=0)
-    assert "<built-in function mul>" in ops and not any("autograd_function" in op for op in ops), ops
+    assert ops == ["mul"], ops  # the w * 2 alone
 
 
 def test_imports_and_runs_without_triton():
