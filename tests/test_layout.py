@@ -1,7 +1,8 @@
 """The repository's layout: the shared modules are the repo's own files (PyPI has unrelated packages named
 `common` and `kernels`), the files the README promises exist, CI and the GPU check run the README's commands;
-and rules the scripts share (one shape: sections, flags, log line, checkpoint envelope; the MFU's peak per GPU;
-the Triton kernels' k limit as a one-line error; damaged checkpoints as one-line errors)."""
+and rules the scripts share (one shape: sections, flags, log line, checkpoint envelope; each script copied alone
+runs its model; the MFU's peak per GPU; the Triton kernels' k limit as a one-line error; damaged checkpoints as
+one-line errors, failed saves that keep the last one)."""
 import os
 import re
 import shutil
@@ -218,28 +219,64 @@ def test_bench_time_waits_for_the_device_without_triton(script, monkeypatch):
     assert events == ["call"] + ["sync", "call", "sync"] * 2
 
 
+# Each script's model, forward and backward, with neither common.py nor kernels.py beside it (the fallbacks to plain
+# torch), and what that prints: the fallback norm is the script's own.
+ALONE_MODEL = {
+    "protot": ("import sys, torch, protot; assert 'common' not in sys.modules; "
+               "m = protot.ProtoT(protot.Config(layers=2, d_model=32, n_protos=4), 50); "
+               "x = torch.randint(0, 50, (2, 17)); loss = m(x, x); loss.backward(); "
+               "print(type(m.norm).__module__, torch.isfinite(loss).item())", ["protot", "True"]),
+    "prism": ("import sys, torch, prism; assert 'common' not in sys.modules; "
+              "m = prism.PRISM(prism.Config(layers=2, d_model=32, heads=2, n_protos=16, topk=4, ctx=16, "
+              "init='random'), 50); x = torch.randint(0, 50, (2, 16)); loss, stats = m(x, x); loss.backward(); "
+              "print(type(m.ln_f).__module__, m.P.grad.abs().sum().item() > 0)", ["prism", "True"]),
+    "dual_stream": ("import sys, torch, dual_stream as ds; assert 'common' not in sys.modules; "
+                    "m = ds.DualStream(ds.Config(layers=2, d_model=24, heads=3, ctx=16), 50); "
+                    "x = torch.randint(0, 50, (2, 16)); loss = m(x, x); loss.backward(); "
+                    "print(ds.layer_norm.__module__, m.blocks[0].attn.mix_v.weight.grad.abs().sum().item() > 0)",
+                    ["dual_stream", "True"]),
+    "clvq_vae": ("import sys, torch, clvq_vae as cv; "
+                 "assert not {'common', 'kernels', 'transformers'} & set(sys.modules); "  # nor transformers
+                 "m = cv.CLVQVAE(cv.Config(d_model=16, codebook_size=8, dec_layers=1, dec_heads=2, dec_ffn=32, "
+                 "init_restarts=1)); x = torch.randn(2, 5, 16); m.init_codebook(x); out = m(x, torch.randn(2, 5, 16)); "
+                 "out['loss'].backward(); print(m.encoder.W.weight.grad.abs().sum().item() > 0, "
+                 "tuple(out['idx'].shape))", ["True", "(2,", "5)"]),
+}
+
+
 @pytest.fixture(scope="module")
 def copied_alone(tmp_path_factory):
-    """`python script.py --max-iters 1` for each paper script copied alone into an empty folder, two at a time
-    (each is a single-threaded start-up of seconds): script -> future of its CompletedProcess."""
+    """Each paper script copied alone into an empty folder, where its model runs (ALONE_MODEL) and
+    `python script.py --max-iters 1` runs; the eight processes go two at a time (each is a single-threaded
+    start-up of seconds): (script, "model" | "main") -> future of its CompletedProcess."""
     import concurrent.futures
 
     from conftest import run_script
 
-    def run(script):
-        folder = tmp_path_factory.mktemp(f"alone-{script}")
-        shutil.copy(ROOT / f"{script}.py", folder / f"{script}.py")
-        return run_script(f"{script}.py", "--max-iters", "1", cwd=folder, env={"PYTHONPATH": ""}, timeout=300)
-
+    folders = {}
+    for script in PAPERS:
+        folders[script] = tmp_path_factory.mktemp(f"alone-{script}")
+        shutil.copy(ROOT / f"{script}.py", folders[script] / f"{script}.py")
+    commands = {**{(s, "model"): ("-c", ALONE_MODEL[s][0]) for s in PAPERS},
+                **{(s, "main"): (f"{s}.py", "--max-iters", "1") for s in PAPERS}}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        yield {script: pool.submit(run, script) for script in PAPERS}
+        yield {key: pool.submit(run_script, *args, cwd=folders[key[0]], env={"PYTHONPATH": ""}, timeout=300)
+               for key, args in commands.items()}
+
+
+@pytest.mark.parametrize("script", PAPERS)
+def test_script_copied_alone_runs_its_model(script, copied_alone):
+    """The model and its core op need neither common.py nor kernels.py (nor, for clvq_vae, transformers)."""
+    r = copied_alone[script, "model"].result()
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ALONE_MODEL[script][1]
 
 
 @pytest.mark.parametrize("script", PAPERS)
 def test_script_copied_alone_says_main_needs_common(script, copied_alone):
-    """Copied alone, a script's model runs (each script's own test); its main(), which trains on data read through
-    common.py, says so in one line instead of a ModuleNotFoundError traceback."""
-    r = copied_alone[script].result()
+    """Copied alone, a script's model runs (above); its main(), which trains on data read through common.py, says so
+    in one line instead of a ModuleNotFoundError traceback."""
+    r = copied_alone[script, "main"].result()
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith(f"error: {script}.py trains and analyses with glassbox's common.py beside it"), r.stderr
 
