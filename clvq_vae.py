@@ -100,7 +100,8 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
   * Adam with L2 weight decay 1e-4 on the weights (not the biases; the codebook is a buffer; --optimizer adamw
     for decoupled decay, the code's --use_adamw and the other scripts' optimizer), lr 5e-3, batches of
     128 sentences (a decoder source model: lr 1e-3, batches of 64, and K = 600 for LLaMA, spec §2.1, §4, each
-    unless typed; applied once the model is loaded and noted in the log), gradient clip 2.0, bf16 autocast for the decoder alone on CUDA (distances and EMA stay fp32).
+    unless typed; applied once the model is loaded and noted in the log), gradient clip 2.0, bf16 autocast for
+    the decoder alone on CUDA (distances and EMA stay fp32).
     --schedule cosine (default: warmup + cosine over --max-iters, the repo's iteration-based loop, resumable
     bit-for-bit) | plateau (the paper's ReduceLROnPlateau: ×0.5 after --plateau-patience evaluations without a
     better val loss; --early-stop N stops after N evaluations without one; the best evaluation's weights are
@@ -127,11 +128,10 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     chance; the centred one removes only the variation along ê, so the random control says something.
   * SAE baseline (§6.4): a top-k SAE (k = 32, no L1) by default; the official one is ReLU + 1e-4·L1, which
     `--sae-k 0 --sae-l1 1e-4` trains. Top-k sets the sparsity directly, where an L1 weight tuned for RoBERTa's
-    layer 8 would give another sparsity on MiniLM's differently scaled activations.
-    Only the cross-layer SAE (l -> h); a single-layer SAE (l -> l, which a secondary note
-    attributes to the paper's v4) is not offered. It trains on every training row, [CLS] (and the [SEP] rows the
-    filter keeps) included, where the official SAE drops [CLS] ("no_cls"); kept so that every method sees the same
-    rows (CLVQ-VAE keeps [CLS], §5.1).
+    layer 8 would give another sparsity on MiniLM's differently scaled activations. Only the cross-layer SAE
+    (l -> h); a single-layer SAE (l -> l, which a secondary note attributes to the paper's v4) is not offered. It
+    trains on every training row, [CLS] (and the [SEP] rows the filter keeps) included, where the official SAE
+    drops [CLS] ("no_cls"); kept so that every method sees the same rows (CLVQ-VAE keeps [CLS], §5.1).
 
     python clvq_vae.py                       # train CLVQ-VAE, baselines, fidelity, cards -> out/clvq_vae/report.html
     python clvq_vae.py --no-train            # the analyses on the saved checkpoints
@@ -2508,8 +2508,8 @@ def fit(cfg: Config, train_acts: Activations, dev_acts: Activations, device, log
 #                      centroid c_k (the clustering baseline; the paper clusters agglomeratively, ConceptX-style)
 #   VQ-VAE (l = h)     the same model trained to reconstruct layer l itself (§5.2, §6.4); its e_k
 #   top-k SAE          Linear(d -> L) + ReLU, top-k kept (k = 0: all, the ReLU SAE), Linear(L -> d), trained
-#                      l -> h (§6.4); a token's concept
-#                      is its argmax latent, ablated as the span of its top-`sae_ablate_k` encoder rows (TMLR)
+#                      l -> h (§6.4); a token's concept is its argmax latent, ablated as the span of its
+#                      top-`sae_ablate_k` encoder rows (TMLR)
 #
 # Fidelity (§6.1): the "model" whose predicted class Integrated Gradients explains is the fine-tuned encoder and its
 # [CLS] head (the data section's cached_finetune, as the paper's fine-tuned BERT/RoBERTa); for decoders (default
