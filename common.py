@@ -846,7 +846,10 @@ def config_parser(cfg_cls, description: str = "", extra=None) -> argparse.Argume
     """An argparse parser with one flag per dataclass field: `n_layers` -> `--n-layers`; bools get
     `--x/--no-x`; `typing.Literal[...]` fields get choices; Optional[int|float] accept 'none' (Optional[str] does not). Each field's
     `metadata['help']` (or the comment convention `field(metadata={'help': ...})`) becomes its help text."""
-    p = _OneLineParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # No abbreviations: `--attr-exact-curvatur` would be taken for `--attr-exact-curvature` today and be ambiguous
+    # (an error) once another flag shares the prefix, so a command line in a paper's appendix would stop working
+    p = _OneLineParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       allow_abbrev=False)
     hints = typing.get_type_hints(cfg_cls)
     for f in dataclasses.fields(cfg_cls):
         tp, flag = hints[f.name], "--" + f.name.replace("_", "-")

@@ -670,7 +670,7 @@ def bench(json_path=None):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="kernels.py",
+    parser = argparse.ArgumentParser(prog="kernels.py", allow_abbrev=False,
                                      description="Generic Triton kernels of glassbox (see the docstring).")
     parser.add_argument("--bench", action="store_true", help="time Triton vs torch eager (needs a CUDA GPU)")
     parser.add_argument("--bench-json", metavar="PATH", help="run the benchmark and also write its rows as JSON")

@@ -630,6 +630,7 @@ def test_parse_config_flags_from_dataclass():
 
 @pytest.mark.parametrize("argv,needle", [
     (["--layerz", "6"], "unrecognized arguments: --layerz 6"),
+    (["--n-lay", "6"], "unrecognized arguments: --n-lay 6"),  # no abbreviations (config_parser)
     (["--n-layers", "six"], "invalid int value: 'six'"),
     (["--mixer", "mamba"], "invalid choice: 'mamba'"),
 ])

@@ -446,6 +446,9 @@ def test_unknown_flag_is_an_argparse_error(capsys):
         kernels.main(["--benchh"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err == "kernels.py: error: unrecognized arguments: --benchh\n"
+    with pytest.raises(SystemExit) as e:  # no abbreviations, as in the scripts' parsers
+        kernels.main(["--bench-js", "x.json"])
+    assert e.value.code == 2 and "unrecognized arguments: --bench-js x.json" in capsys.readouterr().err
 
 
 def test_bench_table(capsys):

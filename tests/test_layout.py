@@ -544,3 +544,57 @@ def test_perplexity_past_float_range_is_infinite(script):
 
     mod = importlib.import_module(script)
     assert mod.perplexity(1.0) == math.e and mod.perplexity(709.5) == math.inf and mod.perplexity(1e30) == math.inf
+
+
+# `python protot.py --flags` or `torchrun ... protot.py --flags`, up to the end of the line, a backtick, a shell
+# operator or a comment; a backslash-newline continues the command
+DOCUMENTED_RUN = re.compile(r"(?:\bpython3?|\btorchrun\b[^`\n]*?)\s+(protot|prism|dual_stream|clvq_vae|common)\.py"
+                            r"((?:[^`\n|&;>#]|\\\n)*)")
+
+
+def documented_runs() -> list[tuple[str, str, list[str]]]:
+    """(where, script, argv) of every command line that the README and the scripts' module docstrings (as typed in
+    the source, escapes and all) give for a script."""
+    import ast
+    import shlex
+
+    runs = []
+    for where in ("README.md", "common.py", *(f"{p}.py" for p in PAPERS)):
+        text = (ROOT / where).read_text()
+        if where.endswith(".py"):  # the module docstring as written, so that `"HAMLET:\n"` stays one argument
+            node = ast.parse(text).body[0]
+            text = ast.get_source_segment(text, node)
+        for m in DOCUMENTED_RUN.finditer(text):
+            runs.append((where, m.group(1), shlex.split(m.group(2).replace("\\\n", " "))))
+    return runs
+
+
+def test_every_documented_command_line_parses_and_validates():
+    """Each command the README or a module docstring shows is accepted by its script's flags, preset and
+    validation, so a flag renamed or a value restricted in the code cannot leave the documentation behind.
+    (Parsing only: the runs themselves are the end-to-end tests' and the README rows' business.)"""
+    import importlib
+    import inspect
+
+    runs = documented_runs()
+    for script in (*PAPERS, "common"):  # the pattern still finds them: each file documents its own runs
+        assert sum(s == script and w == f"{script}.py" for w, s, _ in runs) >= 3, script
+        assert sum(s == script and w == "README.md" for w, s, _ in runs) >= 3, script
+    bad = []
+    for where, script, argv in runs:
+        mod = importlib.import_module(script)
+        try:
+            if script == "common":
+                common.parse_config(common.PrepareConfig, argv)
+                continue
+            cfg, args = common.parse_config(mod.Config, argv)
+            mod.apply_preset(cfg, args.explicit)
+            if "explicit" in inspect.signature(mod.validate).parameters:
+                mod.validate(cfg, args.explicit)
+            else:
+                mod.validate(cfg)
+        except SystemExit:  # argparse has printed its usage error
+            bad.append(f"{where}: {script}.py {' '.join(argv)}: rejected by argparse")
+        except mod.RunError as e:
+            bad.append(f"{where}: {script}.py {' '.join(argv)}: {e}")
+    assert not bad, "\n".join(bad)
