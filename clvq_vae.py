@@ -16,7 +16,7 @@ a d×d Linear (W, b), a codebook e_1..e_K (the "concepts", d-dimensional, d = th
         m_k <- γm_k + (1-γ) Σ_{i: k_i = k} z_i,   e_k = m_k / N_k                                 (§2.3)
     (5) q_i = z_i + sg(e_{k_i} - z_i)                          straight-through                   (§4)
     (6) ŷ = Linear(Dec(queries = q, memory = z))               post-LN, self- then cross-attn     (§3)
-    (7) L = MSE(ŷ, y) + β · mean|z_i - sg(e_{k_i})|²            over non-padding positions, β = 0.1  (§4)
+    (7) L = MSE(ŷ, y) + β · MSE(z, sg(e_k))   both means over the elements of non-padding rows, β = 0.1  (§4)
 
 The codebook gets no gradient (EMA only); the encoder gets the reconstruction gradient through q (5) and,
 directly, through the decoder's memory z, plus the commitment gradient.
@@ -44,7 +44,7 @@ Choices where the spec is open (spec §10), each a Config switch where results c
     initialised is a buffer, so a resumed or loaded model never redoes k-means.
     Deviation in the rescaling: the centroid (a mean of unit vectors, norm ρ_k <= 1) is renormalised to unit
     length before the scaling, so |e_k| = its members' mean |x| (the older sklearn code @9e9b9aa does this, and
-    spec §2.4 step 4 / §8.6 describe "each centroid direction" scaled by the mean norm). The latest code
+    spec §2.4 step 4 says "scale each centroid direction" by the mean norm). The latest code
     (@1c94cd1: faiss.Kmeans(niter=30, nredo=10), faiss's default spherical=False) multiplies the raw centroid,
     so its codes start shorter by ρ_k (1 for a tight cluster, less for a spread one; same directions). Kept
     because it matches the spec's wording and gives codes on the data's norm scale; not switchable.
@@ -88,24 +88,26 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     PASSAGE: {x}. CLASSIFICATION: "; one each for the plays (written from --genres), ag_news and imdb), and the
     classifier IG explains is the LM's next-token logits of the label tokens "0", "1", ... at the prompt's last
     token (the LM head's rows of those tokens, checked once against the LM's own logits), predicted class = their
-    argmax; no trained head. IG keeps this file's settings (Gauss-Legendre, --ig-steps, where the paper's LLM
-    runs take 100 Riemann steps; the pad baseline pads the template's tokens too, as the official script, but
-    keeps BOS). The activations come from the prompted pass ("over the whole prompted string"), but the rows are
-    the passage's own words only: under causal attention the template's prefix states are identical in every
-    passage, and on the unfiltered dev set ~20 template rows would join every sentence's mean-pooled r and its
-    salient-word candidates (choice; the data section's prompt comment). §6.1's excluded last token is then the
-    template's end, so the passage's last word may be the salient one. The cache key holds the prompt.
+    argmax; no trained head. IG keeps this file's settings (Gauss-Legendre, --ig-steps, where the paper's LLM runs
+    take 100 steps of Captum's default rule, also Gauss-Legendre; the pad baseline pads the template's tokens too, as
+    the official script, but keeps BOS). The activations come from the prompted pass ("over the whole prompted
+    string"), but the rows are the passage's own words only: under causal attention the template's prefix states are
+    identical in every passage, and on the unfiltered dev set ~20 template rows would join every sentence's
+    mean-pooled r and its salient-word candidates (choice; the data section's prompt comment). §6.1's excluded last
+    token is then the template's end, so the passage's last word may be the salient one. The cache key holds the
+    prompt.
     --decoder-prompt none: the bare passage, and a linear head trained on the frozen LM's mean-pooled top-layer
     token states (fit_head), what this file did before. Encoders ignore the switch (a typed one is noted).
-  * Adam with L2 weight decay 1e-4 on the weights (not the biases; the codebook is a buffer; --optimizer adamw
-    for decoupled decay, the code's --use_adamw and the other scripts' optimizer), lr 5e-3, batches of
-    128 sentences (a decoder source model: lr 1e-3, batches of 64, and K = 600 for LLaMA, spec §2.1, §4, each
-    unless typed; applied once the model is loaded and noted in the log), gradient clip 2.0, bf16 autocast for
-    the decoder alone on CUDA (distances and EMA stay fp32).
+  * Adam with L2 weight decay 1e-4 on the weights (not the biases; the codebook is a buffer; --optimizer adamw for
+    decoupled decay, the code's --use_adamw and the other scripts' optimizer), lr 5e-3, batches of 128 sentences (a
+    decoder source model: lr 1e-3, batches of 64, and K = 600 for LLaMA, spec §2.1, §4, each unless typed or set by
+    the CPU preset; applied to a fresh run once the model is loaded and noted in the log), gradient clip 2.0, bf16
+    autocast for the decoder alone on CUDA (distances and EMA stay fp32).
     --schedule cosine (default: warmup + cosine over --max-iters, the repo's iteration-based loop, resumable
-    bit-for-bit) | plateau (the paper's ReduceLROnPlateau: ×0.5 after --plateau-patience evaluations without a
-    better val loss; --early-stop N stops after N evaluations without one; the best evaluation's weights are
-    kept in the checkpoint and are what the analyses use, as the official loop keeps its best checkpoint).
+    bit-for-bit) | plateau (the paper's ReduceLROnPlateau: ×0.5 once more than --plateau-patience evaluations
+    in a row bring no better val loss, as PyTorch's; --early-stop N stops after N evaluations without one; the
+    best evaluation's weights are kept in the checkpoint and are what the analyses use, as the official loop
+    keeps its best checkpoint).
     Validation, as §4: --val-frac 0.1 of the (filtered) training sentences, drawn at random by sentence with
     --seed, are held out; the model trains on the other 90 % (its k-means init too) and the val loss, the plateau
     schedule, --early-stop and the kept checkpoint read the held-out 10 %. The k-means and SAE baselines fit on
@@ -289,7 +291,7 @@ class Config:
         "help": "random seed: the network's (the official 20), and also the passages drawn and the fine-tuning"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
     dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata={
-        "help": "auto: bf16 autocast of the decoder on CUDA"})
+        "help": "auto: bf16 autocast of the decoder on CUDA GPUs with native bf16 (sm_80+), else float32"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
     out_dir: str = field(default="out/clvq_vae", metadata={"help": "checkpoints, logs and reports"})
     resume: bool = field(default=False, metadata={"help": "continue from out_dir's checkpoints"})
@@ -343,7 +345,7 @@ class Config:
         "help": "seed of the folds, random directions, probe and baselines (official: 42)"})
     bench: bool = field(default=False, metadata={
         "help": "benchmark only: vq_search (kernel) vs its reference vs cdist + topk"})
-    report: bool = field(default=True, metadata={"help": "write out_dir/report.html"})
+    report: bool = field(default=True, metadata={"help": "write out_dir/report.html (analysis.html with --no-train)"})
 
 
 # A CPU has ~1/1000 of a GPU's FLOPs. The preset keeps the source model, layers, data pipeline, quantiser and
@@ -689,7 +691,8 @@ def _vq_blocks(d, k):
 # Triton launches stay out of torch.compile graphs: torch.compiler.disable makes dynamo graph-break here.
 @torch.compiler.disable
 def _vq_select_triton(x, e, k, temperature, u, BLOCK_N=64, BLOCK_K=64, BLOCK_D=None):
-    """Launch _vq_search_fwd on fp32 x [N, d], e [K, d]: (top [N, k], top_d [N, k], idx [N], dist [N]).
+    """Launch _vq_search_fwd on x [N, d] (fp32, bf16 or fp16, upcast in the kernel) and fp32 e [K, d]:
+    (top [N, k], top_d [N, k], idx [N], dist [N]).
     BLOCK_D forces the width chunking (tests); the default is _vq_blocks'."""
     N, d = x.shape
     K = e.shape[0]
@@ -704,7 +707,7 @@ def _vq_select_triton(x, e, k, temperature, u, BLOCK_N=64, BLOCK_K=64, BLOCK_D=N
     _vq_search_fwd[(triton.cdiv(N, BLOCK_N),)](
         x, e, u.float().contiguous(), top, top_d, idx, dist, N, K, d, k, float(max(temperature, 1e-30)),
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_D=block_d, KP=KP, ONE_D=one_d, SAMPLE=temperature > 0,
-        num_warps=8)  # compiled for sm_90 (tests/test_sm90_compile.py): 4 warps spill 64-224 B per thread, 8 none
+        num_warps=8)  # compiled for sm_90 (tests/test_sm90_compile.py): 4 warps spill 64-224 B a thread, 8 <= 8 B
     return top, top_d, idx, dist
 
 
@@ -784,8 +787,9 @@ def code_counts(idx, K: int) -> torch.Tensor:
 class VectorQuantizer(nn.Module):
     """The EMA codebook (2)-(5), on the non-padding rows z [N, d] of a batch.
 
-    Buffers (all fp32; in the state dict, so a checkpoint resumes the codebook exactly): `embed` e [K, d],
-    `ema_count` N_k [K], `ema_sum` m_k [K, d], `initialised` (0/1: k-means has run, never redone on resume).
+    Buffers (fp32, but for the uint8 flag; in the state dict, so a checkpoint resumes the codebook exactly):
+    `embed` e [K, d], `ema_count` N_k [K], `ema_sum` m_k [K, d], `initialised` (uint8 0/1: k-means has run, never
+    redone on resume).
     No parameter: the codebook is moved by (4) only (spec §2.3, no codebook loss)."""
 
     def __init__(self, cfg: Config):

@@ -2,7 +2,8 @@
 
 Everything a paper script needs to turn text into training batches, and nothing about models:
 
-    corpus  ──(tokenizer, compaction)──►  cache/<key>/{train.bin, val.bin, meta.json}  ──►  get_batch / iter_eval
+    corpus  ──(tokenizer, compaction)──►  <cache-dir>/<corpus>-<tokenizer>-<compact>-<hash>/{train.bin, val.bin,
+                                          meta.json}  ──►  get_batch / iter_eval
 
 Run it like nanoGPT's prepare scripts; it builds (or reuses) the token cache and prints statistics:
 
@@ -448,7 +449,8 @@ class Tokenizer:
         return "".join(out[:-1])
 
     def state_dict(self) -> dict:
-        """{'name', 'kept'} with tensors only, so checkpoints load with torch.load(weights_only=True)."""
+        """{'name': str, 'compacted': bool, 'kept': tensor}: no NumPy, so checkpoints load with
+        torch.load(weights_only=True)."""
         kept = torch.empty(0, dtype=torch.long) if self.kept is None else torch.from_numpy(self.kept.copy())
         return {"name": self.name, "compacted": self.kept is not None, "kept": kept}
 

@@ -77,15 +77,15 @@ offline corpus are fixed)
   * The sweep's FTS row uses independent V/O mixing (the summary's "safety-critical" operating point).
   * Data: the paper's instructional corpus is not public; offline the embedded plays, online
     `--dataset tinystories` (the closest public match).
-  * Tokenizer: cl100k compacted to the ids seen in training (19,447 on the plays), not the spec's full GPT-2
-    vocabulary (§11.4): cl100k ships with the package, so the default runs offline (gpt2 needs tiktoken's
-    one-time download), and the compacted softmax is small. So the GPU default (`--preset paper` changes
+  * Tokenizer: cl100k compacted to the 19,446 ids seen in training on the plays (vocabulary 19,447 with unk), not the
+    spec's full GPT-2 vocabulary (§11.4): cl100k ships with the package, so the default runs offline (gpt2 needs
+    tiktoken's one-time download), and the compacted softmax is small. So the GPU default (`--preset paper` changes
     nothing) is the paper's architecture as the spec reconstructs it (6 layers, H = 6; d = 384 inferred, §8) with
-    this file's ctx 256, batch 64 and 10,000 steps (the paper's are unknown)
-    on the embedded corpus: 10,000 × 64 × 256 = 163.8M tokens, about 138 passes over the 1.18M training tokens,
-    and fewer embedding parameters than the paper's 29M. The paper's count needs the GPT-2 vocabulary,
-    `--tokenizer gpt2 --compact none` (online once; vocabulary 50,257): 28,153,776 parameters for the default
-    Kronecker model (the spec's 28.15M plus L·d = 2,304 for --v-source xt-cln), 29,922,816 with --mixing dense.
+    this file's ctx 256, batch 64 and 10,000 steps (the paper's are unknown) on the embedded corpus: 10,000 × 64 ×
+    256 = 163.8M tokens, about 138 passes over the 1.18M training tokens, and fewer embedding parameters than the
+    paper's 29M. The paper's count needs the GPT-2 vocabulary, `--tokenizer gpt2 --compact none` (online once;
+    vocabulary 50,257): 28,153,776 parameters for the default Kronecker model (the spec's 28.15M plus L·d = 2,304 for
+    --v-source xt-cln), 29,922,816 with --mixing dense.
   * Head specialisation has no published definition (spec §7): distinctiveness is the mean pairwise
     Jensen–Shannon divergence (base 2, in [0, 1]) between heads' attention rows, per layer; the coreference probe
     is a built-in set of two-name sentences where a pronoun refers to one of them, scored per head by the
@@ -109,9 +109,10 @@ offline corpus are fixed)
     independent), the spec's recommendation; which projections the paper varied is unconfirmed (spec §3), so
     the +8 % might belong to V/O-only independent mixing (the "independent" row) instead.
   * Checkpoint and log names (variant): mode and mixing (a split point spelled as its flag, e.g.
-    -attn-out-mixing-dense), then every other model setting that differs from its default, spelled as its flag
-    (e.g. ckpt-token-factor-kronecker-heads-3.pt); the sizes of either preset keep
-    the plain name, so `python dual_stream.py` writes ckpt-token-factor-kronecker.pt on a CPU and on a GPU.
+    -attn-out-mixing-dense), then every other architecture setting in NAME_KEYS that differs from its default,
+    spelled as its flag (e.g. ckpt-token-factor-kronecker-heads-3.pt; dropout and --alibi-alpha are not named); the
+    sizes of either preset keep the plain name, so `python dual_stream.py` writes ckpt-token-factor-kronecker.pt on a
+    CPU and on a GPU.
 
 Commands
     python dual_stream.py                          # train (Kronecker, token-factor), amplification, ablation,
@@ -250,7 +251,7 @@ class Config:
     log_interval: int = field(default=50, metadata={"help": "steps between log lines"})
     seed: int = field(default=1337, metadata={"help": "random seed"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
-    dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata={"help": "auto: bf16 autocast on CUDA"})
+    dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata={"help": "auto: bf16 autocast on CUDA GPUs with native bf16 (sm_80+), else float32"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
     kernels: Literal["auto", "triton", "torch"] = field(default="auto", metadata={"help": "Triton kernels on CUDA (auto)"})
     out_dir: str = field(default="out/dual_stream", metadata={"help": "checkpoints, logs and reports"})
@@ -272,7 +273,7 @@ class Config:
     temperature: float = field(default=0.8, metadata={"help": "sampling temperature (0: greedy)"})
     top_k: int = field(default=40, metadata={"help": "sample among the k most likely tokens (0: off)"})
     bench: bool = field(default=False, metadata={"help": "benchmarks only (training tok/s per mixing, attention kernel)"})
-    report: bool = field(default=True, metadata={"help": "write out_dir/report.html"})
+    report: bool = field(default=True, metadata={"help": "write out_dir/report.html (analysis.html with --no-train)"})
 
 
 # A CPU has ~1/1000 of a GPU's FLOPs: the preset keeps the six heads and the block but narrows the width to
@@ -764,8 +765,8 @@ def grouped_linear(x, w):
 
 
 class HeadMix(nn.Module):
-    """One channelized d×d map (spec §3) on x [..., H·d_h]; `matrix()` builds the equivalent d×d matrix (tests,
-    heatmaps) that forward never forms."""
+    """One channelized d×d map (spec §3) on x [..., H·d_h]; `matrix()` builds the equivalent d×d matrix (tests)
+    that forward never forms."""
 
     def __init__(self, kind: str, heads: int, d: int, std: float):
         super().__init__()
@@ -1837,10 +1838,11 @@ def coref_positions(tok, text: str, pron: str, right: str, wrong: str):
 
 def coref_gap_tokens(tok, text: str, right: str, wrong: str):
     """-> (context ids, right name's token, wrong name's token): the prompt's tokens, then those the two names
-    " right" and " wrong" share (none in cl100k, where each name's first token differs; the space in bytes), so
-    that the next token is each name's first distinct one (a multi-token name is scored by it). None when the
-    prompt does not decode as typed (a token lost to the vocabulary compaction), a name merges into the prompt's
-    last token, or a scored token is the compaction's unknown id (then the gap compares nothing)."""
+    " right" and " wrong" share (none in cl100k, where each name's first token differs; in bytes the space, and
+    " Be" for Benedick/Beatrice), so that the next token is each name's first distinct one (a multi-token name is
+    scored by it). None when the prompt does not decode as typed (a token lost to the vocabulary compaction), a
+    name merges into the prompt's last token, or a scored token is the compaction's unknown id (then the gap
+    compares nothing)."""
     ids = tok.encode(text)
     r, w = tok.encode(f"{text} {right}"), tok.encode(f"{text} {wrong}")
     if tok.decode(ids) != text or r[:len(ids)] != ids or w[:len(ids)] != ids:
@@ -2279,7 +2281,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
 
 
 class Logger:
-    """print() on rank 0, and the same lines appended to out_dir/log-<variant>.txt (log-sweep.txt for a sweep)."""
+    """print() on rank 0, and the same lines appended to out_dir/log-<variant>.txt (log-sweep.txt for a sweep,
+    log-head-sweep-<variant>.txt for a head sweep)."""
 
     def __init__(self, path: Optional[Path], rank: int):
         self.path, self.rank = path, rank

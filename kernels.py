@@ -3,8 +3,9 @@ Generic Triton kernels shared by the paper scripts: RMSNorm, LayerNorm with grou
 =========================================================================================================
 
 Each op comes in the same order, as in the Triton tutorials (05-layer-norm is the model for the norms):
-`<op>_ref` (plain torch, written like the equation, fp32 maths, result in the input dtype), the
-`@triton.jit` kernels, an `autograd.Function` gluing them, and one public function `<op>(..., backend=...)`.
+`<op>_ref` (plain torch, written like the equation, fp32 maths (fp64 for fp64 inputs); the norms return the
+input dtype, the cross-entropy an fp32 loss), the `@triton.jit` kernels, an `autograd.Function` gluing them,
+and one public function `<op>(..., backend=...)`.
 
 RMSNorm, over the last dim D of x, for any leading shape (rows are flattened to M):
 

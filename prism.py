@@ -237,7 +237,7 @@ class Config:
     log_interval: int = field(default=50, metadata={"help": "steps between log lines"})
     seed: int = field(default=1337, metadata={"help": "random seed"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
-    dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata={"help": "auto: bf16 autocast on CUDA"})
+    dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata={"help": "auto: bf16 autocast on CUDA GPUs with native bf16 (sm_80+), else float32"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
     kernels: Literal["auto", "triton", "torch"] = field(default="auto", metadata={"help": "Triton kernels on CUDA (auto)"})
     out_dir: str = field(default="out/prism", metadata={"help": "checkpoints, logs and reports"})
@@ -251,7 +251,7 @@ class Config:
     attr_seqs: int = field(default=1024, metadata={"help": "training sequences in the attribution set"})
     attr_queries: int = field(default=32, metadata={"help": "query tokens (val predictions) to attribute"})
     attr_ctx: int = field(default=256, metadata={"help": "length of the attribution set's training windows (<= ctx)"})
-    attr_damping: float = field(default=1e-3, metadata={"help": "curvature damping λ, relative to the mean eigenvalue"})
+    attr_damping: float = field(default=1e-3, metadata={"help": "curvature damping λ, relative to the mean non-zero eigenvalue of the curvature"})
     attr_curvature: Literal["block", "kfac"] = field(default="block", metadata={"help": "cached curvature: per-prototype blocks or with co-usage"})
     attr_exact_curvature: Literal["empirical", "fisher"] = field(default="empirical", metadata={"help": "the exact reference's curvature: empirical, the Fisher of the true-label window gradients (deterministic), or fisher, the true Fisher (= Gauss-Newton for softmax CE) sampled from targets drawn from the model's softmax (a Monte-Carlo estimate: the run logs its re-draw agreement)"})
     attr_fisher_samples: int = field(default=1, metadata={"help": "targets drawn per training window for --attr-exact-curvature fisher (S: the curvature's rank is M·S), and per token for --attr-s fisher"})
@@ -267,7 +267,7 @@ class Config:
     temperature: float = field(default=0.8, metadata={
         "help": "sampling temperature of every generated text (samples, suppression, the decomposed text; top-k 40)"})
     bench: bool = field(default=False, metadata={"help": "benchmarks only (training tok/s vs dense, top-k kernel)"})
-    report: bool = field(default=True, metadata={"help": "write out_dir/report.html"})
+    report: bool = field(default=True, metadata={"help": "write out_dir/report.html (analysis.html with --no-train)"})
 
 
 # A CPU has ~1/1000 of a GPU's FLOPs: the preset shrinks the backbone, the bank and the steps so that the dense
@@ -1747,7 +1747,8 @@ def suppression_effect(r: dict) -> str:
 #          query's active prototypes are read, and a sequence sharing no prototype with q is never touched (0).
 #   kfac   H = A ⊗ S with the co-usage A: both eigenbases invert it; the preconditioned query gradient is dense
 #          over the bank (A's eigenvectors couple the prototypes), so every posting is scored.
-# λ = attr_damping × mean(diag A) × mean eig(S) = attr_damping × the mean eigenvalue of A ⊗ S.
+# λ = attr_damping × mean of the non-zero A_ii (live prototypes) × mean eig(S): the mean eigenvalue of the live
+# blocks A_ii ⊗ S, so dead prototypes do not lower the damping.
 # Scores are ranked in descending order (proponents first: a positive score means a gradient step on m
 # lowers the query's loss). Baselines: the exact prototype-space estimator (exact per-sequence gradients,
 # the activations' dependence on P included, with a damped Fisher of window gradients inverted by Woodbury:
@@ -2767,8 +2768,8 @@ def controller_row(name: str, feats: dict, cloze: dict, l1: float, features: str
 
 @torch.no_grad()
 def top_gains(model: PRISM, feats: GainFeatures, c: torch.Tensor, tok, n: int = 3, top: int = 5) -> list[dict]:
-    """The n largest |c_i| (non-zero only): the prototype id (its card in prototypes.html), the gain, in how many fit
-    examples it is active, and its logit signature's top tokens."""
+    """The n largest |c_i| (non-zero only): the prototype id (its card in prototypes.html, analysis-prototypes.html
+    for --no-train), the gain, in how many fit examples it is active, and its logit signature's top tokens."""
     n = min(n, int((c.abs() > NONZERO).sum()))
     ids = c.abs().topk(n).indices.tolist() if n else []
     W = model.wte.weight.float()
@@ -3030,8 +3031,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                          f"{cfg.batch_size} × {cfg.ctx} tokens ({cfg.eval_iters * cfg.batch_size * cfg.ctx:,} tokens, "
                          "not every val token: the Validation table does that); the other figures are over the same "
                          f"batches. {html.escape(used)}: prototypes active on at least one training token in the "
-                         f"{cfg.eval_interval} training steps since the previous evaluation (blank before the "
-                         "prototypes are seeded); K minus it are dead.</p>" + table_html(rows, list(rows[-1])))
+                         f"{cfg.eval_interval} training steps since the previous evaluation, or since the seeding "
+                         "for the first one (blank before the prototypes are seeded); K minus it are dead.</p>" + table_html(rows, list(rows[-1])))
     if "ppl" in results:
         parts.append("<h2>Validation (every token once)</h2>" + table_html(
             [{"model": k, "loss": v["loss"], "ppl": v["ppl"], "tokens": v["tokens"]} for k, v in results["ppl"].items()],

@@ -16,11 +16,11 @@ With x̃_t = RMSNorm(h_t) (the block's pre-norm):
     (5) read gate    ρ_t = softmax_k( <W_r x̃_t, P_k> / |τ_r| )                  layer 0: ρ_t = w_t (shared)
     (6) output       y_t = α · U( Σ_k ρ_{t,k} PM_{t,k} )                          (U: d/2 -> d, α init 1)
 
-Eqs. (3)-(6) between the gates and U are the core op `prefix_mean_read(w, v, ρ, β) -> Σ_k ρ_tk PM_tk`, here in
-three forms: the recurrence as defined, a chunked torch form (matmuls within chunks, the state carried across
-chunks, decay factors exp((t-s)·ln β) so nothing overflows), and a Triton kernel (forward and backward; it never
-stores a [B, T, R, d_v] tensor). Generation uses the recurrence: per layer a cache (N, M, the conv's last 4
-values) and an O(1) step per token.
+Eqs. (3)-(6) between the gates and U are the core op `prefix_mean_read(w, v, ρ, β) -> Σ_k ρ_tk PM_tk`, here in three
+forms: the recurrence as defined, a chunked torch form (matmuls within chunks, the state carried across chunks,
+decay factors exp((t-1-s)·ln β), the past-only lag, so nothing overflows), and a Triton kernel (forward and
+backward; it never stores a [B, T, R, d_v] tensor). Generation uses the recurrence: per layer a cache (N, M, the
+conv's last 4 values) and an O(1) step per token.
 
 What differs from the official code, and why
   * The EMA is exact at every length. The official code computes the discounted sums as
@@ -29,7 +29,7 @@ What differs from the official code, and why
     to match the paper's numbers; tests/test_protot_op.py::test_official_shortcut_collapses shows where it fails
     and the exact scan does not. Every figure in the README was measured with `--ema exact` (spec §9.1).
   * Layer 0 reads with its write gate and has no W_r (the official code builds an unused one; the parameter
-    count here is d² smaller).
+    count here is d² + 1 smaller: W_r and τ_r).
   * Data: packed windows of the token stream (common.get_batch) instead of one padded document per example;
     the embedded corpus is 38 long plays, for which one-document-per-example would leave 34 examples. There is
     no flag for the padded layout and no <bos> (spec §9.5 asks for both as switches).
@@ -187,7 +187,7 @@ class Config:
     log_interval: int = field(default=50, metadata={"help": "steps between log lines"})
     seed: int = field(default=1337, metadata={"help": "random seed"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N | mps"})
-    dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata={"help": "auto: bf16 autocast on CUDA"})
+    dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata={"help": "auto: bf16 autocast on CUDA GPUs with native bf16 (sm_80+), else float32"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
     kernels: Literal["auto", "triton", "torch"] = field(default="auto", metadata={"help": "Triton kernels on CUDA (auto)"})
     out_dir: str = field(default="out/protot", metadata={"help": "checkpoints, logs and reports"})
@@ -213,7 +213,7 @@ class Config:
                                                                        "of every token already in the text (1: off)"})
     no_repeat_ngram_size: int = field(default=4, metadata={"help": "never repeat an n-gram of this many tokens (0: off)"})
     bench: bool = field(default=False, metadata={"help": "benchmarks only (tokens/s vs context, decode, kernel)"})
-    report: bool = field(default=True, metadata={"help": "write out_dir/report.html"})
+    report: bool = field(default=True, metadata={"help": "write out_dir/report.html (analysis.html with --no-train)"})
 
 
 # A CPU has ~1/1000 of a GPU's FLOPs: the preset keeps the paper's architecture (layers, R, d_v = d/2, the
@@ -262,9 +262,9 @@ def value_width(cfg: Config) -> int:
 #   -  prefix_mean_read_official   the official code's β^s-cumsum shortcut, kept only to show it collapsing (§1.3)
 #   -  prefix_mean_step            O(1)-per-token decode: read the state, then write token t into it (§4)
 #
-# Dispatch (`backend` in PREFIX_MEAN_BACKENDS): "auto" = Triton when the tensors are on CUDA and triton imports,
-# else the chunked torch form; "triton" = Triton (on CPU only under TRITON_INTERPRET=1); "torch" = chunked;
-# "recurrent" = form 1.
+# Dispatch (`backend` in PREFIX_MEAN_BACKENDS): "auto" = Triton when the tensors are on CUDA, triton imports and
+# R·d_v fits the kernel's tiles (_prefix_mean_fits), else the chunked torch form; "triton" = Triton (on CPU only
+# under TRITON_INTERPRET=1); "torch" = chunked; "recurrent" = form 1.
 
 MASS_EPS = 1e-6  # clamp on the channel mass M before dividing: near-empty channels read ~0 instead of blowing up
 PREFIX_MEAN_BACKENDS = ("auto", "triton", "torch", "recurrent")
@@ -767,8 +767,8 @@ def _prefix_mean_fits(R, dv):
 
 
 class PrefixMeanRead(torch.autograd.Function):
-    """Triton prefix-mean read. Saves w, v, ρ, β, the carried states [B, T/16, R, dv] and masses, and M_{t-1}
-    [B, T, R]; nothing of size [B, T, R, dv] exists in the forward or the backward."""
+    """Triton prefix-mean read. Saves w, v, ρ, β, the carried states [B, T/16, R, dv] and masses, and M̃_{t-1}
+    [B, T, R] (the rescaled mass M/(1-β)); nothing of size [B, T, R, dv] exists in the forward or the backward."""
 
     @staticmethod
     def forward(ctx, w, v, rho, beta):
