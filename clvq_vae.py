@@ -803,6 +803,16 @@ class VectorQuantizer(nn.Module):
         self.register_buffer("initialised", torch.zeros((), dtype=torch.uint8))
         self.backend = cfg.kernels
 
+    def _apply(self, fn, recurse=True):
+        """model.to(dtype), .double(), .bfloat16() move the codebook but leave it fp32: the EMA and the distances
+        run in fp32 (module docstring) whatever dtype the encoder and decoder take."""
+        names = ("embed", "ema_count", "ema_sum")
+        fp32 = {name: getattr(self, name) for name in names}
+        super()._apply(fn, recurse)
+        for name in names:  # the exact fp32 values (a round trip through bf16 would round them), moved
+            setattr(self, name, fp32[name].to(getattr(self, name).device, torch.float32))
+        return self
+
     # ---- initialisation (spec §2.4) ----------------------------------------------------------------------
     def _kmeans(self, x, g):
         """Lloyd's k-means on x [M, d] (fp32): best of cfg.init_restarts runs of cfg.init_iters iterations, seeded

@@ -374,7 +374,9 @@ def amp_attention_torch(q, k, v, alpha=1.0, stats=True, block=128, slopes=None):
     T, d_h = q.shape[-2:]
     scale = alpha / math.sqrt(d_h)
     pos = torch.arange(T, device=q.device)
-    if slopes is None:
+    if slopes is None and scale == 0:  # α = 0: CPU SDPA's is_causal path returns NaN at scale 0; a mask does not
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=pos[:, None] >= pos[None, :], scale=0.0)
+    elif slopes is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:  # the bias and the causal mask as one additive [H, T, T] mask (SDPA takes no is_causal beside one)
         up = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -678,9 +680,15 @@ def _amp_attention_triton(q, k, v, alpha, slopes=None):
 def amp_attention(q, k, v, alpha=1.0, stats=True, backend="auto", slopes=None):
     """Causal attention amplified by α, with per-row entropy and max weight: (o, entropy, max_weight).
     q, k, v [B, H, T, d_h]. With stats=False the torch form returns None for the statistics. slopes [H]: ALiBi's
-    bias −slopes_h·(t − s) added to the amplified logits (None: no bias); a constant, it gets no gradient."""
+    bias −slopes_h·(t − s) added to the amplified logits (None: no bias); a constant, it gets no gradient on
+    every backend, as α (a number, the analysis's amplification)."""
     if backend not in AMP_BACKENDS:
         raise ValueError(f"backend must be one of {AMP_BACKENDS}, got {backend!r}")
+    if isinstance(alpha, torch.Tensor):
+        if alpha.requires_grad or alpha.numel() != 1:
+            raise ValueError("amp_attention: alpha is one number and gets no gradient; pass a float")
+        alpha = float(alpha)
+    slopes = None if slopes is None else slopes.detach()
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"amp_attention: q, k, v must share one [B, H, T, d_h] shape, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -689,7 +697,10 @@ def amp_attention(q, k, v, alpha=1.0, stats=True, backend="auto", slopes=None):
     if backend == "reference":
         return amp_attention_reference(q, k, v, alpha, slopes)
     fits = q.shape[-1] <= AMP_MAX_HEAD_DIM
-    if backend == "torch" or (backend == "auto" and not (HAS_TRITON and q.is_cuda and fits)):
+    double = q.dtype == torch.float64
+    if backend == "triton" and double:
+        raise ValueError("backend='triton' computes in float32; float64 inputs take backend='auto' or 'torch'")
+    if backend == "torch" or (backend == "auto" and not (HAS_TRITON and q.is_cuda and fits and not double)):
         return amp_attention_torch(q, k, v, alpha, stats, slopes=slopes)
     if not HAS_TRITON:
         raise RuntimeError(f"backend='triton' needs the triton package, which failed to import: {TRITON_ERROR}")

@@ -54,7 +54,8 @@ MAX_NORM_WIDTH; the cross-entropy sweeps a row in tiles of min(next power of two
 
 Dispatch: every public function and module takes `backend` in BACKENDS = ("auto", "triton", "torch"):
   auto   - Triton if the tensor is on CUDA and triton imports, the torch reference otherwise (also for norm
-           rows wider than MAX_NORM_WIDTH, where `triton` raises);
+           rows wider than MAX_NORM_WIDTH, where `triton` raises, and for float64, which the kernels would
+           compute in fp32: `triton` refuses it, so a gradcheck never passes fp32 numbers off as double);
   triton - always Triton; on CPU this needs TRITON_INTERPRET=1 (Triton's interpreter, how the tests run it);
   torch  - the reference (for cross-entropy, torch's fused F.cross_entropy, which computes the same thing).
 The module imports without triton (e.g. on macOS): `auto` then always takes the reference. The functions
@@ -101,6 +102,10 @@ def _check_backend(backend):
 def _use_triton(x, backend):
     """True if a call on `x` takes the Triton path under `backend` (rules in the module docstring)."""
     if _check_backend(backend) == "torch":
+        return False
+    if x.dtype == torch.float64:  # the kernels compute in fp32: double precision stays with the reference
+        if backend == "triton":
+            raise ValueError("backend='triton' computes in float32; float64 inputs take backend='auto' or 'torch'")
         return False
     if backend == "auto":
         return HAS_TRITON and x.is_cuda

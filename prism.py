@@ -644,12 +644,20 @@ def proto_logit_slices(idx, a, P, W, y):
 # Model: a GPT-2 backbone (nanoGPT) and the prototype head
 
 
+def _check_dist(dist):
+    if dist not in ("l2", "cosine"):
+        raise ValueError(f"dist must be 'l2' or 'cosine', got {dist!r}")
+
+
 @torch.compiler.disable  # toggles the TF32 flags (full_fp32): kept out of torch.compile graphs
 @torch.no_grad()
 def nearest_pairs(z, P, dist="l2", chunk=4096):
     """R1/R2's nearest neighbours (spec §3.3): for each token its nearest prototype, for each prototype its nearest
     token, in row chunks so the N×K distance matrix is never whole. Selection only; the losses recompute the
     winners' distances with autograd. -> (proto_of_token [N], token_of_proto [K])."""
+    _check_dist(dist)
+    if z.shape[0] == 0:
+        raise ValueError("nearest_pairs: no tokens, so no prototype has a nearest one")
     if torch.is_autocast_enabled(z.device.type):  # bf16 would reorder near neighbours: fp32 like proto_topk
         with torch.autocast(z.device.type, enabled=False):
             return nearest_pairs(z, P, dist, chunk)
@@ -673,6 +681,7 @@ def nearest_pairs(z, P, dist="l2", chunk=4096):
 
 def pair_distance(a, b, dist="l2"):
     """Squared L2 per dimension (|a-b|²/d, so λ does not grow with d), or 1 - cos."""
+    _check_dist(dist)
     if dist == "cosine":
         return 1 - F.cosine_similarity(a, b, dim=-1)
     return (a - b).pow(2).mean(-1)
@@ -741,6 +750,7 @@ class PRISM(nn.Module):
             self.P = nn.Parameter(torch.randn(cfg.n_protos, d, generator=torch.Generator().manual_seed(cfg.seed)))
             self.register_buffer("proto_ready", torch.tensor(cfg.init == "random"))
         self.ready = cfg.head == "prism" and cfg.init == "random"
+        self.register_load_state_dict_post_hook(PRISM._after_load)  # a loaded model runs as the one saved
 
     @staticmethod
     def _init_weights(m):
@@ -751,12 +761,19 @@ class PRISM(nn.Module):
         return sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()  # nanoGPT's count
 
     def sync_ready(self):
-        """The Python flag mirrors the `proto_ready` buffer (read once after a load, not every step)."""
+        """The Python flag mirrors the `proto_ready` buffer, read after a load or a broadcast, not every step (a
+        device sync). load_state_dict calls it itself (_after_load)."""
         self.ready = self.cfg.head == "prism" and bool(self.proto_ready)
+
+    @staticmethod
+    def _after_load(module, incompatible_keys):
+        module.sync_ready()
 
     def hidden(self, idx):
         """z [B, T, d]: the final hidden state after ln_f, the tensor the LM head consumes (spec §2.2)."""
         T = idx.shape[1]
+        if T > self.cfg.ctx:  # nanoGPT asserts this; an error names it instead of an embedding IndexError
+            raise ValueError(f"sequence length {T} > ctx {self.cfg.ctx}: the learned position table has ctx rows")
         x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
         for block in self.blocks:
             x = block(x)
@@ -1383,7 +1400,6 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         if ck is None:
             ck, _ = load_checkpoint(path, cfg, explicit)
         load_weights(model, ck["model"], path)
-        model.sync_ready()
         try:
             restore_optimizer(optimizer, ck["optimizer"])
             step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
@@ -3277,7 +3293,6 @@ def load_model(ck: dict, c: Config, data, device, path: Path) -> PRISM:
     check_tokenizer(ck, data, path)
     model = PRISM(c, data.vocab_size).to(device)
     load_weights(model, ck["model"], path)
-    model.sync_ready()
     return model
 
 

@@ -826,17 +826,24 @@ def _prefix_mean_read_triton(w, v, rho, beta):
 
 def prefix_mean_read(w, v, rho, beta, backend="auto"):
     """y_t = Σ_k ρ_{t,k} N_{t-1,k} / max(M_{t-1,k}, eps) (module docstring); w, ρ [B, T, R], v [B, T, dv], β [R].
-    Returns y [B, T, dv] in v's dtype; differentiable in w, v, ρ and β with every backend."""
+    Returns y [B, T, dv] in v's dtype; differentiable in w, v, ρ and β with every backend. The state maths run in
+    fp32 (float64 for float64 inputs, which `auto` keeps on the torch form) whatever autocast is on."""
     if backend not in PREFIX_MEAN_BACKENDS:
         raise ValueError(f"backend must be one of {PREFIX_MEAN_BACKENDS}, got {backend!r}")
     if w.dim() != 3 or rho.shape != w.shape or v.shape[:2] != w.shape[:2] or beta.shape != w.shape[-1:]:
         raise ValueError(f"prefix_mean_read: expected w, rho [B, T, R], v [B, T, dv], beta [R]; got w "
                          f"{tuple(w.shape)}, v {tuple(v.shape)}, rho {tuple(rho.shape)}, beta {tuple(beta.shape)}")
-    if backend == "recurrent":
-        return prefix_mean_read_recurrent(w, v, rho, beta)
+    if w.shape[1] == 0:  # nothing to read; every input stays in the graph (zero gradients), as with Triton
+        return v + 0 * (w.sum() + rho.sum() + beta.sum())
+    double = torch.float64 in (w.dtype, v.dtype, rho.dtype, beta.dtype)
+    if backend == "triton" and double:
+        raise ValueError("backend='triton' computes in float32; float64 inputs take backend='auto' or 'torch'")
     fits = _prefix_mean_fits(w.shape[-1], v.shape[-1])
-    if backend == "torch" or (backend == "auto" and not (HAS_TRITON and v.is_cuda and fits)):
-        return prefix_mean_read_chunked(w, v, rho, beta)
+    takes_triton = HAS_TRITON and v.is_cuda and fits and not double
+    if backend in ("recurrent", "torch") or (backend == "auto" and not takes_triton):
+        form = prefix_mean_read_recurrent if backend == "recurrent" else prefix_mean_read_chunked
+        with torch.autocast(v.device.type, enabled=False):  # the state maths stay fp32 under a caller's autocast
+            return form(w, v, rho, beta)
     if not HAS_TRITON:
         raise RuntimeError(f"backend='triton' needs the triton package, which failed to import: {TRITON_ERROR}")
     if not (v.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
@@ -986,7 +993,11 @@ class RotaryAttention(nn.Module):
             if "k" in cache:
                 k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
             cache["k"], cache["v"] = k, v
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=offset == 0)
+        if offset == 0 or T == 1:  # a fresh sequence is causal; one new token sees every cached key
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=offset == 0)
+        else:  # several new tokens after a prefill: query i sees the cache and the new keys up to its own
+            pos = torch.arange(offset + T, device=x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=pos[offset:, None] >= pos[None, :])
         return self.proj(y.transpose(1, 2).reshape(B, T, d))
 
 

@@ -466,6 +466,26 @@ def test_init_is_recorded_and_not_redone_after_load():
     assert b.init_codebook(x + 100.0, force=True) and not torch.equal(b.vq.embed, before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+def test_model_cast_to_another_dtype_keeps_an_fp32_codebook_and_trains(dtype):
+    """model.to(dtype) casts the encoder and decoder; the codebook buffers stay fp32 (the EMA adds fp32 sums into
+    them: a cast codebook made the training forward fail), and a training step and an eval pass run."""
+    torch.manual_seed(0)
+    m = cv.CLVQVAE(small_config())
+    x = torch.randn(2, 5, 16)
+    m.init_codebook(x)
+    before = m.vq.embed.clone()
+    m.to(dtype)
+    assert m.encoder.W.weight.dtype == dtype
+    assert [m.vq.embed.dtype, m.vq.ema_count.dtype, m.vq.ema_sum.dtype] == [torch.float32] * 3
+    assert torch.equal(m.vq.embed, before) and m.vq.initialised.dtype == torch.uint8
+    out = m(x.to(dtype), x.to(dtype))
+    out["loss"].backward()
+    assert out["loss"].isfinite() and m.encoder.W.weight.grad.abs().sum() > 0
+    assert not torch.equal(m.vq.ema_sum, before)  # the EMA ran, in fp32
+    assert m.eval()(x.to(dtype), x.to(dtype))["loss"].isfinite()
+
+
 def test_nearest_at_eval_and_without_sampling_sampled_in_training():
     """Eval: nearest codes whatever T and top_k; training with --no-sampling: nearest; training with sampling at a
     temperature on the distances' scale: some codes past the nearest."""

@@ -367,6 +367,41 @@ def test_zero_slopes_are_no_bias(form):
         check_close(name, a, b)
 
 
+@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
+def test_alpha_zero_is_the_causal_mean(form):
+    """α = 0 sets every logit to 0: each row is the mean of v over its visible keys (CPU SDPA with is_causal
+    returns NaN at scale 0, so the torch form passes the causal mask instead)."""
+    q, k, v, _ = _inputs(1, 3, 20, 16)
+    o, ent, maxw = form(q, k, v, 0.0)
+    n = torch.arange(1, 21, dtype=torch.float64, device=q.device)
+    check_close("o", v.double().cumsum(-2) / n[:, None], o)
+    check_close("entropy", n.log().expand_as(ent), ent)
+    check_close("max_weight", (1 / n).expand_as(maxw), maxw)
+
+
+@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
+def test_slopes_and_alpha_get_no_gradient_on_any_backend(form):
+    """The docstring's contract, the same on every backend: slopes are a constant (a learnable one would train on
+    CPU and silently not on CUDA otherwise) and α is a number; a tensor α that wants a gradient is refused."""
+    q, k, v, _ = _inputs(1, 2, 9, 16)
+    slopes = torch.tensor([0.5, 0.25], device=q.device, requires_grad=True)
+    q = q.clone().requires_grad_()
+    o, _, _ = form(q, k, v, torch.tensor(2.0), slopes=slopes)
+    o.sum().backward()
+    assert slopes.grad is None and q.grad is not None
+    with pytest.raises(ValueError, match="alpha is one number and gets no gradient; pass a float"):
+        form(q, k, v, torch.tensor(2.0, requires_grad=True))
+
+
+def test_float64_is_refused_by_the_fp32_kernels():
+    """backend='triton' computes in fp32: float64 is refused, not returned as double with fp32 digits; the torch
+    forms keep it (auto takes them for float64 on CUDA too)."""
+    q, k, v, _ = (t.double() for t in _inputs(1, 2, 9, 16))
+    with pytest.raises(ValueError, match="computes in float32; float64 inputs take backend='auto' or 'torch'"):
+        op.amp_attention(q, k, v, 2.0, backend="triton")
+    assert op.amp_attention(q, k, v, 2.0)[0].dtype == torch.float64
+
+
 def test_slopes_must_be_one_per_head():
     q, k, v, _ = _inputs(1, 3, 9, 16)
     with pytest.raises(ValueError, match=r"slopes must be one per head, \[3\], got \(6,\)"):

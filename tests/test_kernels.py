@@ -343,6 +343,18 @@ def test_bad_backend_and_triton_without_interpreter(monkeypatch, op):
         fn(*args, backend="triton")
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "cross_entropy"])
+def test_float64_stays_with_the_reference(monkeypatch, op):
+    """The kernels compute in fp32: float64 under `auto` takes the reference, even where Triton would run (a
+    CUDA-like dispatch, faked), and `triton` refuses it instead of returning fp32 numbers as double."""
+    fn, args = getattr(kernels, op), [a.double() if a.is_floating_point() else a for a in op_args(op)]
+    with pytest.raises(ValueError, match="computes in float32; float64 inputs take backend='auto' or 'torch'"):
+        fn(*args, backend="triton")
+    monkeypatch.setattr(kernels, f"_{op}_triton", lambda *a: pytest.fail("float64 reached the Triton path"))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    assert fn(*args, backend="auto").dtype == torch.float64
+
+
 def test_backends_constant():
     assert BACKENDS == ("auto", "triton", "torch")
 

@@ -221,6 +221,16 @@ def test_nearest_pairs_chunked_equals_brute_force():
     assert torch.equal(pt, cos.argmax(1)) and torch.equal(tp, cos.argmax(0))
 
 
+def test_nearest_pairs_and_pair_distance_refuse_a_bad_dist_and_no_tokens():
+    """A misspelt dist would silently compute L2; zero tokens would name token 0 of an empty set."""
+    z, P = torch.randn(5, 8), torch.randn(3, 8)
+    for call in (lambda: prism.nearest_pairs(z, P, "cos"), lambda: prism.pair_distance(z, z, "cos")):
+        with pytest.raises(ValueError, match="dist must be 'l2' or 'cosine', got 'cos'"):
+            call()
+    with pytest.raises(ValueError, match="no tokens, so no prototype has a nearest one"):
+        prism.nearest_pairs(z[:0], P)
+
+
 def test_nearest_pairs_ignore_autocast():
     """Under bf16 autocast (CUDA training) the neighbour search still runs in fp32. Pairs of prototypes 0.01 apart,
     tokens near the first of each: bf16 dot products (8 significand bits) misorder such pairs, fp32 does not."""
@@ -260,11 +270,20 @@ def test_seeding_draws_hidden_states_and_is_remembered():
     scale = m.P.norm(dim=-1) / z[cos.argmax(1)].norm(dim=-1)
     torch.testing.assert_close(scale, scale[:1].expand_as(scale))
     m2 = tiny_model(init="kmeans++")
-    m2.load_state_dict(m.state_dict())
-    m2.sync_ready()
+    assert not m2.ready
+    m2.load_state_dict(m.state_dict())  # the flag follows the loaded buffer: the prototype head runs, as in m
     assert m2.ready
+    m.eval(), m2.eval()
+    (loss, stats), (loss2, stats2) = m(x, y), m2(x, y)
+    assert set(stats2) == set(stats) != {"ce"} and loss2.item() == loss.item()
     with pytest.raises(ValueError, match="needs at least K=12 hidden states"):
         tiny_model(init="kmeans++").seed_prototypes(z[:5], torch.Generator())
+
+
+def test_a_sequence_longer_than_ctx_is_a_clear_error():
+    m = tiny_model()  # ctx 8: the learned position table has 8 rows
+    with pytest.raises(ValueError, match="sequence length 9 > ctx 8: the learned position table has ctx rows"):
+        m(torch.zeros(1, 9, dtype=torch.long))
 
 
 def test_dense_twin_shares_the_backbone_init():

@@ -68,13 +68,17 @@ def test_mixer_forward_follows_the_equations(layer_id):
     torch.testing.assert_close(m(x), m.alpha * (y @ m.U.weight.t()), rtol=1e-4, atol=1e-6)
 
 
-def test_prefill_then_steps_match_parallel_forward():
-    cfg = Config(layers=2, d_model=32, n_protos=4, dropout=0.0, kernels="torch")
+@pytest.mark.parametrize("mixer", ["proto", "attention"])
+def test_prefill_then_steps_and_chunks_match_parallel_forward(mixer):
+    """A prefill, then one token at a time, then several at once (chunked prefill, scoring a continuation): the
+    new tokens of a chunk see the cache and each other causally, as in the parallel forward."""
+    cfg = Config(mixer=mixer, layers=2, d_model=32, n_protos=4, heads=2, dropout=0.0, kernels="torch")
     model = ProtoT(cfg, 40).double().eval()
     x = torch.randint(0, 40, (1, 64))
     with torch.no_grad():
         caches = [{} for _ in model.blocks]
-        out = [model(x[:, :50], caches=caches)] + [model(x[:, t:t + 1], caches=caches) for t in range(50, 64)]
+        out = [model(x[:, :40], caches=caches)] + [model(x[:, t:t + 1], caches=caches) for t in range(40, 50)]
+        out += [model(x[:, 50:57], caches=caches), model(x[:, 57:], caches=caches)]
         torch.testing.assert_close(torch.cat(out, 1), model(x), rtol=1e-9, atol=1e-9)
 
 

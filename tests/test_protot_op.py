@@ -163,6 +163,29 @@ def test_bf16_inputs(beta):
             assert_close(f"{form} {name}", r, o, RATIO[torch.bfloat16], atol=1e-3)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", "recurrent", "triton"])
+def test_public_op_under_autocast_at_length_zero_and_in_float64(backend):
+    """What a caller of the copied op may pass: under a bf16 autocast the state maths stay fp32 (the model turns
+    autocast off itself; the op must not rely on it); T = 0 reads nothing and keeps every input in the graph;
+    float64 runs in float64 on the torch forms and is refused by the fp32 kernels rather than silently rounded."""
+    inputs, dy = make_inputs(2, 100, 8, 32, "near1")
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y = op.prefix_mean_read(*inputs, backend=backend)
+    assert y.dtype == torch.float32
+    assert_close("y under autocast", reference(inputs, dy)[0], y, RATIO[torch.float32])
+    empty = [x[:, :0] if x.dim() == 3 else x for x in inputs]
+    out = forward_backward(lambda *a: op.prefix_mean_read(*a, backend=backend), empty, dy[:, :0])
+    assert [tuple(o.shape) for o in out] == [(2, 0, 32), (2, 0, 8), (2, 0, 32), (2, 0, 8), (8,)]
+    assert not out[-1].any()
+    double = [x.double() for x in inputs]
+    if backend == "triton":
+        with pytest.raises(ValueError, match="computes in float32; float64 inputs take backend='auto' or 'torch'"):
+            op.prefix_mean_read(*double, backend=backend)
+    else:
+        assert_close("float64", reference(inputs, dy)[0], op.prefix_mean_read(*double, backend=backend),
+                     RATIO[torch.float64])
+
+
 def test_dispatch(monkeypatch):
     (w, v, rho, beta), _ = make_inputs(1, 20, 5, 24)
     with pytest.raises(ValueError, match="backend"):
