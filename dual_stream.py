@@ -969,6 +969,8 @@ class DualStream(nn.Module):
         writes), x_e stays zero (no FFN writes; in FTS no attention writes either), so the other stream is
         computed without them. (Reading x_t as zero instead would zero every activation of a bias-free model: the
         loss would be ln V whatever the weights.)"""
+        if idx.dim() != 2 or 0 in idx.shape:
+            raise ValueError(f"idx must be [B, T] with B, T >= 1, got {tuple(idx.shape)}")
         x_t = self.wte(idx)
         if self.ln_embed is not None:
             x_t = self.ln_embed(x_t)

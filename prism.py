@@ -771,6 +771,8 @@ class PRISM(nn.Module):
 
     def hidden(self, idx):
         """z [B, T, d]: the final hidden state after ln_f, the tensor the LM head consumes (spec §2.2)."""
+        if idx.dim() != 2 or 0 in idx.shape:
+            raise ValueError(f"idx must be [B, T] with B, T >= 1, got {tuple(idx.shape)}")
         T = idx.shape[1]
         if T > self.cfg.ctx:  # nanoGPT asserts this; an error names it instead of an embedding IndexError
             raise ValueError(f"sequence length {T} > ctx {self.cfg.ctx}: the learned position table has ctx rows")

@@ -1044,6 +1044,8 @@ class ProtoT(nn.Module):
         nn.init.normal_(self.wte.weight, std=0.02)
 
     def forward(self, idx, targets=None, caches=None):
+        if idx.dim() != 2 or 0 in idx.shape:
+            raise ValueError(f"idx must be [B, T] with B, T >= 1, got {tuple(idx.shape)}")
         h = self.drop(self.wte(idx))
         for i, block in enumerate(self.blocks):
             h = block(h, None if caches is None else caches[i])

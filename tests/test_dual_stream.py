@@ -103,6 +103,13 @@ def test_ffn_equals_its_matrices(up, down):
         assert torch.equal(f(xs.flatten(-2)), ref.flatten(-2))
 
 
+def test_an_empty_or_flat_batch_is_a_clear_error():
+    m = tiny_model()
+    for shape in ((1, 0), (0, 4), (4,)):
+        with pytest.raises(ValueError, match=r"idx must be \[B, T\] with B, T >= 1"):
+            m(torch.zeros(shape, dtype=torch.long))
+
+
 def test_one_architecture_has_one_spelling():
     """Kronecker V with dense O, typed from either pair flag, is one configuration: one name, one stored spelling;
     a split pair is never named after a sweep row."""

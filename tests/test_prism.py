@@ -280,10 +280,13 @@ def test_seeding_draws_hidden_states_and_is_remembered():
         tiny_model(init="kmeans++").seed_prototypes(z[:5], torch.Generator())
 
 
-def test_a_sequence_longer_than_ctx_is_a_clear_error():
+def test_a_sequence_longer_than_ctx_or_empty_is_a_clear_error():
     m = tiny_model()  # ctx 8: the learned position table has 8 rows
     with pytest.raises(ValueError, match="sequence length 9 > ctx 8: the learned position table has ctx rows"):
         m(torch.zeros(1, 9, dtype=torch.long))
+    for shape in ((1, 0), (0, 4), (4,)):
+        with pytest.raises(ValueError, match=r"idx must be \[B, T\] with B, T >= 1"):
+            m(torch.zeros(shape, dtype=torch.long))
 
 
 def test_dense_twin_shares_the_backbone_init():

@@ -44,6 +44,14 @@ def test_cached_generation_matches_parallel_forward(mixer):
         assert "conv" not in caches[2]
 
 
+@pytest.mark.parametrize("mixer", ["proto", "attention"])
+def test_an_empty_or_flat_batch_is_a_clear_error(mixer):
+    model = ProtoT(Config(mixer=mixer, layers=1, d_model=16, n_protos=4, heads=2, kernels="torch"), 20)
+    for shape in ((1, 0), (0, 4), (4,)):
+        with pytest.raises(ValueError, match=r"idx must be \[B, T\] with B, T >= 1"):
+            model.generate(torch.zeros(shape, dtype=torch.long), 2)
+
+
 @pytest.mark.parametrize("layer_id", [0, 1, 2])
 def test_mixer_forward_follows_the_equations(layer_id):
     """The mixer written out from the spec, apart from the model's code: write gate softmax(x Pᵀ/|τ_w|) (1); V x
