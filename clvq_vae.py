@@ -809,8 +809,10 @@ class VectorQuantizer(nn.Module):
         names = ("embed", "ema_count", "ema_sum")
         fp32 = {name: getattr(self, name) for name in names}
         super()._apply(fn, recurse)
-        for name in names:  # the exact fp32 values (a round trip through bf16 would round them), moved
-            setattr(self, name, fp32[name].to(getattr(self, name).device, torch.float32))
+        for name in names:  # a cast codebook gets its exact fp32 values back (bf16 would have rounded them)
+            t = getattr(self, name)
+            if t.dtype != torch.float32:
+                setattr(self, name, fp32[name].to(t.device, torch.float32))
         return self
 
     # ---- initialisation (spec §2.4) ----------------------------------------------------------------------
@@ -1800,8 +1802,9 @@ DDP_TIMEOUT_HOURS = 2  # the process group's collective timeout; prepare big cor
 
 def setup_device(cfg: Config):
     """-> (device, decoder dtype, DDP info). torchrun sets RANK/LOCAL_RANK/WORLD_SIZE (nanoGPT's detection).
-    The decoder dtype is bf16 on CUDA (--dtype auto|bfloat16), else None (fp32): only the decoder runs under
-    autocast, the encoder is fp32 and the distances, top-k and EMA are fp32 whatever it is (spec §4, §10.12)."""
+    The decoder dtype is bf16 on CUDA (--dtype bfloat16, or auto on a GPU with native bf16), else None (fp32): only
+    the decoder runs under autocast, the encoder is fp32 and the distances, top-k and EMA are fp32 whatever it is
+    (spec §4, §10.12)."""
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, local_rank, world = 0, 0, 1
     if cfg.device == "auto":

@@ -3050,7 +3050,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                          "not every val token: the Validation table does that); the other figures are over the same "
                          f"batches. {html.escape(used)}: prototypes active on at least one training token in the "
                          f"{cfg.eval_interval} training steps since the previous evaluation, or since the seeding "
-                         "for the first one (blank before the prototypes are seeded); K minus it are dead.</p>" + table_html(rows, list(rows[-1])))
+                         "for the first one (blank before the prototypes are seeded); K minus it are dead.</p>"
+                         + table_html(rows, list(rows[-1])))
     if "ppl" in results:
         parts.append("<h2>Validation (every token once)</h2>" + table_html(
             [{"model": k, "loss": v["loss"], "ppl": v["ppl"], "tokens": v["tokens"]} for k, v in results["ppl"].items()],

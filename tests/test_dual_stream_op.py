@@ -393,12 +393,15 @@ def test_slopes_and_alpha_get_no_gradient_on_any_backend(form):
         form(q, k, v, torch.tensor(2.0, requires_grad=True))
 
 
-def test_float64_is_refused_by_the_fp32_kernels():
+def test_float64_is_refused_by_the_fp32_kernels(monkeypatch):
     """backend='triton' computes in fp32: float64 is refused, not returned as double with fp32 digits; the torch
     forms keep it (auto takes them for float64 on CUDA too)."""
     q, k, v, _ = (t.double() for t in _inputs(1, 2, 9, 16))
     with pytest.raises(ValueError, match="computes in float32; float64 inputs take backend='auto' or 'torch'"):
         op.amp_attention(q, k, v, 2.0, backend="triton")
+    monkeypatch.setattr(op, "HAS_TRITON", True)  # a CUDA-like dispatch (faked), where auto would take Triton
+    monkeypatch.setattr(op, "_amp_attention_triton", lambda *a: pytest.fail("float64 reached the Triton path"))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     assert op.amp_attention(q, k, v, 2.0)[0].dtype == torch.float64
 
 

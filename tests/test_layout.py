@@ -571,8 +571,9 @@ def documented_runs() -> list[tuple[str, str, list[str]]]:
 
 def test_every_documented_command_line_parses_and_validates():
     """Each command the README or a module docstring shows is accepted by its script's flags, preset and
-    validation, so a flag renamed or a value restricted in the code cannot leave the documentation behind.
-    (Parsing only: the runs themselves are the end-to-end tests' and the README rows' business.)"""
+    validate(), so a flag renamed or a value restricted in the code cannot leave the documentation behind.
+    (Parsing only: checks that need a checkpoint run in the run itself, and the runs are the end-to-end tests'
+    and the README rows' business.)"""
     import importlib
     import inspect
 

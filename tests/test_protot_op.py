@@ -186,6 +186,17 @@ def test_public_op_under_autocast_at_length_zero_and_in_float64(backend):
                      RATIO[torch.float64])
 
 
+def test_auto_keeps_float64_off_the_kernels_even_on_cuda(monkeypatch):
+    """On a CUDA-like dispatch (faked) `auto` would take Triton; float64 goes to the chunked form instead."""
+    inputs, dy = make_inputs(1, 20, 5, 24)
+    monkeypatch.setattr(op, "HAS_TRITON", True)
+    monkeypatch.setattr(op, "_prefix_mean_read_triton", lambda *a: pytest.fail("float64 reached the Triton path"))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    y = op.prefix_mean_read(*[x.double() for x in inputs])
+    monkeypatch.undo()
+    assert_close("float64", reference(inputs, dy)[0], y, RATIO[torch.float64])
+
+
 def test_dispatch(monkeypatch):
     (w, v, rho, beta), _ = make_inputs(1, 20, 5, 24)
     with pytest.raises(ValueError, match="backend"):
