@@ -875,13 +875,14 @@ class ChannelAttention(nn.Module):
                                                slopes=slopes)
         if self.record:
             self.last = {"entropy": entropy.float().mean((0, 2)), "max_weight": max_weight.float().mean((0, 2))}
-        if self.keep_maps:
-            s = self.alpha * (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-            if slopes is not None:
-                pos = torch.arange(s.shape[-1], device=s.device)
-                s = s + alibi_bias(slopes.float(), pos, pos)
-            causal = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-            self.last["maps"] = s.masked_fill(~causal, float("-inf")).softmax(-1)   # [B, H, T, T]
+        if self.keep_maps:  # fp32 maps, as the op's statistics: .float() alone would not stop autocast's bf16 GEMM
+            with torch.autocast(q.device.type, enabled=False):
+                s = self.alpha * (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+                if slopes is not None:
+                    pos = torch.arange(s.shape[-1], device=s.device)
+                    s = s + alibi_bias(slopes.float(), pos, pos)
+                causal = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+                self.last["maps"] = s.masked_fill(~causal, float("-inf")).softmax(-1)   # [B, H, T, T]
         return self.mix_o(y.transpose(1, 2).flatten(2))
 
 
