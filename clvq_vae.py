@@ -1029,9 +1029,10 @@ class CLVQVAE(nn.Module):
                             enabled=self.decoder_dtype is not None):
             recon = self.decoder(q, mem, mask)
         mse = loss = None
-        if x_h is not None:
-            mse = F.mse_loss(recon.flatten(0, 1).index_select(0, rows).float(),  # mean over every element of
-                             x_h.flatten(0, 1).index_select(0, rows).float())  # the valid rows
+        if x_h is not None:  # the mean over every element of the valid rows; none (all padding): 0, as commit
+            mse = (F.mse_loss(recon.flatten(0, 1).index_select(0, rows).float(),
+                              x_h.flatten(0, 1).index_select(0, rows).float())
+                   if len(rows) else recon.new_zeros((), dtype=torch.float32))
             loss = mse + self.cfg.beta * commit
         return dict(recon=recon, loss=loss, mse=mse, commit=commit, idx=idx, perplexity=perplexity)
 

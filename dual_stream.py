@@ -1015,6 +1015,8 @@ class DualStream(nn.Module):
     @torch.no_grad()
     def generate(self, idx, new_tokens, temperature=0.8, top_k=40, generator=None):
         """nanoGPT's sampler (the window cropped to ctx); temperature 0 is greedy."""
+        if top_k < 0:  # 0 turns top-k off; a negative k would fail inside torch.topk
+            raise ValueError(f"top_k must be >= 0 (0: no top-k), got {top_k}")
         for _ in range(new_tokens):
             logits = self(idx[:, -self.cfg.ctx:])[:, -1].float()
             if temperature <= 0:

@@ -892,6 +892,8 @@ class PRISM(nn.Module):
     @torch.no_grad()
     def generate(self, idx, new_tokens, temperature=0.8, top_k=40, generator=None, **head_kw):
         """nanoGPT's sampler (the window cropped to ctx); head_kw (suppress, factor, gain) edit the prototype head."""
+        if top_k < 0:  # 0 turns top-k off; a negative k would fail inside torch.topk
+            raise ValueError(f"top_k must be >= 0 (0: no top-k), got {top_k}")
         for _ in range(new_tokens):
             z = self.hidden(idx[:, -self.cfg.ctx:])[:, -1:]
             logits = (self.head(z, **head_kw)["logits"] if self.ready else F.linear(z, self.wte.weight))[:, -1]

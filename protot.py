@@ -1066,6 +1066,8 @@ class ProtoT(nn.Module):
         """Sample with the recurrent cache: one parallel prefill, then O(1) per token for ProtoT
         (the attention baseline uses a KV cache, whose cost grows with the position). Each token is drawn from
         sampling_logits (the defaults are spec §5.5's sampler), which sees the whole text so far."""
+        if top_k < 0:  # 0 turns top-k off; a negative k would fail inside torch.topk
+            raise ValueError(f"top_k must be >= 0 (0: no top-k), got {top_k}")
         caches = [{} for _ in self.blocks]
         logits = self(idx, caches=caches)[:, -1]
         for _ in range(new_tokens):

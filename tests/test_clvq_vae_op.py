@@ -532,6 +532,17 @@ def test_dead_code_switch(dead_code):
         assert reseeded, "the dead code was never re-seeded from a batch row"
 
 
+def test_an_all_padding_batch_has_zero_loss_and_finite_gradients():
+    """No valid row: the mean over none is 0 for the reconstruction as for the commitment (not NaN), in the graph."""
+    m = cv.CLVQVAE(small_config())
+    m.init_codebook(torch.randn(2, 5, 16))
+    x = torch.zeros(2, 5, 16)  # all padding (zero rows)
+    out = m(x, torch.randn(2, 5, 16))
+    assert out["loss"].item() == 0 and out["mse"].item() == 0 and (out["idx"] == -1).all()
+    out["loss"].backward()
+    assert all(p.grad is None or p.grad.isfinite().all() for p in m.parameters())
+
+
 def test_forward_shapes_padding_and_masks():
     """Outputs and shapes; idx -1 at padding; loss = mse + β·commit; valid positions do not see padding (extra
     padded columns change nothing in eval mode), for every decoder mask; a padded query row is finite."""

@@ -108,6 +108,8 @@ def test_an_empty_or_flat_batch_is_a_clear_error():
     for shape in ((1, 0), (0, 4), (4,)):
         with pytest.raises(ValueError, match=r"idx must be \[B, T\] with B, T >= 1"):
             m(torch.zeros(shape, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"top_k must be >= 0 \(0: no top-k\), got -1"):
+        m.generate(torch.zeros(1, 3, dtype=torch.long), 2, top_k=-1)
 
 
 def test_one_architecture_has_one_spelling():
