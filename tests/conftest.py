@@ -206,6 +206,14 @@ def save_envelope(path, script: str, config: dict, history=None) -> None:
                 "rng": {"torch": 0, "data": 0, "cuda": 0}, "config": config}, path)
 
 
+def fake_cuda_dispatch(monkeypatch, module, launcher: str) -> None:
+    """Make `module`'s `auto` dispatch see CUDA tensors and Triton (both faked), with its Triton entry point
+    `launcher` replaced by a failure: a call that should stay on the torch forms (float64) fails the test if not."""
+    monkeypatch.setattr(module, "HAS_TRITON", True)
+    monkeypatch.setattr(module, launcher, lambda *a, **k: pytest.fail("float64 reached the Triton path"))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+
+
 def half_written_save(obj, f, *args, **kwargs):
     """A stand-in for torch.save that writes the first bytes of its file and fails, as on a full disk."""
     Path(f).write_bytes(b"PK\x03\x04 the first bytes of a zip")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dual_stream as op
-from conftest import check_close, compiled_ops
+from conftest import check_close, compiled_ops, fake_cuda_dispatch
 
 
 needs_triton = pytest.mark.skipif(
@@ -399,9 +399,7 @@ def test_float64_is_refused_by_the_fp32_kernels(monkeypatch):
     q, k, v, _ = (t.double() for t in _inputs(1, 2, 9, 16))
     with pytest.raises(ValueError, match="computes in float32; float64 inputs take backend='auto' or 'torch'"):
         op.amp_attention(q, k, v, 2.0, backend="triton")
-    monkeypatch.setattr(op, "HAS_TRITON", True)  # a CUDA-like dispatch (faked), where auto would take Triton
-    monkeypatch.setattr(op, "_amp_attention_triton", lambda *a: pytest.fail("float64 reached the Triton path"))
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    fake_cuda_dispatch(monkeypatch, op, "_amp_attention_triton")  # where auto would take Triton
     assert op.amp_attention(q, k, v, 2.0)[0].dtype == torch.float64
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import protot as op
-from conftest import RATIO, SMALL_CORPUS, check_close as assert_close, compiled_ops, run_main
+from conftest import RATIO, SMALL_CORPUS, check_close as assert_close, compiled_ops, fake_cuda_dispatch, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -189,9 +189,7 @@ def test_public_op_under_autocast_at_length_zero_and_in_float64(backend):
 def test_auto_keeps_float64_off_the_kernels_even_on_cuda(monkeypatch):
     """On a CUDA-like dispatch (faked) `auto` would take Triton; float64 goes to the chunked form instead."""
     inputs, dy = make_inputs(1, 20, 5, 24)
-    monkeypatch.setattr(op, "HAS_TRITON", True)
-    monkeypatch.setattr(op, "_prefix_mean_read_triton", lambda *a: pytest.fail("float64 reached the Triton path"))
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    fake_cuda_dispatch(monkeypatch, op, "_prefix_mean_read_triton")
     y = op.prefix_mean_read(*[x.double() for x in inputs])
     monkeypatch.undo()
     assert_close("float64", reference(inputs, dy)[0], y, RATIO[torch.float64])
