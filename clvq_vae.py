@@ -1745,9 +1745,9 @@ def cached_activations(src: SourceModel, dataset: str, texts: list[str], labels:
 # ---- what the model and the ablation test consume
 
 
-def sentence_representations(acts: Activations, method: str | None = None, layer: str = "l") -> torch.Tensor:
+def sentence_representations(acts: Activations, method: str | None = None) -> torch.Tensor:
     """[S, d] sentence representations r for the concept-ablation probe (§6.1 step 3), from the dev set's
-    (unfiltered) activations at the analysis layer (l by default):
+    (unfiltered) activations at layer l, where the concepts are read:
       cls  (encoders, default): the sentence-start token's row, hidden_states[l][:, 0];
       mean (decoders, default): the mean of the sentence's word rows (specials excluded);
       last: the last word row (the official code's `last_token` option).
@@ -1755,7 +1755,7 @@ def sentence_representations(acts: Activations, method: str | None = None, layer
     from common import DataError
 
     method = method or ("cls" if acts.kind == "encoder" else "mean")
-    x = acts.x_l if layer == "l" else acts.x_h
+    x = acts.x_l
     S = len(acts.texts)
     if method == "cls":
         rows = (acts.special & (acts.pos == -1)).nonzero().squeeze(1)

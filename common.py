@@ -664,10 +664,10 @@ class TokenData:
             xy = xy.to(self.device)
         return xy[:, :-1], xy[:, 1:]
 
-    def check_ctx(self, ctx: int, splits=("train", "val")) -> None:
+    def check_ctx(self, ctx: int) -> None:
         """A one-line DataError when a split is shorter than one window of ctx + 1 tokens (the scripts call it
         before their first step)."""
-        for split in splits:
+        for split in ("train", "val"):
             n = len(self.tokens(split))
             if n < ctx + 1:
                 raise DataError(f"--ctx {ctx}: the {split} split has {n:,} tokens, fewer than ctx + 1; use a smaller "
@@ -844,7 +844,7 @@ def stored_config_error(cfg, validate) -> str | None:
     return None
 
 
-def config_parser(cfg_cls, description: str = "", extra=None) -> argparse.ArgumentParser:
+def config_parser(cfg_cls, description: str = "") -> argparse.ArgumentParser:
     """An argparse parser with one flag per dataclass field: `n_layers` -> `--n-layers`; bools get
     `--x/--no-x`; `typing.Literal[...]` fields get choices; Optional[int|float] accept 'none' (Optional[str] does not). Each field's
     `metadata['help']` (or the comment convention `field(metadata={'help': ...})`) becomes its help text."""
@@ -872,15 +872,13 @@ def config_parser(cfg_cls, description: str = "", extra=None) -> argparse.Argume
         else:  # Optional[str] stays a string ('none' is a word like any other); None only as the default
             kw.update(type=_flag_type(str if type(None) in args else tp))
         p.add_argument(flag, **kw)
-    for a, kw in (extra or {}).items():
-        p.add_argument(a, **kw)
     return p
 
 
-def parse_config(cfg_cls, argv=None, description: str = "", extra=None):
-    """-> (cfg, args): the dataclass filled from the command line, and the full namespace (for `extra`).
+def parse_config(cfg_cls, argv=None, description: str = ""):
+    """-> (cfg, args): the dataclass filled from the command line, and the namespace.
     `args.explicit` is the set of field names given on the command line, so a preset can fill in the rest."""
-    parser = config_parser(cfg_cls, description, extra)
+    parser = config_parser(cfg_cls, description)
     args = parser.parse_args(argv)
     for action in parser._actions:  # a second pass with every default suppressed tells what was typed
         action.default = argparse.SUPPRESS

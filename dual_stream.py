@@ -173,10 +173,8 @@ except ImportError as err:  # no Triton (e.g. macOS): the module still imports a
     triton = tl = _NoTriton
 
 try:  # generic Triton kernels (kernels.py beside this file); a copied-out script falls back to plain torch
-    from kernels import BACKENDS, cross_entropy, layer_norm
+    from kernels import cross_entropy, layer_norm
 except ImportError:
-    BACKENDS = ("auto", "triton", "torch")
-
     def layer_norm(x, weight, bias, groups=1, eps=1e-5, backend="auto"):
         xg = x.unflatten(-1, (groups, x.shape[-1] // groups))
         y = F.layer_norm(xg.float(), xg.shape[-1:], eps=eps).flatten(-2) * weight.float()
@@ -797,7 +795,7 @@ class HeadMix(nn.Module):
         return torch.einsum("...hd,gh->...gd", xs, self.weight).flatten(-2)   # kronecker: y_g = Σ_h A[g,h] x_h
 
     def matrix(self) -> torch.Tensor:
-        """The full d×d matrix (analyses and tests only), on the weight's device (identity: the CPU)."""
+        """The full d×d matrix (tests only), on the weight's device (identity: the CPU)."""
         d = self.H * self.dh
         if self.kind == "identity":
             return torch.eye(d)
@@ -1782,30 +1780,23 @@ def kronecker_figure(model: DualStream) -> Optional[str]:
     maps = kronecker_maps(model)
     if not maps:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     kinds = sorted({name for _, name, _ in maps}, key="VO".index)
     L = len(model.blocks)
-    fig, axes = plt.subplots(len(kinds), L, figsize=(2.2 * L, 2.3 * len(kinds)), squeeze=False)
-    for i, name, A in maps:
-        lim = A.abs().max().item() or 1.0
-        ax = axes[kinds.index(name)][i]
-        im = ax.imshow(A.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim)
-        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=6)  # each map has its own scale
-        ax.set_xticks(range(A.shape[1]))  # heads are whole: matplotlib's default ticks fall at 0.5 for H = 3
-        ax.set_yticks(range(A.shape[0]))
-        ax.set_title(f"layer {i} A_{name}", fontsize=8)
-        ax.set_xlabel("from head h", fontsize=7)
-        ax.set_ylabel("to head g", fontsize=7)
-        ax.tick_params(labelsize=6)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
+
+    def draw(fig):
+        axes = fig.subplots(len(kinds), L, squeeze=False)
+        for i, name, A in maps:
+            lim = A.abs().max().item() or 1.0
+            ax = axes[kinds.index(name)][i]
+            im = ax.imshow(A.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim)
+            fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=6)  # each map has its own scale
+            ax.set_xticks(range(A.shape[1]))  # heads are whole: matplotlib's default ticks fall at 0.5 for H = 3
+            ax.set_yticks(range(A.shape[0]))
+            ax.set_title(f"layer {i} A_{name}", fontsize=8)
+            ax.set_xlabel("from head h", fontsize=7)
+            ax.set_ylabel("to head g", fontsize=7)
+            ax.tick_params(labelsize=6)
+    return figure(draw, size=(2.2 * L, 2.3 * len(kinds)))
 
 
 # Built-in coreference probe (spec §7; the paper's metric is not public): two names of different gender, then a

@@ -167,10 +167,8 @@ except ImportError as err:  # no Triton (e.g. macOS): the module still imports a
     triton = tl = _NoTriton
 
 try:  # generic Triton kernels (kernels.py beside this file); a copied-out script falls back to plain torch
-    from kernels import BACKENDS, LayerNorm, cross_entropy
+    from kernels import LayerNorm, cross_entropy
 except ImportError:
-    BACKENDS = ("auto", "triton", "torch")
-
     class LayerNorm(nn.Module):
         def __init__(self, dim, groups=1, eps=1e-5, bias=True, backend="auto"):
             super().__init__()
@@ -265,7 +263,8 @@ class Config:
     sample: Optional[str] = field(default=None, metadata={"help": "generate from this prompt"})
     sample_tokens: int = field(default=100, metadata={"help": "tokens per sample"})
     temperature: float = field(default=0.8, metadata={
-        "help": "sampling temperature of every generated text (samples, suppression, the decomposed text; top-k 40)"})
+        "help": "sampling temperature of every generated text (samples, suppression, the decomposed text; top-k 40; "
+                "0: greedy)"})
     bench: bool = field(default=False, metadata={"help": "benchmarks only (training tok/s vs dense, top-k kernel)"})
     report: bool = field(default=True, metadata={"help": "write out_dir/report.html (analysis.html with --no-train)"})
 
@@ -717,10 +716,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
-        norm_backend = cfg.kernels if cfg.kernels in BACKENDS else "auto"
-        self.ln_1 = LayerNorm(cfg.d_model, bias=False, backend=norm_backend)
+        self.ln_1 = LayerNorm(cfg.d_model, bias=False, backend=cfg.kernels)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = LayerNorm(cfg.d_model, bias=False, backend=norm_backend)
+        self.ln_2 = LayerNorm(cfg.d_model, bias=False, backend=cfg.kernels)
         self.mlp = MLP(cfg)
 
     def forward(self, x):
@@ -740,7 +738,7 @@ class PRISM(nn.Module):
         self.wpe = nn.Embedding(cfg.ctx, d)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.ln_f = LayerNorm(d, bias=False, backend=cfg.kernels if cfg.kernels in BACKENDS else "auto")
+        self.ln_f = LayerNorm(d, bias=False, backend=cfg.kernels)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2L)
             if name.endswith("c_proj.weight"):
@@ -891,17 +889,22 @@ class PRISM(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, new_tokens, temperature=0.8, top_k=40, generator=None, **head_kw):
-        """nanoGPT's sampler (the window cropped to ctx); head_kw (suppress, factor, gain) edit the prototype head."""
+        """nanoGPT's sampler (the window cropped to ctx; temperature 0 is greedy); head_kw (suppress, factor, gain)
+        edit the prototype head."""
         if top_k < 0:  # 0 turns top-k off; a negative k would fail inside torch.topk
             raise ValueError(f"top_k must be >= 0 (0: no top-k), got {top_k}")
         for _ in range(new_tokens):
             z = self.hidden(idx[:, -self.cfg.ctx:])[:, -1:]
             logits = (self.head(z, **head_kw)["logits"] if self.ready else F.linear(z, self.wte.weight))[:, -1]
-            logits = logits.float() / max(temperature, 1e-6)
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            idx = torch.cat([idx, torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)], 1)
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits.float() / max(temperature, 1e-6)  # a tiny temperature: near-greedy, not inf/NaN
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], 1)
         return idx
 # -----------------------------------------------------------------------------
 # Training
@@ -1311,7 +1314,7 @@ def seed_from_batch(raw: PRISM, x, cfg: Config, dist_info) -> None:
 
 @torch.no_grad()
 def revive_dead(raw: PRISM, optimizer, usage, x, cfg: Config, step: int, dist_info) -> int:
-    """Dead-prototype replacement (STYLE §18, the codebook remedy; the paper does not describe one): prototypes
+    """Dead-prototype replacement (vector quantisation's dead-code restart; the paper has none): prototypes
     that no token activated since the last evaluation are re-seeded from this batch's hidden states, drawn with
     probability ∝ |r|²/|z|² (tokens the bank explains worst), scaled like the live prototypes; their Adam moments
     restart at 0. Drawn on rank 0 from all ranks' states and broadcast; seeded by (seed, step), so resume is exact.
@@ -3203,7 +3206,7 @@ def validate(cfg: Config) -> None:
                                                 "them, -1 pushes away)"),
               (0 < cfg.attr_damping <= 1e6, "--attr-damping must be in (0, 1e6]"), (cfg.controller_l1 >= 0, "--controller-l1 must be >= 0"),
               (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"),
-              (cfg.temperature > 0, "--temperature must be > 0"),
+              (cfg.temperature >= 0, "--temperature must be >= 0 (0: greedy)"),
               (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file")]
     for ok, msg in checks:
         if not ok:

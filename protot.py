@@ -131,10 +131,8 @@ except ImportError as err:  # no Triton (e.g. macOS): the module still imports a
     triton = tl = _NoTriton
 
 try:  # generic Triton kernels (kernels.py beside this file); a copied-out script falls back to plain torch
-    from kernels import BACKENDS, RMSNorm, cross_entropy
+    from kernels import RMSNorm, cross_entropy
 except ImportError:
-    BACKENDS = ("auto", "triton", "torch")
-
     class RMSNorm(nn.Module):
         def __init__(self, dim, eps=1e-6, backend="auto"):
             super().__init__()
@@ -206,7 +204,7 @@ class Config:
     sample: Optional[str] = field(default=None, metadata={"help": "generate from this prompt"})
     sample_tokens: int = field(default=200, metadata={"help": "tokens per sample"})
     # the sampler (spec §5.5, Hugging Face generate()'s processors; see sampling_logits)
-    temperature: float = field(default=0.8, metadata={"help": "sampling temperature"})
+    temperature: float = field(default=0.8, metadata={"help": "sampling temperature (0: greedy)"})
     top_k: int = field(default=40, metadata={"help": "sample among the k most likely tokens (0: off)"})
     top_p: float = field(default=0.95, metadata={"help": "nucleus: the fewest tokens holding this probability (1: off)"})
     repetition_penalty: float = field(default=1.05, metadata={"help": "divides (multiplies when negative) the logit "
@@ -301,21 +299,24 @@ def prefix_mean_step(state, w_t, v_t, rho_t, beta):
     return y_t.to(out_dtype), (N, M)
 
 
-def prefix_mean_read_recurrent(w, v, rho, beta):
+def prefix_mean_read_recurrent(w, v, rho, beta, state=None):
     """The op exactly as defined, one token at a time (autograd gives its gradients):
 
         for t = 0 .. T-1:   y_t = Σ_k ρ_{t,k} N_{t-1,k} / max(M_{t-1,k}, eps)
                             N_t = β ⊙ N_{t-1} + (1-β) ⊙ w_t v_tᵀ,   M_t = β ⊙ M_{t-1} + (1-β) ⊙ w_t
 
-    O(T) sequential steps: the ground truth for the other forms, not a training path."""
-    B, _, R = w.shape
-    state = prefix_mean_init_state(B, R, v.shape[-1], w.device, _state_dtype(w, v, rho, beta))
+    O(T) sequential steps: the ground truth for the other forms, not a training path. Given a decode `state`
+    (N_{-1}, M_{-1}) it starts from there instead of empty and returns (y, (N_{T-1}, M_{T-1})): cached generation."""
+    cached = state is not None
+    if not cached:
+        state = prefix_mean_init_state(w.shape[0], w.shape[-1], v.shape[-1], w.device, _state_dtype(w, v, rho, beta))
     ys = []
     # unbind, not w[:, t]: the backward of T selects would build T full-size zero gradients
     for w_t, v_t, rho_t in zip(w.unbind(1), v.unbind(1), rho.unbind(1)):
         y_t, state = prefix_mean_step(state, w_t, v_t, rho_t, beta)
         ys.append(y_t)
-    return torch.stack(ys, dim=1)  # (B, T, dv)
+    y = torch.stack(ys, dim=1)  # (B, T, dv)
+    return (y, state) if cached else y
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -944,12 +945,7 @@ class ProtoMixer(nn.Module):
 
     def prefix_mean(self, w, v, rho, beta, cache):
         if cache is not None and "N" in cache:  # O(1) step(s) from the cached state
-            ys, state = [], (cache["N"], cache["M"])
-            for t in range(w.shape[1]):
-                y_t, state = prefix_mean_step(state, w[:, t], v[:, t], rho[:, t], beta)
-                ys.append(y_t)
-            cache["N"], cache["M"] = state
-            y = torch.stack(ys, 1)
+            y, (cache["N"], cache["M"]) = prefix_mean_read_recurrent(w, v, rho, beta, state=(cache["N"], cache["M"]))
         else:
             if self.ema == "official":
                 y = prefix_mean_read_official(w, v, rho, beta)
@@ -1065,14 +1061,18 @@ class ProtoT(nn.Module):
                  no_repeat_ngram_size=4, generator=None):
         """Sample with the recurrent cache: one parallel prefill, then O(1) per token for ProtoT
         (the attention baseline uses a KV cache, whose cost grows with the position). Each token is drawn from
-        sampling_logits (the defaults are spec §5.5's sampler), which sees the whole text so far."""
+        sampling_logits (the defaults are spec §5.5's sampler), which sees the whole text so far; temperature 0 is
+        greedy."""
         if top_k < 0:  # 0 turns top-k off; a negative k would fail inside torch.topk
             raise ValueError(f"top_k must be >= 0 (0: no top-k), got {top_k}")
         caches = [{} for _ in self.blocks]
         logits = self(idx, caches=caches)[:, -1]
         for _ in range(new_tokens):
             logits = sampling_logits(logits, idx, temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size)
-            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+            if temperature <= 0:  # greedy, after the penalty and the n-gram ban (as HF's greedy search with processors)
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
             idx = torch.cat([idx, nxt], 1)
             logits = self(nxt, caches=caches)[:, -1]
         return idx
@@ -1982,6 +1982,7 @@ PERTURBATIONS = {
 
 
 def js_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Jensen–Shannon divergence in nats (so in [0, ln 2]) between distributions along the last dim."""
     m = 0.5 * (p + q)
     kl = lambda a, b: (a * (a.clamp_min(1e-12).log() - b.clamp_min(1e-12).log())).sum(-1)
     # clamped at 0: for nearly equal p and q the two sums cancel to a rounding error either side of 0 (the log
@@ -2224,7 +2225,7 @@ def table_html(rows: list[dict], cols: list[str]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, stem: str = "report") -> Path:
+def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, name: str = "report") -> Path:
     shown = asdict(cfg)
     for key in ("preset", "device", "dtype"):  # the flag as typed and what the run made of it: "auto → cpu"
         if results.get(key) and results[key] != shown[key]:
@@ -2275,9 +2276,9 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, ste
                          [iv], ["units", "mode", "target", "prompts", "max_drop", "max_rise", "mean", "ppl_change"]))
     if "robustness" in results:
         rows = []
-        for name, r in results["robustness"].items():
+        for kind, r in results["robustness"].items():
             for model in (k for k in r if k != "pairs"):
-                rows.append({"perturbation": name, "model": model, "pairs": r["pairs"], "JS": f"{r[model]['js']:.4f}",
+                rows.append({"perturbation": kind, "model": model, "pairs": r["pairs"], "JS": f"{r[model]['js']:.4f}",
                              "Spearman": f"{r[model]['spearman']:.3f}", "top-10 overlap": f"{r[model]['top10']:.3f}",
                              "top-1 agreement": f"{r[model]['top1']:.3f}",
                              "routing JS per layer": " ".join(f"{v:.3f}" for v in r[model].get("route_js_per_layer", []))})
@@ -2296,7 +2297,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, ste
                                            if len(results["samples"]) > 1 else "")
                      + "".join(f"<h3>{html.escape(how.get(k, k))}</h3>" + "".join(f"<pre>{html.escape(s)}</pre>" for s in v)
                                for k, v in results["samples"].items()))
-    path = out_dir / f"{stem}.html"
+    path = out_dir / f"{name}.html"
     path.write_text("<!doctype html><meta charset=utf-8><title>ProtoT report</title><style>body{font-family:"
                     "sans-serif;max-width:1100px}table{border-collapse:collapse;font-size:12px}td,th{border:1px "
                     "solid #ccc;padding:2px 6px}pre{background:#f6f6f6;padding:6px;white-space:pre-wrap}</style>"
@@ -2357,7 +2358,7 @@ def validate(cfg: Config) -> None:
               (cfg.early_stop >= 0, "--early-stop must be >= 0 (0: off)"),
               (cfg.conv_layers >= 0, "--conv-layers must be >= 0"), (cfg.label_windows >= 1, "--label-windows must be >= 1"),
               (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"), (cfg.heads >= 1, "--heads must be >= 1"),
-              (0 < cfg.temperature < math.inf, "--temperature must be > 0 and finite"),
+              (cfg.temperature >= 0, "--temperature must be >= 0 (0: greedy)"),
               (cfg.top_k >= 0, "--top-k must be >= 0 (0: off)"),
               (0 < cfg.top_p <= 1, "--top-p must be in (0, 1] (1: off)"),
               (0 < cfg.repetition_penalty < math.inf, "--repetition-penalty must be > 0 and finite (1: off)"),

@@ -619,9 +619,8 @@ def test_parse_config_flags_from_dataclass():
     cfg, _ = common.parse_config(DemoConfig, [])
     assert cfg == DemoConfig()
     cfg, args = common.parse_config(DemoConfig, ["--n-layers", "2", "--lr", "1e-3", "--mixer", "attention",
-                                                 "--compile", "--max-tokens", "100"],
-                                    extra={"--bench": dict(action="store_true")})
-    assert cfg == DemoConfig(2, 1e-3, "attention", True, 100, None) and args.bench is False
+                                                 "--compile", "--max-tokens", "100"])
+    assert cfg == DemoConfig(2, 1e-3, "attention", True, 100, None)
     assert args.explicit == {"n_layers", "lr", "mixer", "compile", "max_tokens"}
     assert common.parse_config(DemoConfig, ["--lr", "0.1"])[1].explicit == {"lr"}
     assert common.parse_config(DemoConfig, ["--max-tokens", "none", "--no-compile"])[0].max_tokens is None

@@ -291,6 +291,24 @@ def test_a_sequence_longer_than_ctx_or_empty_is_a_clear_error():
         m.generate(torch.zeros(1, 3, dtype=torch.long), 2, top_k=-1)
 
 
+def test_temperature_zero_is_greedy():
+    """--temperature 0 takes the arg-max of each step's logits, whatever the generator, for both heads."""
+    for twin in (False, True):
+        m = tiny_model(head="dense") if twin else tiny_model()
+        m.eval()
+        idx = torch.tensor([[1, 2, 3]])
+        out = m.generate(idx, 4, temperature=0, generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            ref = idx
+            for _ in range(4):
+                z = m.hidden(ref)[:, -1:]
+                logits = (m.head(z)["logits"] if m.ready else F.linear(z, m.wte.weight))[:, -1]
+                ref = torch.cat([ref, logits.argmax(-1, keepdim=True)], 1)
+        assert torch.equal(out, ref)
+        assert torch.equal(m.generate(idx, 4, temperature=0, generator=torch.Generator().manual_seed(6)), out)
+    prism.validate(Config(temperature=0))  # and the flag accepts it, as in the other two language models
+
+
 def test_dense_twin_shares_the_backbone_init():
     torch.manual_seed(0)
     a = PRISM(Config(layers=2, d_model=32, heads=2, n_protos=8, ctx=16), V)
@@ -791,7 +809,7 @@ def test_resume_checks_the_seeding_of_a_prism_that_starts_from_step_0(tmp_path, 
     (["--suppress-factor", "1e30"], 1, "--suppress-factor must be in [-100, 100]"),
     (["--device", "meta"], 1, "--device meta: expected auto, cpu, cuda, cuda:N or mps"),  # torch.device takes it
     (["--seed", "99999999999999999999999"], 1, "--seed must be in [0, 2**32)"),
-    (["--temperature", "0"], 1, "--temperature must be > 0"), (["--temperature", "inf"], 1, "must be a finite number"),
+    (["--temperature", "-1"], 1, "--temperature must be >= 0 (0: greedy)"), (["--temperature", "inf"], 1, "must be a finite number"),
     (["--out-dir", "/dev/null/x"], 1, "--out-dir /dev/null/x: cannot write there"),
     (["--ctx", "20000", *SMALL_CORPUS], 1, "--ctx 20000: the val split has 10,000 tokens, fewer than ctx + 1"),
 ])

@@ -186,6 +186,25 @@ def test_sampler_off_is_the_plain_temperature_top_k_sampler():
     assert not torch.equal(model.generate(prompt, 30, generator=g), out)  # the spec's sampler does change the draws
 
 
+def test_temperature_zero_is_greedy_after_the_penalty_and_the_ngram_ban():
+    """--temperature 0: the arg-max of the processed logits (penalty and n-gram ban still apply, as in HF's greedy
+    search with processors), whatever the generator."""
+    model = ProtoT(Config(layers=2, d_model=32, n_protos=4, dropout=0.0, kernels="torch"), 50).eval()
+    prompt = torch.tensor([[3, 7, 3, 9, 1]])
+    out = model.generate(prompt, 12, temperature=0, no_repeat_ngram_size=2, generator=torch.Generator().manual_seed(1))
+    ref = prompt
+    with torch.no_grad():
+        for _ in range(12):
+            logits = protot.sampling_logits(model(ref)[:, -1], ref, 0, 40, 0.95, 1.05, 2)
+            ref = torch.cat([ref, logits.argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, ref)
+    assert torch.equal(model.generate(prompt, 12, temperature=0, no_repeat_ngram_size=2,
+                                      generator=torch.Generator().manual_seed(2)), out)
+    bigrams = list(zip(out[0].tolist(), out[0, 1:].tolist()))
+    assert len(set(bigrams)) == len(bigrams)  # the ban holds under greedy decoding too
+    protot.validate(Config(temperature=0))  # and the flag accepts it, as in the other two language models
+
+
 @pytest.mark.parametrize("mixer", ["proto", "attention"])
 @pytest.mark.parametrize("sampler", [{}, dict(top_p=0.8, repetition_penalty=1.5, no_repeat_ngram_size=2)])
 def test_cached_generation_draws_the_tokens_of_a_full_recompute(mixer, sampler):
@@ -449,7 +468,7 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     (["--repetition-penalty", "inf"], 1, "--repetition-penalty must be > 0 and finite"),
     (["--no-repeat-ngram-size", "-1"], 1, "--no-repeat-ngram-size must be >= 0"),
     (["--lr", "inf"], 1, "--lr must be a finite number"), (["--weight-decay", "inf"], 1, "--weight-decay must be a"),
-    (["--temperature", "0"], 1, "--temperature must be > 0 and finite"), (["--top-k", "-1"], 1, "--top-k must be >= 0"),
+    (["--temperature", "-1"], 1, "--temperature must be >= 0 (0: greedy)"), (["--top-k", "-1"], 1, "--top-k must be >= 0"),
     (["--top-p", "0.9x"], 2, "argument --top-p: invalid float value: '0.9x'"),
     (["--bench", "--d-model", "36", "--layers", "1"], 1, "must split into --heads 4 heads"),  # bench times attention
     (["--out-dir", "/dev/null/x"], 1, "--out-dir /dev/null/x: cannot write there"),
