@@ -373,6 +373,16 @@ class _ByteEncoding:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+def unk_targets_note(ev: dict) -> str:
+    """A final evaluation's loss without its unk targets, where there are any (evaluate_ppl's "unk_tokens",
+    "loss_known", "ppl_known"): compaction maps every id unseen in training to unk, so the model never learnt to
+    predict it and each such target costs far more than a real one."""
+    if not ev.get("unk_tokens"):
+        return ""
+    return (f"; without its {ev['unk_tokens']:,} unk targets (ids unseen in training) loss {ev['loss_known']:.4f}, "
+            f"perplexity {ev['ppl_known']:.2f}")
+
+
 def unknown_note(tok: "Tokenizer", prompt: str) -> str | None:
     """A line to log when a typed prompt holds ids outside the compacted vocabulary: each is read as the one
     reserved unk id (and decodes as U+FFFD), so the model never sees the prompt as typed. None when it does.

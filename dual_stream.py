@@ -1198,9 +1198,13 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
                  **forward_kw) -> dict:
     """Exact token-weighted perplexity over the val split: every token predicted once (common.iter_eval), or over
     its first max_windows windows (fewer where the split holds fewer). forward_kw (ablate, at) evaluates an ablated
-    model. -> loss, ppl, and the tokens and windows it read (a report names what a loss was measured on)."""
+    model. -> loss, ppl, and the tokens and windows it read (a report names what a loss was measured on). The unk id (compaction's image of every id
+    unseen in training, so never a training target) is scored like any token; "unk_tokens" counts those targets and
+    "loss_known"/"ppl_known" leave them out."""
     model.eval()
-    total, count, windows = 0.0, 0, 0
+    unk = getattr(data.tokenizer, "unk", None)
+    unk = -1 if unk is None else unk  # -1: no unk id (no compaction), every target is known
+    total, count, windows, total_known, count_known = 0.0, 0, 0, 0.0, 0
     for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):
         if max_windows is not None:
             if i * batch_size >= max_windows:
@@ -1208,16 +1212,20 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
             x, y = x[:max_windows - i * batch_size], y[:max_windows - i * batch_size]  # exactly max_windows
         with autocast:
             logits = model(x, **forward_kw)
-        total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
-        count += y.numel()
+        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+        known = y.flatten() != unk
+        total, count = total + nll.sum().item(), count + y.numel()
+        total_known, count_known = total_known + nll[known].sum().item(), count_known + int(known.sum())
         windows += y.shape[0]
     if dist_ready():
         import torch.distributed as dist
 
-        t = torch.tensor([total, count, windows], dtype=torch.float64, device=data.device)
+        t = torch.tensor([total, count, windows, total_known, count_known], dtype=torch.float64, device=data.device)
         dist.all_reduce(t)
-        total, count, windows = t.tolist()
-    return {"loss": total / count, "ppl": perplexity(total / count), "tokens": int(count), "windows": int(windows)}
+        total, count, windows, total_known, count_known = t.tolist()
+    return {"loss": total / count, "ppl": perplexity(total / count), "tokens": int(count), "windows": int(windows),
+            "unk_tokens": int(count - count_known), "loss_known": total_known / max(count_known, 1),
+            "ppl_known": perplexity(total_known / max(count_known, 1))}
 
 
 def on_windows(windows: int, tokens: int) -> str:
@@ -2426,7 +2434,7 @@ def load_model(ck: dict, c: Config, data, device, path: Path) -> DualStream:
 
 
 def run(cfg: Config, explicit) -> int:
-    from common import DataError, load_data, preset_banner, to_json, unknown_note
+    from common import DataError, load_data, preset_banner, to_json, unk_targets_note, unknown_note
 
     preset = apply_preset(cfg, explicit)
     validate(cfg, explicit)
@@ -2531,7 +2539,7 @@ def run(cfg: Config, explicit) -> int:
     for name, m in models.items():
         ppl[name] = evaluate_ppl(m, data, cfg.ctx, autocast)
         log(f"{name}: val loss {ppl[name]['loss']:.4f}, perplexity {ppl[name]['ppl']:.2f} over "
-            f"{ppl[name]['tokens']:,} tokens")
+            f"{ppl[name]['tokens']:,} tokens" + unk_targets_note(ppl[name]))
     differ = budget_diff(budgets) if cfg.sweep else ""
     # checkpoints trained or extended apart: the loss gap would not be the mixing's cost; no dense: no base
     skipped = (f"the models were trained on different budgets ({differ})" if differ else

@@ -1144,9 +1144,13 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
                  head_kw: Optional[dict] = None) -> dict:
     """Exact token-weighted perplexity over the val split: every token predicted once (common.iter_eval).
     head_kw (suppress, factor, gain) evaluates an edited prototype head; with suppress, "fired" counts the
-    (token, suppressed prototype) activations a > 0 it met: 0 means the edit cannot change a logit here."""
+    (token, suppressed prototype) activations a > 0 it met: 0 means the edit cannot change a logit here. The unk id (compaction's image of every id
+    unseen in training, so never a training target) is scored like any token; "unk_tokens" counts those targets and
+    "loss_known"/"ppl_known" leave them out."""
     model.eval()
-    total, count, fired = 0.0, 0, 0
+    unk = getattr(data.tokenizer, "unk", None)
+    unk = -1 if unk is None else unk  # -1: no unk id (no compaction), every target is known
+    total, count, fired, total_known, count_known = 0.0, 0, 0, 0.0, 0
     for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):
         if max_windows is not None:
             if i * batch_size >= max_windows:
@@ -1160,15 +1164,19 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
                     fired += int((head_kw["suppress"][out["idx"]] & (out["a"] > 0)).sum())
             else:
                 logits = model(x)
-        total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
-        count += y.numel()
+        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+        known = y.flatten() != unk
+        total, count = total + nll.sum().item(), count + y.numel()
+        total_known, count_known = total_known + nll[known].sum().item(), count_known + int(known.sum())
     if dist_ready():
         import torch.distributed as dist
 
-        t = torch.tensor([total, count, fired], dtype=torch.float64, device=data.device)
+        t = torch.tensor([total, count, fired, total_known, count_known], dtype=torch.float64, device=data.device)
         dist.all_reduce(t)
-        total, count, fired = t.tolist()
-    res = {"loss": total / count, "ppl": perplexity(total / count), "tokens": int(count)}
+        total, count, fired, total_known, count_known = t.tolist()
+    res = {"loss": total / count, "ppl": perplexity(total / count), "tokens": int(count),
+           "unk_tokens": int(count - count_known), "loss_known": total_known / max(count_known, 1),
+           "ppl_known": perplexity(total_known / max(count_known, 1))}
     if head_kw and head_kw.get("suppress") is not None:
         res["fired"] = int(fired)
     return res
@@ -1621,12 +1629,13 @@ def logit_decomposition(model: PRISM, ids: torch.Tensor, tok, prompt_len: int = 
     logit = (w_y * z).sum(-1)
     err = (slices.sum(-1) + resid - logit).abs().max().item()
     rows = []
-    for t in range(len(y)):
-        order = slices[t].abs().argsort(descending=True)[:4]
+    for t in range(len(y)):  # the 4 largest slices by name; the other active ones summed, so each row adds up
+        order = slices[t].abs().argsort(descending=True).tolist()
+        active = [j for j in order if out["a"][t, j] > 0]
         rows.append({"token": tok.decode([int(y[t])]), "prompt": t + 1 < prompt_len, "logit": logit[t].item(),
                      "residual": resid[t].item(),
-                     "prototypes": [(int(out["idx"][t, j]), slices[t, j].item()) for j in order.tolist()
-                                    if out["a"][t, j] > 0]})
+                     "prototypes": [(int(out["idx"][t, j]), slices[t, j].item()) for j in active[:4]],
+                     "other": (len(active[4:]), sum(slices[t, j].item() for j in active[4:]))})
     return {"rows": rows, "max_abs_error": err, "max_abs_logit": logit.abs().max().item()}
 
 
@@ -3074,12 +3083,14 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         # repr(): a newline or a space token would otherwise be a blank cell
         rows = [{"token": repr(r["token"]), "in": "prompt" if r.get("prompt") else "generated", "logit": r["logit"],
                  "residual slice": r["residual"],
-                 "largest prototype slices": ", ".join(f"p{i}: {v:+.2f}" for i, v in r["prototypes"])} for r in d["rows"]]
+                 "largest prototype slices": ", ".join(f"p{i}: {v:+.2f}" for i, v in r["prototypes"]),
+                 "other active slices (n: sum)": f"{r['other'][0]}: {r['other'][1]:+.2f}" if r["other"][0] else "—"}
+                for r in d["rows"]]
         n_prompt = sum(bool(r.get("prompt")) for r in d["rows"])
         parts.append(f"<h2>Logit decomposition of a prompt and its generated continuation</h2><p>Each row is the "
                      f"logit of the token shown (the model's next-token target); the rows marked prompt "
-                     f"({n_prompt} of {len(rows)}, first) are the prompt's tokens, the others generated. slices + "
-                     f"residual = logit, max |error| "
+                     f"({n_prompt} of {len(rows)}, first) are the prompt's tokens, the others generated. The "
+                     f"largest slices, the other active ones' sum and the residual add up to the logit, max |error| "
                      f"{d['max_abs_error']:.2e}</p>" + table_html(rows, list(rows[0]) if rows else []))
     if results.get("attribution"):
         a = results["attribution"]
@@ -3326,7 +3337,7 @@ def twin_history(cfg: Config, histories: dict, log=print) -> Optional[dict]:
 
 
 def run(cfg: Config, explicit) -> int:
-    from common import DataError, load_data, preset_banner, to_json, unknown_note
+    from common import DataError, load_data, preset_banner, to_json, unk_targets_note, unknown_note
 
     preset = apply_preset(cfg, explicit)
     validate(cfg)
@@ -3435,7 +3446,7 @@ def run(cfg: Config, explicit) -> int:
     for h, m in models.items():
         results["ppl"][h] = evaluate_ppl(m, data, cfg.ctx, autocast)
         log(f"{h}: val loss {results['ppl'][h]['loss']:.4f}, perplexity {results['ppl'][h]['ppl']:.2f} over "
-            f"{results['ppl'][h]['tokens']:,} tokens")
+            f"{results['ppl'][h]['tokens']:,} tokens" + unk_targets_note(results["ppl"][h]))
     differ = [k for k in GAP_KEYS if len(recipes) == 2 and recipes["prism"].get(k) != recipes["dense"].get(k)]
     if differ:  # --no-train beside a twin trained apart: the gap would not be the prototype head's cost
         results["gap_skipped"] = ("PRISM and the dense twin were trained with other recipes (" + ", ".join(

@@ -1296,9 +1296,13 @@ def perplexity(loss: float) -> float:
 
 @torch.no_grad()
 def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windows: Optional[int] = None) -> dict:
-    """Exact token-weighted perplexity over the val split: every token predicted once (common.iter_eval)."""
+    """Exact token-weighted perplexity over the val split: every token predicted once (common.iter_eval). The unk id (compaction's image of every id
+    unseen in training, so never a training target) is scored like any token; "unk_tokens" counts those targets and
+    "loss_known"/"ppl_known" leave them out."""
     model.eval()
-    total, count = 0.0, 0
+    unk = getattr(data.tokenizer, "unk", None)
+    unk = -1 if unk is None else unk  # -1: no unk id (no compaction), every target is known
+    total, count, total_known, count_known = 0.0, 0, 0.0, 0
     for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):
         if max_windows is not None:
             if i * batch_size >= max_windows:
@@ -1306,15 +1310,19 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
             x, y = x[:max_windows - i * batch_size], y[:max_windows - i * batch_size]  # exactly max_windows
         with autocast:
             logits = model(x)
-        total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
-        count += y.numel()
+        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+        known = y.flatten() != unk
+        total, count = total + nll.sum().item(), count + y.numel()
+        total_known, count_known = total_known + nll[known].sum().item(), count_known + int(known.sum())
     if dist_ready():
         import torch.distributed as dist
 
-        t = torch.tensor([total, count], dtype=torch.float64, device=data.device)
+        t = torch.tensor([total, count, total_known, count_known], dtype=torch.float64, device=data.device)
         dist.all_reduce(t)
-        total, count = t.tolist()
-    return {"loss": total / count, "ppl": perplexity(total / count), "tokens": int(count)}
+        total, count, total_known, count_known = t.tolist()
+    return {"loss": total / count, "ppl": perplexity(total / count), "tokens": int(count),
+            "unk_tokens": int(count - count_known), "loss_known": total_known / max(count_known, 1),
+            "ppl_known": perplexity(total_known / max(count_known, 1))}
 
 
 def dist_ready() -> bool:
@@ -2454,7 +2462,7 @@ def load_model(ck: dict, c: Config, data, device, path: Path) -> ProtoT:
 
 
 def run(cfg: Config, explicit) -> int:
-    from common import DataError, load_data, preset_banner, to_json, unknown_note
+    from common import DataError, load_data, preset_banner, to_json, unk_targets_note, unknown_note
 
     preset = apply_preset(cfg, explicit)
     validate(cfg)
@@ -2560,7 +2568,7 @@ def run(cfg: Config, explicit) -> int:
         results["ppl"][mixer] = {**evaluate_ppl(m, data, cfg.ctx, autocast), "step": m.weights_step}
         ppl = results["ppl"][mixer]
         log(f"{mixer}: val perplexity {ppl['ppl']:.2f} over {ppl['tokens']:,} tokens with the weights of step "
-            f"{m.weights_step}, the best evaluation's (the analyses use them too)")
+            f"{m.weights_step}, the best evaluation's (the analyses use them too)" + unk_targets_note(ppl))
     differ = budget_diff(budgets["proto"], budgets["attention"]) if cfg.compare else ""
     if differ:  # e.g. --no-train --compare beside a baseline trained apart: a ratio would not compare the mixers
         results["ratio_skipped"] = f"ProtoT and attention were trained on different budgets ({differ})"

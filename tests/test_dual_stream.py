@@ -417,8 +417,9 @@ def test_ablation_at_every_layer_is_a_model_without_that_stream():
 
 
 class FakeData:
-    """The two things evaluate_ppl reads from common's data: iter_eval and device."""
+    """The three things evaluate_ppl reads from common's data: iter_eval, device and the tokenizer's unk id."""
     device = torch.device("cpu")
+    tokenizer = types.SimpleNamespace(unk=None)
 
     def iter_eval(self, split, batch_size, ctx):
         yield tokens(B=batch_size, T=ctx, seed=2)
@@ -428,6 +429,24 @@ def test_evaluate_ppl_reads_exactly_max_windows():
     """--analysis-windows 3 is 3 windows, not the 8 of a whole batch."""
     res = ds.evaluate_ppl(tiny_model(), FakeData(), 16, torch.autocast("cpu", enabled=False), max_windows=3)
     assert res["tokens"] == 3 * 16 and res["windows"] == 3
+    assert res["unk_tokens"] == 0 and res["loss_known"] == res["loss"]  # no compaction: every target is known
+
+
+def test_evaluate_ppl_reports_the_loss_without_the_unk_targets():
+    """The unk id (every id unseen in training) is never a training target: the final evaluation counts its targets
+    and gives the loss without them beside the loss over all, and the log line says both."""
+    data, model = FakeData(), tiny_model().eval()
+    x, y = tokens(B=8, T=16, seed=2)
+    data.tokenizer = types.SimpleNamespace(unk=int(y[0, 0]))
+    res = ds.evaluate_ppl(model, data, 16, torch.autocast("cpu", enabled=False))
+    with torch.no_grad():
+        nll = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none")
+    known = y.flatten() != data.tokenizer.unk
+    assert res["unk_tokens"] == int((~known).sum()) > 0
+    assert res["loss"] == pytest.approx(nll.mean().item()) and res["loss_known"] == pytest.approx(nll[known].mean().item())
+    note = common.unk_targets_note(res)
+    assert f"without its {res['unk_tokens']:,} unk targets (ids unseen in training) loss {res['loss_known']:.4f}" in note
+    assert common.unk_targets_note({**res, "unk_tokens": 0}) == ""
 
 
 def test_ablation_rows_say_what_they_remove_and_fts_skips_the_repeats():

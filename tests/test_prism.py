@@ -333,6 +333,9 @@ def test_logit_decomposition_sums_to_the_logit(tmp_path):
             return "".join(chr(97 + i % 26) for i in ids)
     dec = prism.logit_decomposition(m.float(), torch.randint(0, V, (1, 9)), Tok(), prompt_len=4)
     assert len(dec["rows"]) == 8 and dec["max_abs_error"] < 1e-4
+    for r in dec["rows"]:  # the slices named, the others' sum and the residual: each row adds up to its logit
+        assert len(r["prototypes"]) + r["other"][0] <= 3 and (r["other"][0] == 0) == (len(r["prototypes"]) < 4)
+        assert abs(sum(v for _, v in r["prototypes"]) + r["other"][1] + r["residual"] - r["logit"]) < 1e-4
     # row t is the logit of token t + 1: the prompt's tokens 1..3, then the five generated ones
     assert [r["prompt"] for r in dec["rows"]] == [True] * 3 + [False] * 5
 
@@ -414,7 +417,7 @@ def test_report_says_its_units_and_resolved_settings(tmp_path):
           "cover_r1": {t: 0.5 for t in prism.TAUS}, "cover_r2": {t: 0.5 for t in prism.TAUS}}
     histories = {"prism": {"train": [[10, 6.0]], "val": [5.0, 4.0], "step": [15, 30],
                            "evals": [{"step": 15, "ce": 5.0, "used": None}, {**ev, "step": 30}]}}
-    row = {"token": "\n", "logit": 1.0, "residual": 0.5, "prototypes": [(3, 0.5)]}
+    row = {"token": "\n", "logit": 1.0, "residual": 0.5, "prototypes": [(3, 0.5)], "other": (0, 0.0)}
     results = {
         "preset": "cpu", "device": "cpu",
         "decomposition": {"rows": [{**row, "prompt": True}, {**row, "token": " lord", "prompt": False}],
