@@ -1924,6 +1924,9 @@ def restore_optimizer(optimizer, state: dict) -> None:
 RESUME_KEYS = ("max_iters", "lr", "schedule", "min_lr_ratio", "warmup_frac", "plateau_factor", "plateau_patience",
                "early_stop", "batch_size", "optimizer", "weight_decay", "grad_clip", "dropout", "temperature",
                "sampling", "ema_decay", "ema_eps", "beta", "dead_code", "dead_threshold")
+# What only training reads: typed with --no-train, each keeps the checkpoint's value (a note says so), so that the
+# config and the report describe the run that trained the model, not flags that changed nothing
+TRAINING_KEYS = tuple(k for k in RESUME_KEYS if k != "ctx") + ("eval_interval", "log_interval")
 
 
 # What --resume cannot change: the run goes on from the checkpoint's random state and codebook (initialised
@@ -2224,7 +2227,8 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         raise RunError(f"{path} was trained with {diff}, which --resume cannot change (it continues from the "
                        "checkpoint's random state and codebook); drop those flags, or train afresh in another "
                        "--out-dir")
-    taken = {k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and k not in explicit}
+    keep = () if cfg.train else TRAINING_KEYS  # --no-train: what trained the model, whatever was typed
+    taken = {k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and (k not in explicit or k in keep)}
     merged = replace(cfg, **taken)
     from common import stored_config_error
 
@@ -2248,6 +2252,8 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
                                     "fidelity_projection", "probe_standardise", "ig_steps", "ig_baseline", "ig_batch")},
            **{k: (cfg.cards, "concept cards are off: --no-cards")
               for k in ("cards_per_method", "coherence_embed", "coherence_draws")}}
+    for k in TRAINING_KEYS:  # load_checkpoint kept the checkpoint's value: the typed one went unused
+        why.setdefault(k, (cfg.train, "--no-train trains nothing: the checkpoint's value stays"))
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
             if k in explicit and not used]
 

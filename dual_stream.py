@@ -1120,6 +1120,9 @@ def restore_optimizer(optimizer, state: dict) -> None:
 # that differs from the checkpoint's means the result is no longer that of one uninterrupted run.
 RESUME_KEYS = ("max_iters", "lr", "min_lr_ratio", "warmup_frac", "batch_size", "ctx", "weight_decay", "grad_clip",
                "dropout")
+# What only training reads: typed with --no-train, each keeps the checkpoint's value (a note says so), so that the
+# config and the report describe the run that trained the model, not flags that changed nothing
+TRAINING_KEYS = tuple(k for k in RESUME_KEYS if k != "ctx") + ("eval_interval", "eval_iters", "log_interval")
 
 
 # What --resume cannot change: the run goes on from the checkpoint's random state, so a typed seed would
@@ -1358,7 +1361,8 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     if diff:
         raise RunError(f"{path} was trained with {diff}, which --resume cannot change (it continues from the "
                        "checkpoint's random state); drop those flags, or train afresh in another --out-dir")
-    taken = {k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and k not in explicit}
+    keep = () if cfg.train else TRAINING_KEYS  # --no-train: what trained the model, whatever was typed
+    taken = {k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and (k not in explicit or k in keep)}
     merged = replace(cfg, **taken)
     from common import stored_config_error
 
@@ -2393,6 +2397,8 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
                   "(amplification's texts are greedy)") for k in ("temperature", "top_k")},
            "alibi_alpha": (cfg.pos == "alibi" and amplify, "it sets how amplification scales ALiBi's bias: it needs "
                            "--pos alibi and --amplify (training runs at α = 1, where both readings agree)")}
+    for k in TRAINING_KEYS:  # load_checkpoint kept the checkpoint's value: the typed one went unused
+        why.setdefault(k, (cfg.train, "--no-train trains nothing: the checkpoint's value stays"))
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
             if k in explicit and not used]
 

@@ -1000,6 +1000,9 @@ def restore_optimizer(optimizer, state: dict) -> None:
 # that differs from the checkpoint's means the result is no longer that of one uninterrupted run.
 RESUME_KEYS = ("max_iters", "lr", "min_lr_ratio", "warmup_frac", "batch_size", "weight_decay", "grad_clip", "dropout",
                "lambda_rec", "lambda_r1", "lambda_r2", "rec", "dist", "r1_detach_z", "revive_dead", "push_interval")
+# What only training reads: typed with --no-train, each keeps the checkpoint's value (a note says so), so that the
+# config and the report describe the run that trained the model, not flags that changed nothing
+TRAINING_KEYS = tuple(k for k in RESUME_KEYS if k != "ctx") + ("eval_interval", "eval_iters", "log_interval")
 # ... and, before the prototypes are seeded (step < init_steps), how and when they will be
 SEED_KEYS = ("init", "init_steps")
 
@@ -1277,7 +1280,8 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         raise RunError(f"{path} was trained with {diff}, which --resume cannot change (it continues from the "
                        "checkpoint's random state and prototypes); drop those flags, or train afresh in another "
                        "--out-dir")
-    taken = {k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and k not in explicit}
+    keep = () if cfg.train else TRAINING_KEYS  # --no-train: what trained the model, whatever was typed
+    taken = {k: saved[k] for k in ARCH_KEYS + MERGED_KEYS if k in saved and (k not in explicit or k in keep)}
     merged = replace(cfg, **taken)
     from common import stored_config_error
 
@@ -3121,12 +3125,15 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                          f"overlap {r['top-10 overlap']:.2f}/{r['top-100 overlap']:.2f}. The reference is a Monte-Carlo "
                          f"estimate: an overlap with exact at or below this is within its sampling noise.</p>")
     for r in results.get("suppression", []):
+        kw = r["keywords"]  # none: --suppress IDS whose signatures hold no word, so no rate was measured
+        on = f"first {r['ppl_tokens']:,} val tokens"  # a subset: not the Validation table's whole split
         row = {"prototypes": r["prototypes"], "share of the bank": f"{r['fraction']:.2%}", "factor": r["factor"],
-               "generations": r["generations"], "keyword rate before (per 1k words)": r["rate_before"],
-               "keyword rate after (per 1k words)": r["rate_after"], "val ppl before": r["ppl_before"],
-               "val ppl after": r["ppl_after"], "ppl change": f"{r['ppl_change']:+.2%}"}
+               "generations": r["generations"], "keyword rate before (per 1k words)": r["rate_before"] if kw else "—",
+               "keyword rate after (per 1k words)": r["rate_after"] if kw else "—", f"val ppl before ({on})":
+               r["ppl_before"], f"val ppl after ({on})": r["ppl_after"], "ppl change": f"{r['ppl_change']:+.2%}"}
         effect = f"<p>{html.escape(suppression_effect(r))}.</p>" if "fired_val" in r else ""
-        parts.append(f"<h2>Suppression ({html.escape(', '.join(r['keywords']))})</h2>" + table_html([row], list(row))
+        title = ", ".join(kw) if kw else "prototypes " + ", ".join(map(str, r["prototypes"])) + "; no keyword rate"
+        parts.append(f"<h2>Suppression ({html.escape(title)})</h2>" + table_html([row], list(row))
                      + effect + (f"<p>The first generation, from the prompt {html.escape(repr(r['example']['prompt']))} "
                                  "(its continuation only), without and with the suppression:</p>"
                                  if "prompt" in r["example"] else "")
@@ -3275,6 +3282,8 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
            "temperature": (cfg.train or cfg.sample is not None or suppression or prism and cfg.cards, "no text is "
                            "generated: a --no-train run generates only with --sample, suppression or the cards' "
                            "decomposed text")}
+    for k in TRAINING_KEYS:  # load_checkpoint kept the checkpoint's value: the typed one went unused
+        why.setdefault(k, (cfg.train, "--no-train trains nothing: the checkpoint's value stays"))
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
             if k in explicit and not used and getattr(cfg, k) is not False]  # --no-X of an idle analysis: nothing to say
 

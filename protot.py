@@ -106,6 +106,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -1207,6 +1208,9 @@ def restore_optimizer(optimizer, state: dict) -> None:
 # that differs from the checkpoint's means the result is no longer that of one uninterrupted run.
 RESUME_KEYS = ("max_iters", "lr", "min_lr_ratio", "warmup_frac", "batch_size", "ctx", "weight_decay", "grad_clip",
                "dropout", "early_stop")
+# What only training reads: typed with --no-train, each keeps the checkpoint's value (a note says so), so that the
+# config and the report describe the run that trained the model, not flags that changed nothing
+TRAINING_KEYS = tuple(k for k in RESUME_KEYS if k != "ctx") + ("eval_interval", "eval_iters", "log_interval")
 
 
 # What --resume cannot change: the run goes on from the checkpoint's random state, so a typed seed would
@@ -1425,7 +1429,8 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     if diff:
         raise RunError(f"{path} was trained with {diff}, which --resume cannot change (it continues from the "
                        "checkpoint's random state); drop those flags, or train afresh in another --out-dir")
-    taken = {k: saved[k] for k in MERGED_KEYS if k in saved and k not in explicit}
+    keep = () if cfg.train else TRAINING_KEYS  # --no-train: what trained the model, whatever was typed
+    taken = {k: saved[k] for k in MERGED_KEYS if k in saved and (k not in explicit or k in keep)}
     merged = replace(cfg, **taken)
     from common import stored_config_error
 
@@ -2097,9 +2102,11 @@ def bench_time(fn, device, reps=3) -> float:
 
 
 def crossover(ctxs: list[int], protot_tok_s: list[float], attention_tok_s: list[float]) -> Optional[int]:
-    """The context from which ProtoT is faster at every longer one (a single noisy win is no crossover)."""
-    return next((T for i, T in enumerate(ctxs) if all(p > a for p, a in zip(protot_tok_s[i:], attention_tok_s[i:]))),
-                None)
+    """The context from which ProtoT is faster at every longer one, over at least two contexts: a single win,
+    noisy in the middle of the sweep or at its last context, is no crossover (the GPU sweep runs to 64k so that
+    the paper's 32k can be confirmed)."""
+    return next((T for i, T in enumerate(ctxs[:-1])
+                 if all(p > a for p, a in zip(protot_tok_s[i:], attention_tok_s[i:]))), None)
 
 
 @torch.no_grad()
@@ -2108,7 +2115,7 @@ def bench(cfg: Config, vocab_size: int, device, log=print) -> dict:
     ms/token at positions 256 and 16k, and the scan kernel vs the chunked reference. Batch 1, model dims of
     this run, measured side by side in one process."""
     gpu = device.type == "cuda"
-    ctxs = [1024, 2048, 4096, 8192, 16384, 32768] if gpu else [256, 512, 1024, 2048, 4096, 8192]
+    ctxs = [1024, 2048, 4096, 8192, 16384, 32768, 65536] if gpu else [256, 512, 1024, 2048, 4096, 8192]
     variants = {"protot-torch": dict(mixer="proto", kernels="torch"), "attention": dict(mixer="attention",
                                                                                         kernels="torch")}
     if cfg.ema == "official":  # the forward's; the decode figure times the exact recurrent step either way
@@ -2150,7 +2157,9 @@ def bench(cfg: Config, vocab_size: int, device, log=print) -> dict:
     res["crossover_ctx"] = crossover(ctxs, p, a)
     log(f"time(8k)/time(1k): {scan} {res['protot_time_ratio_8k_1k']:.1f}, attention "
         f"{res['attention_time_ratio_8k_1k']:.1f} (linear = 8); ProtoT faster at every ctx from "
-        f"{res['crossover_ctx'] or '> ' + str(ctxs[-1])}")
+        f"{res['crossover_ctx'] or '> ' + str(ctxs[-1])}"
+        + (f" (faster at {ctxs[-1]} alone: one point is no crossover)" if not res["crossover_ctx"] and p[-1] > a[-1]
+           else ""))
     # decode: the O(1) step at position 256 and at 16k
     m = models["protot-triton" if "protot-triton" in models else "protot-torch"]
     res["decode_ms"] = {}
@@ -2257,7 +2266,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         parts.append(f'<h2>Prototypes</h2><p>{len(hl)} prototypes labelled from {results["labels"]["windows"]} '
                      f'val contexts: <a href="{results["labels"]["file"]}">{results["labels"]["file"]}</a> (and its '
                      f'.json). Half-lives: '
-                     f'min {min(hl):.1f}, median {sorted(hl)[len(hl) // 2]:.1f}, max {max(hl):.1f} tokens '
+                     f'min {min(hl):.1f}, median {statistics.median(hl):.1f}, max {max(hl):.1f} tokens '
                      f'(init ln 0.5 / ln 0.9 = 6.6).</p>')
         if results["labels"].get("gate_lag"):
             parts.append("<h3>Read-write gate lag</h3><p>paper: the read gate fires for a concept one token before "
@@ -2417,6 +2426,8 @@ def unused_flags(cfg: Config, explicit, mixers) -> list[str]:
                              "--mixer attention has no prototypes to label"),
            **dict.fromkeys(("sample_tokens",) + SAMPLING_KEYS,
                            (cfg.train or cfg.sample is not None, "no samples: a --no-train run samples only with --sample"))}
+    for k in TRAINING_KEYS:  # load_checkpoint kept the checkpoint's value: the typed one went unused
+        why.setdefault(k, (cfg.train, "--no-train trains nothing: the checkpoint's value stays"))
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
             if k in explicit and not used]
 

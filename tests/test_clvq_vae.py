@@ -160,6 +160,13 @@ def test_training_validates_on_held_out_training_sentences(tmp_path, acts, monke
     assert cv.load_checkpoint(path, cv.Config(out_dir=str(tmp_path / "v0")))[1].val_frac == 0.0
     with pytest.raises(cv.RunError, match=r"val_frac=0.0 \(asked 0.1\)"):
         cv.load_checkpoint(path, cv.Config(out_dir=str(tmp_path / "v0")), explicit=("val_frac",))
+    # --no-train: a typed training setting keeps the checkpoint's value (the report describes the trained run), noted
+    typed = {"batch_size", "lr", "eval_interval"}
+    asked = cv.Config(out_dir=str(tmp_path / "v0"), train=False, batch_size=3, lr=0.5, eval_interval=5)
+    merged = cv.load_checkpoint(path, asked, explicit=typed)[1]
+    assert (merged.batch_size, merged.lr, merged.eval_interval) == (cfg0.batch_size, cfg0.lr, cfg0.eval_interval)
+    notes = [n.split()[1] for n in cv.unused_flags(merged, typed) if "--no-train trains nothing" in n]
+    assert sorted(notes) == ["--batch-size", "--eval-interval", "--lr"]
 
 
 def test_evaluate_is_row_weighted_over_every_dev_row(tmp_path, acts):

@@ -410,6 +410,24 @@ def test_resume_refuses_a_seed_it_cannot_apply(name, tmp_path, cache_dir):
         assert mod.load_checkpoint(tmp_path / "inf.pt", replace(cfg, train=False))[1].grad_clip == 0.0
 
 
+@pytest.mark.parametrize("name", list(TINY_LM))
+def test_no_train_keeps_the_checkpoints_training_settings(name, tmp_path, cache_dir):
+    """--no-train trains nothing: a training flag typed with it (batch size, lr, evaluation sizes) keeps the
+    checkpoint's value, so the config line and the report describe the run that trained the model, and a note says
+    the typed value went unused. --resume may still change them; ctx is not one of them (the analyses read it)."""
+    mod, data, cfg, path = tiny_lm_checkpoint(name, tmp_path, cache_dir)
+    typed = dict(batch_size=3, lr=0.5, eval_iters=77, eval_interval=7, **({} if name == "prism" else dict(ctx=8)))
+    asked = replace(cfg, train=False, **typed)  # (prism's ctx is its learned position table's size: architecture)
+    merged = mod.load_checkpoint(path, asked, explicit=set(typed))[1]
+    assert (merged.batch_size, merged.lr, merged.eval_iters, merged.eval_interval) == \
+        (cfg.batch_size, cfg.lr, cfg.eval_iters, cfg.eval_interval) and merged.ctx == typed.get("ctx", cfg.ctx)
+    args = (set(typed), ("proto",)) if name == "protot" else (set(typed),)
+    notes = [n for n in mod.unused_flags(merged, *args) if "--no-train trains nothing" in n]
+    assert sorted(n.split()[1] for n in notes) == ["--batch-size", "--eval-interval", "--eval-iters", "--lr"]
+    resumed = mod.load_checkpoint(path, replace(cfg, resume=True, batch_size=3), explicit={"batch_size"})[1]
+    assert resumed.batch_size == 3 and not mod.unused_flags(resumed, *((({"batch_size"},) + args[1:])))
+
+
 # The section banners every script has, in this order (a script may add its own between them: clvq_vae's Data)
 SECTIONS = ("Config", "Core op:", "Model", "Training", "Analyses", "main")
 SHARED_FLAGS = ("dataset", "cache_dir", "d_model", "dropout", "batch_size", "lr", "min_lr_ratio", "warmup_frac",

@@ -443,8 +443,14 @@ def test_report_says_its_units_and_resolved_settings(tmp_path):
     assert "<td>&#x27;\\n&#x27;</td><td>prompt</td>" in html and "<td>&#x27; lord&#x27;</td><td>generated</td>" in html
     assert "<th>sequences scored (mean per query)</th>" in html and "<th>sequences scored (min)</th>" in html
     assert "<th>share of the bank</th>" in html and "<td>4.17%</td>" in html
-    assert "<th>keyword rate before (per 1k words)</th>" in html
+    assert "<th>keyword rate before (per 1k words)</th>" in html and "<h2>Suppression (love)</h2>" in html
+    assert "<th>val ppl before (first 8,192 val tokens)</th>" in html  # a subset of the Validation table's split
     assert "no effect: the suppressed prototypes fired 0 times over the 8,192 val tokens" in html
+    # --suppress IDS whose signatures hold no word: no rate was measured, so none is shown (not a measured 0)
+    no_kw = {**results["suppression"][0], "keywords": [], "prototypes": [3, 5], "rate_before": 0.0, "rate_after": 0.0}
+    html_ids = prism.write_report(tmp_path, cfg, {"suppression": [no_kw]}, {}).read_text()
+    assert "<h2>Suppression (prototypes 3, 5; no keyword rate)</h2>" in html_ids
+    assert html_ids.count("<td>—</td>") == 2 and "<td>0.0</td>" not in html_ids
     assert "The first generation, from the prompt &#x27;ROMEO:\\n&#x27; (its continuation only)" in html
     assert "<td>40.0%</td><td>40.2%</td><td>+0.17</td>" in html and "<td>0.4</td>" not in html
     assert "same prompt and generator seed (7) for each head: a paired comparison" in html

@@ -574,6 +574,8 @@ def test_crossover_is_where_protot_stays_ahead():
     assert protot.crossover(ctxs, [5, 1, 5, 6], [4, 2, 4, 5]) == 3  # the noisy win at 1 is no crossover
     assert protot.crossover(ctxs, [1, 1, 1, 1], [2, 2, 2, 2]) is None
     assert protot.crossover(ctxs, [3, 3, 3, 3], [2, 2, 2, 2]) == 1
+    assert protot.crossover(ctxs, [1, 1, 1, 3], [2, 2, 2, 2]) is None  # a win at the last context alone is none
+    assert protot.crossover(ctxs, [1, 1, 3, 3], [2, 2, 2, 2]) == 3
 
 
 @pytest.mark.parametrize("name", ["protot", "prism", "dual_stream", "clvq_vae"])
