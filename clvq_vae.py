@@ -2476,7 +2476,11 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
         optimizer.zero_grad(set_to_none=True)
         step += 1
         if step % cfg.log_interval == 0 or step == cfg.max_iters:
-            lossf = out["loss"].item()  # syncs the device, so the timing below is real
+            lossf = loss.detach().clone()
+            if world > 1:  # the global batch's row-weighted mean, not rank 0's (its shortest sentences): the ranks'
+                torch.distributed.all_reduce(lossf)  # losses above are weighted so that their mean is that
+                lossf /= world
+            lossf = lossf.item()  # syncs the device, so the timing below is real
             if any_rank(bad):
                 raise RunError(nan_message(step, path))
             dt = (time.time() - t0) / (step - t0_step)

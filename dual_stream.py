@@ -1475,7 +1475,11 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         optimizer.zero_grad(set_to_none=True)
         step += 1
         if step % cfg.log_interval == 0 or step == cfg.max_iters:
-            lossf = loss.item()  # syncs the device, so the timing below is real
+            lossf = loss.detach().clone()
+            if world > 1:  # the global batch's mean (equal micro-batches), not rank 0's share alone
+                torch.distributed.all_reduce(lossf)
+                lossf /= world
+            lossf = lossf.item()  # syncs the device, so the timing below is real
             if any_rank(bad):
                 raise RunError(nan_message(step, path))
             dt = (time.time() - t0) / (step - t0_step)
@@ -1679,6 +1683,10 @@ def js_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return 0.5 * (kl(p) + kl(q))
 
 
+DISTINCTIVENESS_ON = ("mean pairwise JS in bits over heads and query rows 8 on, in the first 8 val windows of "
+                      "min(128, ctx) tokens")
+
+
 @torch.no_grad()
 def distinctiveness(model: DualStream, data, windows: int = 8, width: int = 128, skip: int = 8) -> list[float]:
     """Attention-pattern distinctiveness per layer (spec §7, our operationalisation): the mean over head pairs and
@@ -1739,7 +1747,8 @@ def hubs(model: DualStream) -> Optional[list[dict]]:
         row = A.abs().sum(1)
         rows.append({"layer": i, "matrix": name, "hub": hub, "hub ratio": ratio, "chance ratio": chance,
                      "diag dominance": (A.diagonal().abs() / row.clamp_min(1e-12)).mean().item(),
-                     "column mass": [round(v, 4) for v in col.tolist()], "row mass": [round(v, 4) for v in row.tolist()]})
+                     "off-diag column mass": [round(v, 4) for v in col.tolist()],
+                     "row mass (with diag)": [round(v, 4) for v in row.tolist()]})
     return rows
 
 
@@ -1756,17 +1765,21 @@ def hub_growth(model: DualStream) -> Optional[dict]:
         if len(layers) < 2:
             continue
         (first, A0), (deep, A1) = layers[0], layers[-1]
-        hub, growth, ratio0, ratio = _hub_growth(A0, A1)
+        hub, growth, ratio0, ratio, common = _hub_growth(A0, A1)
         out[kind] = {"head": hub, "first layer": first, "deepest layer": deep, "growth": growth,
-                     "chance growth": chance, "hub ratio first": ratio0, "hub ratio deepest": ratio}
+                     "chance growth": chance, "hub ratio first": ratio0, "hub ratio deepest": ratio,
+                     "common growth": common}
     return out or None
 
 
-def _hub_growth(A0: torch.Tensor, A1: torch.Tensor) -> tuple[int, float, float, float]:
-    """(hub head h of A1, its column mass in A1 over that in A0, hub ratio of A0, hub ratio of A1)."""
+def _hub_growth(A0: torch.Tensor, A1: torch.Tensor) -> tuple[int, float, float, float, float]:
+    """(hub head h of A1, its column mass in A1 over that in A0, hub ratio of A0, hub ratio of A1, every head's
+    off-diagonal mass in A1 over that in A0). The growth moves with A's scale, which random pairs drawn at one scale
+    cannot show: the last figure is that common growth, and growth / common the growth of the hub's share."""
     hub, ratio, col = hub_ratio(A1)
     _, ratio0, col0 = hub_ratio(A0)
-    return hub, (col[hub] / col0[hub].clamp_min(1e-12)).item(), ratio0, ratio
+    return (hub, (col[hub] / col0[hub].clamp_min(1e-12)).item(), ratio0, ratio,
+            (col.sum() / col0.sum().clamp_min(1e-12)).item())
 
 
 def chance_hub_growth(H: int, draws: int = 2000) -> float:
@@ -1783,7 +1796,8 @@ def hub_growth_text(g: dict) -> str:
     """One hub_growth entry as the log and the report print it."""
     return (f"L{g['first layer']}→L{g['deepest layer']} {g['growth']:.2f}x (column mass of head {g['head']}, the "
             f"deepest hub; random matrices {g['chance growth']:.2f}x; hub ratio {g['hub ratio first']:.1f}x → "
-            f"{g['hub ratio deepest']:.1f}x)")
+            f"{g['hub ratio deepest']:.1f}x; every head's off-diagonal mass {g['common growth']:.2f}x, so the hub's "
+            f"share {g['growth'] / max(g['common growth'], 1e-12):.2f}x)")
 
 
 def kronecker_figure(model: DualStream) -> Optional[str]:
@@ -2105,7 +2119,8 @@ BENCH_KERNEL_CTX = {"cuda": (256, 512, 1024, 2048, 4096), "cpu": (256, 512, 1024
 def bench_kernel(cfg: Config, device, log=print) -> dict:
     """amp_attention (o plus entropy and max weight) against SDPA (o only) and the explicit reference, forward and
     forward + backward, B·H = 4·6 heads of d_h = 64. On CUDA the Triton kernel in bf16 at ctx 256 … 4096; without
-    one the blocked torch form (what the model runs there) in fp32 at ctx 256 … 1024 (BENCH_KERNEL_CTX)."""
+    one the blocked torch form (what the model runs there) in fp32 at ctx 256 … 1024 (BENCH_KERNEL_CTX), where the
+    statistics take a second blocked pass: it is timed also without them ("torch-o", what training runs)."""
     cuda = device.type == "cuda" and HAS_TRITON
     name, backend = ("triton", "triton") if cuda else ("torch", "torch")
     dtype, lengths = (torch.bfloat16, BENCH_KERNEL_CTX["cuda"]) if cuda else (torch.float32, BENCH_KERNEL_CTX["cpu"])
@@ -2114,6 +2129,8 @@ def bench_kernel(cfg: Config, device, log=print) -> dict:
     forms = {name: lambda q, k, v: amp_attention(q, k, v, 1.0, backend=backend)[0],
              "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
              "reference": lambda q, k, v: amp_attention_reference(q, k, v, 1.0)[0]}
+    if not cuda:
+        forms["torch-o"] = lambda q, k, v: amp_attention(q, k, v, 1.0, stats=False, backend="torch")[0]
     for T in lengths:
         q, k, v = (torch.randn(B, H, T, dh, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
         do = torch.randn_like(q)
@@ -2126,9 +2143,11 @@ def bench_kernel(cfg: Config, device, log=print) -> dict:
         row["fwd_bwd_vs_sdpa"] = row[name]["fwd_bwd_ms"] / row["sdpa"]["fwd_bwd_ms"]
         row["fwd_vs_reference"] = row[name]["fwd_ms"] / row["reference"]["fwd_ms"]
         out[f"T{T}"] = row
-        log(f"kernel ({name}, {out['dtype']}) T={T}: fwd {row[name]['fwd_ms']:.3f} ms ({row['fwd_vs_sdpa']:.2f}x "
-            f"SDPA's time{', goal <= 1.3x' if cuda else ''}; {row['fwd_vs_reference']:.2f}x the reference's), "
-            f"fwd+bwd {row[name]['fwd_bwd_ms']:.3f} ms ({row['fwd_bwd_vs_sdpa']:.2f}x SDPA's)")
+        o_only = "" if cuda else (f"; o alone (training's call) fwd {row['torch-o']['fwd_ms']:.3f} ms "
+                                  f"({row['torch-o']['fwd_ms'] / row['sdpa']['fwd_ms']:.2f}x SDPA's)")
+        log(f"kernel ({name}, {out['dtype']}) T={T}: o + statistics fwd {row[name]['fwd_ms']:.3f} ms "
+            f"({row['fwd_vs_sdpa']:.2f}x SDPA's time{', goal <= 1.3x' if cuda else ''}; {row['fwd_vs_reference']:.2f}x "
+            f"the reference's), fwd+bwd {row[name]['fwd_bwd_ms']:.3f} ms ({row['fwd_bwd_vs_sdpa']:.2f}x SDPA's){o_only}")
     return out
 
 
@@ -2244,7 +2263,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         parts.append(f"<h2>Attention amplification</h2><p>{REPORTED_AMPLIFICATION}. "
                      f"Losses on the first {where}, set by --analysis-windows, not on the whole split of the validation "
                      "table above, so the loss at α = 1 need not match it. Attention entropy in nats, the mean over "
-                     "each layer's heads and queries.</p>" + img(amplification_figure(amp))
+                     "each layer's heads and queries (the first query, with one key and entropy 0, included).</p>" + img(amplification_figure(amp))
                      + table_html(rows, list(rows[0])))
         for m, a in amp.items():
             parts.append(f"<h3>Greedy samples, {html.escape(m)}</h3><p>temperature 0, so a weak model repeats "
@@ -2267,8 +2286,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         parts.append(f"<h2>Head sweep</h2><p>{REPORTED_HEAD_SWEEP}; this run's figures:</p>"
                      + table_html(rows, list(rows[0])))
     for m, s in results.get("specialization", {}).items():
-        parts.append(f"<h2>Head specialisation, {html.escape(m)}</h2><p>distinctiveness (mean pairwise JS, bits) per "
-                     "layer: " + per_layer(s["distinctiveness"]) + "</p>")
+        parts.append(f"<h2>Head specialisation, {html.escape(m)}</h2><p>distinctiveness ({DISTINCTIVENESS_ON}) "
+                     "per layer: " + per_layer(s["distinctiveness"]) + "</p>")
         if s.get("hubs"):
             parts.append(img(s["figure"]) + table_html(s["hubs"], list(s["hubs"][0])))
         for kind, g in (s.get("hub_growth") or {}).items():
@@ -2591,7 +2610,7 @@ def run(cfg: Config, explicit) -> int:
         results["specialization"] = {}
         for name, m in models.items():
             s = results["specialization"][name] = head_specialization(m, data, device)
-            line = "distinctiveness per layer " + per_layer(s["distinctiveness"])
+            line = f"distinctiveness ({DISTINCTIVENESS_ON}) per layer " + per_layer(s["distinctiveness"])
             fig = kronecker_figure(m)
             if fig is not None:
                 png = out_dir / f"{'' if cfg.train else 'analysis-'}kronecker-{variant(m.cfg)}.png"

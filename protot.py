@@ -1578,7 +1578,11 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         optimizer.zero_grad(set_to_none=True)
         step += 1
         if step % cfg.log_interval == 0 or step == cfg.max_iters:
-            lossf = loss.item()  # syncs the device, so the timing below is real
+            lossf = loss.detach().clone()
+            if world > 1:  # the global batch's mean (equal micro-batches), not rank 0's share alone
+                torch.distributed.all_reduce(lossf)
+                lossf /= world
+            lossf = lossf.item()  # syncs the device, so the timing below is real
             if any_rank(bad):
                 raise RunError(nan_message(step, path))
             dt = (time.time() - t0) / (step - t0_step)

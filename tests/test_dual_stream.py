@@ -661,6 +661,12 @@ def test_hub_growth_compares_the_deepest_hub_with_the_first_layer():
     assert o["growth"] == pytest.approx(3.5) and o["hub ratio first"] == pytest.approx(1.0 / 0.2)
     assert o["hub ratio deepest"] == pytest.approx(3.5 / 0.2) and o["chance growth"] == ds.chance_hub_growth(3)
     assert "L0→L2 3.50x (column mass of head 2" in ds.hub_growth_text(o)
+    # every head's off-diagonal mass, 1.4 → 3.9: the hub's share grew 3.5 / (3.9 / 1.4) = 1.26×, said beside it
+    assert o["common growth"] == pytest.approx(3.9 / 1.4)
+    assert "every head's off-diagonal mass 2.79x, so the hub's share 1.26x)" in ds.hub_growth_text(o)
+    A = torch.rand(4, 4, generator=torch.Generator().manual_seed(0))  # a matrix scaled up, no hub of its own:
+    growth, common = ds._hub_growth(A, 3 * A)[1::3]                    # all of its growth is the common growth
+    assert growth == pytest.approx(3.0) and common == pytest.approx(3.0)
     with torch.no_grad():  # the deepest hub moves to head 0: its growth is head 0's, whatever layer 0's hub was
         m.blocks[2].attn.mix_o.weight.copy_(torch.tensor([[0.0, 0.1, 0.1], [3.0, 0.0, 0.1], [3.0, 0.1, 0.0]]))
     assert ds.hub_growth(m)["O"]["head"] == 0 and ds.hub_growth(m)["O"]["growth"] == pytest.approx(6.0 / 0.2)
@@ -1156,7 +1162,9 @@ def test_bench_on_cpu(tmp_path, capsys, monkeypatch):
     # each model is its sweep row, whatever mixing flags were typed (--attn-out-mixing dense above)
     assert res["mixing_points"]["kronecker"] == ["kronecker", "kronecker", "dense", "dense"]
     assert res["mixing_points"]["fully independent"] == ["independent"] * 4
-    assert res["kernel"]["form"] == "torch" and set(res["kernel"]["T64"]) >= {"torch", "sdpa", "reference"}
+    assert res["kernel"]["form"] == "torch" and set(res["kernel"]["T64"]) >= {"torch", "sdpa", "reference", "torch-o"}
+    # the timed form returns the statistics, which training does not ask for: the log says so and times both
+    assert "T=128: o + statistics fwd " in r.stdout and "; o alone (training's call) fwd " in r.stdout
 
 
 def test_alibi_checkpoint_never_loads_as_rope(tmp_path, cache_dir, capsys, monkeypatch):
@@ -1200,6 +1208,8 @@ def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
     common.load_data(max_tokens=MAX_TOKENS, cache_dir=cache_dir)  # the cache exists before the ranks start
     a, b = run_one_and_ddp("dual_stream.py", args, tmp_path, "ckpt-token-factor-kronecker-heads-3-layers-1-d-model-24.pt")
     torch.testing.assert_close(a["history"]["val"], b["history"]["val"], rtol=1e-5, atol=0)
+    # the logged training loss is the global batch's, averaged over the ranks, not rank 0's half
+    torch.testing.assert_close(a["history"]["train"], b["history"]["train"], rtol=1e-5, atol=0)
     check_ddp_weights(a["model"], b["model"], a["config"]["lr"])
 
 

@@ -869,6 +869,8 @@ def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
     common.load_data(max_tokens=int(SMALL_CORPUS[1]), cache_dir=cache_dir)  # the cache exists before the ranks start
     a, b = run_one_and_ddp("prism.py", [*args, "--init", "kmeans++"], tmp_path, "ckpt-prism.pt")
     torch.testing.assert_close(a["history"]["val"], b["history"]["val"], rtol=1e-5, atol=0)
+    # the logged training loss is the global batch's, averaged over the ranks, not rank 0's half
+    torch.testing.assert_close(a["history"]["train"], b["history"]["train"], rtol=1e-5, atol=0)
     check_ddp_weights(a["model"], b["model"], a["config"]["lr"])
     # every evaluation figure is reduced over the ranks to the global batch's (not rank 0's half): per-token means
     # averaged, R1's per-prototype minima and R̄1's best cosines min/max-reduced, R2's coverage counts summed

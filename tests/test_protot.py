@@ -607,6 +607,8 @@ def test_ddp_two_cpu_processes_match_one(tmp_path, cache_dir):
     common.load_data(max_tokens=int(SMALL_CORPUS[1]), cache_dir=cache_dir)  # the cache exists before the ranks start
     a, b = run_one_and_ddp("protot.py", args, tmp_path, "ckpt-proto.pt")
     torch.testing.assert_close(a["history"]["val"], b["history"]["val"], rtol=1e-5, atol=0)
+    # the logged training loss is the global batch's, averaged over the ranks, not rank 0's half
+    torch.testing.assert_close(a["history"]["train"], b["history"]["train"], rtol=1e-5, atol=0)
     assert a["step"] == b["step"] == 21 and a["best"]["step"] == b["best"]["step"] == 18, (a["step"], b["step"])
     check_ddp_weights(a["model"], b["model"], a["config"]["lr"])
     check_ddp_weights(a["best"]["model"], b["best"]["model"], a["config"]["lr"])
