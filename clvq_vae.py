@@ -2088,7 +2088,9 @@ def evaluate(model: CLVQVAE, acts: Activations, cfg: Config, device, sentences: 
       commit       mean |z - e_k|² over the same elements
       loss         mse + β·commit (the training objective; what --schedule plateau watches)
       perplexity   exp(entropy) of the code histogram over all their rows (K = every code used equally)
-      unused       codes never chosen on them;  dead_ema  codes whose EMA count N_k < dead_threshold
+      unused       codes never chosen on them;  dead_ema  codes whose EMA count N_k < dead_threshold, what
+                   --dead-code restart replaces (an unchosen code's N_k only decays by γ a step: from 1, below 1e-3
+                   after ~690 steps at γ = 0.99, so a short run shows few whatever its usage; read `unused`)
     Under DDP each rank takes every world-th length batch and the sums are all-reduced."""
     was_training = model.training
     model.eval()
@@ -2116,13 +2118,13 @@ def evaluate(model: CLVQVAE, acts: Activations, cfg: Config, device, sentences: 
     return dict(loss=mse + cfg.beta * commit, mse=mse, commit=commit,
                 perplexity=math.exp(-(p * p.clamp_min(1e-30).log()).sum().item()),
                 unused=int((counts == 0).sum()), dead_ema=int((model.vq.ema_count < cfg.dead_threshold).sum()),
-                rows=int(rows))
+                dead_threshold=cfg.dead_threshold, rows=int(rows))
 
 
 def eval_line(step: int, ev: dict, K: int, on: str = "val") -> str:
     return (f"step {step}: {on} loss {ev['loss']:.4f} | mse {ev['mse']:.4f} | commit {ev['commit']:.4f} | "
             f"perplexity {ev['perplexity']:.1f}/{K} | dead codes {ev['unused']} unused on {on}, "
-            f"{ev['dead_ema']} with EMA count < threshold")
+            f"{ev['dead_ema']} with EMA count < --dead-threshold {ev['dead_threshold']:g}")
 
 
 def variant_name(cfg: Config) -> str:
@@ -3113,24 +3115,32 @@ def probe_fidelity(r: torch.Tensor, labels, ablations: dict, folds: int = 20, se
     mean = lambda v: t(v).mean().item()  # noqa: E731
     std = lambda v: t(v).std(unbiased=False).item()  # noqa: E731
     o = mean(acc["orig"])
+    # how far each ablation moves r, in units of the sentences' spread around their mean: a projection that moves r
+    # far off the data can drop the probe's accuracy whatever it removes (the paper's raw projection mostly removes
+    # a share of the mean every r carries), so a drop reads as fidelity only beside a random control shifted as far
+    spread = (r.double() - r.double().mean(0)).norm(dim=1).pow(2).mean().sqrt().clamp_min(1e-12).item()
+    shift = lambda x: ((r.double() - x.double()).norm(dim=1).mean() / spread).item()  # noqa: E731
     rows = []
     for n, B in ablations.items():
         c, rd = acc[(n, "c")], acc[("rand", int(B.shape[1]))]
         rows.append(dict(method=n, acc_orig=o, acc_orig_std=std(acc["orig"]), acc_concept=mean(c),
                          acc_concept_std=std(c), acc_random=mean(rd), acc_random_std=std(rd),
                          drop_concept=(o - mean(c)) / max(o, 1e-12), drop_random=(o - mean(rd)) / max(o, 1e-12),
-                         rank=int(B.shape[1]), n_sentences=len(r), folds=k))
+                         rank=int(B.shape[1]), shift_concept=shift(abl[n]), shift_random=shift(rnd[int(B.shape[1])]),
+                         n_sentences=len(r), folds=k))
     return rows
 
 
 def fidelity_table(rows: list[dict]) -> str:
     """The fidelity rows as a fixed-width text table (log and report): each column as wide as its header or its
     widest value, two spaces apart, the header aligned like the values (left for the method, right otherwise)."""
-    head = ["method", "original", "concept-ablated", "random-ablated", "concept drop", "random drop"]
-    cells = [[w["method"], f"{w['acc_orig']:.3f} ± {w['acc_orig_std']:.3f}",
+    head = ["method", "rank", "original", "concept-ablated", "random-ablated", "concept drop", "random drop",
+            "shift ÷ spread"]
+    cells = [[w["method"], str(w["rank"]), f"{w['acc_orig']:.3f} ± {w['acc_orig_std']:.3f}",
               f"{w['acc_concept']:.3f} ± {w['acc_concept_std']:.3f}",
               f"{w['acc_random']:.3f} ± {w['acc_random_std']:.3f}",
-              f"{w['drop_concept']:.1%}", f"{w['drop_random']:.1%}"] for w in rows]
+              f"{w['drop_concept']:.1%}", f"{w['drop_random']:.1%}",
+              f"{w['shift_concept']:.2f} / {w['shift_random']:.2f}"] for w in rows]
     width = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(head)]
 
     def line(cs):
@@ -3396,7 +3406,8 @@ def run_analyses(cfg, src: SourceModel, train_acts: Activations, dev_acts: Activ
             c = coh[m.name]
             if c["score"] is not None:
                 log(f"coherence proxy {m.name}: {c['score']:.3f} vs chance {c['chance']:.3f} "
-                    f"({c['codes_scored']} codes scored, {c['codes_used']}/{m.n_codes} used)")
+                    f"({c['codes_scored']} codes scored, holding {c['usage_scored']:.0%} of the rows; "
+                    f"{c['codes_used']}/{m.n_codes} used)")
         first = next(iter(coh.values()), {})
         if first.get("types"):
             log(f"coherence proxy: {first['types']} word types with {first['vectors']} distinct input vectors "
@@ -3488,7 +3499,8 @@ def bench(cfg, device, log=print, sizes=None) -> dict:
         res["goal_met"] = r["vs_cdist"] >= 3.0
         log(f"goal (kernel >= 3x cdist+topk at N=64k, K=4096, d=768): {r['vs_cdist']:.2f}x, "
             f"{'met' if res['goal_met'] else 'NOT met'}; kernel extra memory {r['kernel_peak_mb']:.0f} MB "
-            f"(O(N·k) = {65536 * k * 12 / 2**20:.0f} MB of outputs)")
+            f"(O(N·k): the outputs, top-k ids and distances and the drawn id and its distance, "
+            f"{65536 * (k + 1) * 12 / 2**20:.1f} MB)")
     return res
 
 
@@ -3513,7 +3525,7 @@ def figure(draw, size=(6, 3.5)) -> str:
 
 def loss_figure(histories: dict, on: str = "val") -> str:
     """Training loss and val loss per variant (left), val codebook perplexity (right); on = "dev" when the
-    evaluations read the dev set (--val-frac 0)."""
+    evaluations read the dev set (--val-frac 0), and both panels say so."""
     def draw(fig):
         ax1, ax2 = fig.subplots(1, 2)
         for name, h in histories.items():
@@ -3527,7 +3539,7 @@ def loss_figure(histories: dict, on: str = "val") -> str:
         ax1.set_yscale("log")
         ax1.legend(fontsize=7)
         ax2.set_xlabel("step")
-        ax2.set_ylabel("val codebook perplexity")
+        ax2.set_ylabel(f"{on} codebook perplexity")
         ax2.legend(fontsize=7)
     return figure(draw, (10, 3.5))
 
@@ -3598,7 +3610,11 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                      "concept drop exceeds the random-direction drop. rank: the dimension of the subspace "
                      "projected out of each sentence's representation (1 for a codebook method's concept vector, "
                      "the top encoder rows for the SAE); the random control removes as many random "
-                     "directions.</p>"
+                     "directions. shift_concept and shift_random: the mean distance ‖r − r′‖ each ablation moves a "
+                     "sentence's representation, over the sentences' RMS spread around their mean. A shift well "
+                     "above 1 moves r off the data the probe was fit on, which can drop its accuracy whatever "
+                     "was removed; the paper's raw projection does this when r carries a large mean (then "
+                     "--fidelity-projection centred removes only each sentence's own component).</p>"
                      + table_html(rows, list(dict.fromkeys(k for r in rows for k in r))))
     if results.get("baselines"):
         b = results["baselines"]

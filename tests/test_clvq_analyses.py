@@ -238,6 +238,13 @@ def test_centred_projection_keeps_the_shared_mean_so_the_random_control_is_infor
                                  log=lambda s: None)[0] for c in (False, True)}
     assert rows[False]["acc_random"] < 0.9 < rows[True]["acc_random"]
     assert rows[True]["acc_concept"] < 0.6 and rows[True]["acc_orig"] > 0.95
+    # the shift that explains it: the raw projection moves r by about |μ·ê| = 10 for the carrier, several spreads
+    # (spread = RMS |r - μ| = √(0.3² + 1.5² + 15) ≈ 4.2), the centred one by |(r - μ)·u| ≈ 1.5 only
+    spread = (r - r.mean(0)).norm(dim=1).pow(2).mean().sqrt().item()
+    assert rows[False]["shift_concept"] == pytest.approx((r[:, 0] - 0).abs().mean().item() / spread, rel=1e-5)
+    assert rows[True]["shift_concept"] == pytest.approx((r[:, 0] - r[:, 0].mean()).abs().mean().item() / spread,
+                                                        rel=1e-5)
+    assert rows[False]["shift_concept"] > 2 > 0.5 > rows[True]["shift_concept"]
     B = torch.randn(S, 2, d, generator=g)
     mu = r.mean(0)
     out = cv.project_out(r, B, mu)
@@ -284,11 +291,12 @@ def test_l_equal_h_does_not_retrain_its_own_model_as_the_vq_baseline():
 
 def test_fidelity_table_header_lines_up_with_its_values():
     row = dict(method="CLVQ-VAE l4->h6", acc_orig=0.674, acc_orig_std=0.171, acc_concept=0.569, acc_concept_std=0.2,
-               acc_random=0.503, acc_random_std=0.1, drop_concept=0.156, drop_random=0.254)
-    head, line = cv.fidelity_table([row, dict(row, method="SAE", drop_random=1.0)]).splitlines()[:2]
+               acc_random=0.503, acc_random_std=0.1, drop_concept=0.156, drop_random=0.254, rank=1,
+               shift_concept=14.71, shift_random=5.2)
+    head, line = cv.fidelity_table([row, dict(row, method="SAE", drop_random=1.0, rank=5)]).splitlines()[:2]
     assert "15.6%" in line and "25.4%" in line
-    labels = ["original", "concept-ablated", "random-ablated", "concept drop", "random drop"]
-    values = ["0.674 ± 0.171", "0.569 ± 0.200", "0.503 ± 0.100", "15.6%", "25.4%"]
+    labels = ["rank", "original", "concept-ablated", "random-ablated", "concept drop", "random drop", "shift ÷ spread"]
+    values = ["1", "0.674 ± 0.171", "0.569 ± 0.200", "0.503 ± 0.100", "15.6%", "25.4%", "14.71 / 5.20"]
     for label, value in zip(labels, values):  # right-aligned: each label ends where its column's values end
         assert head.index(label) + len(label) == line.index(value) + len(value), label
         assert head[head.index(label) - 2:head.index(label)] == "  "  # two spaces from the column before
