@@ -2217,8 +2217,8 @@ def dense_scores(model: PRISM, windows, xq, yq) -> tuple:
     """Step 4, dense gradient similarity over every parameter (TracIn at the final checkpoint): score(m, q) =
     ∇_θ L_m · ∇_θ L_q, L_m the summed CE of training window m, L_q the query's CE. Nothing is stored: the Q
     query gradients are computed once, then each training gradient is recomputed and dotted with all of them,
-    which is what a post-hoc method pays per query batch. -> (scores [Q, M], {"single": s for one query alone,
-    "batch": s per query in a batch of Q}, bytes held, peak note)."""
+    which is what a post-hoc method pays per query batch. -> (scores [Q, M], seconds and bytes held, each as
+    {"single": one query alone, "batch": per query in a batch of Q})."""
     model.eval()
     device = model.P.device
     params = [p for p in model.parameters() if p.requires_grad]
@@ -2229,9 +2229,6 @@ def dense_scores(model: PRISM, windows, xq, yq) -> tuple:
         flat_grad(query_ce(model, xq[:1], yq[0]))
         w = windows[0].to(device)
         flat_grad(F.cross_entropy(model(w[None, :-1])[0].float(), w[1:], reduction="sum"))
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
     t0 = attr_clock(device)
     with torch.enable_grad():
         gq = torch.stack([flat_grad(query_ce(model, xq[j:j + 1], yq[j])) for j in range(len(xq))])
@@ -2242,12 +2239,12 @@ def dense_scores(model: PRISM, windows, xq, yq) -> tuple:
             g = flat_grad(F.cross_entropy(model(w[None, :-1])[0].float(), w[1:], reduction="sum"))
             scores[:, m] = gq @ g
     t2 = attr_clock(device)
-    # one query alone pays its own gradient and all M training gradients; a batch of Q shares the M
+    # one query alone pays its own gradient and all M training gradients; a batch of Q shares the M. Memory is
+    # what the method holds, as for the cached and exact rows: one query alone its gradient and one training
+    # gradient at a time, a batch its Q query gradients and one training gradient
     seconds = {"single": (t1 - t0) / len(xq) + (t2 - t1), "batch": (t2 - t0) / len(xq)}
-    held = tensor_bytes(gq) + gq.shape[1] * 4  # the Q query gradients and one training gradient
-    if device.type == "cuda":
-        return scores, seconds, torch.cuda.max_memory_allocated(device) - base, "peak extra CUDA memory"
-    return scores, seconds, held, "Q query gradients + one training gradient"
+    grad = gq.shape[1] * gq.element_size()
+    return scores, seconds, {"single": 2 * grad, "batch": (len(xq) + 1) * grad}
 
 
 def flat_param_grad(loss, params) -> torch.Tensor:
@@ -2271,7 +2268,7 @@ def sketched_dense_scores(model: PRISM, windows, xq, yq, nbytes: int, seed: int 
     method pays one forward and its postings. Parameter j goes to bucket h(j) with sign s(j), from 2-universal
     hashes ((α j + β) mod p, p = 2³¹ - 1, seeded) computed on the fly from j, so the sketch holds no state beside
     the cache: E[<Sg, Sh>] = <g, h>. -> dict(scores [Q, M], seconds per query (one at a time, hashing included),
-    bytes (the M×D sketches), setup seconds, D)."""
+    bytes (the M×D sketches), setup seconds, D, hash_seconds: the hashing's share of the seconds)."""
     model.eval()
     device = model.P.device
     params = [p for p in model.parameters() if p.requires_grad]
@@ -2295,13 +2292,15 @@ def sketched_dense_scores(model: PRISM, windows, xq, yq, nbytes: int, seed: int 
         del hashed
         setup = attr_clock(device) - t0
         sketch(query_ce(model, xq[:1], yq[0]))  # warm-up, untimed
-        scores, times = [], []
+        scores, times, hash_times = [], [], []
         for j in range(len(xq)):
             t0 = attr_clock(device)
-            scores.append(cache @ sketch(query_ce(model, xq[j:j + 1], yq[j])))
+            hashed = hashes()  # part of the query's cost (no state beside the cache), timed apart to be seen
+            hash_times.append(attr_clock(device) - t0)
+            scores.append(cache @ sketch(query_ce(model, xq[j:j + 1], yq[j]), hashed))
             times.append(attr_clock(device) - t0)
     return {"scores": torch.stack(scores), "seconds": sum(times) / len(xq), "bytes": tensor_bytes(cache),
-            "setup": setup, "D": D}
+            "setup": setup, "D": D, "hash_seconds": sum(hash_times) / len(xq)}
 
 
 def ekfac_scores(model: PRISM, windows, xq, yq, log, damping: Optional[float] = None) -> Optional[dict]:
@@ -2483,9 +2482,9 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     same_curvature = overlaps(ranked[cached_name], torch.stack(exact_cache_curv))
     curvature_only = overlaps(torch.stack(exact_cache_curv), ranked["prototype-space exact"])
     # 4. dense gradient similarity (nothing precomputed: its whole cost is per query batch)
-    s, seconds, mem, dense_mem_note = dense_scores(model, windows, xq, yq)
-    add_row("dense TracIn (all parameters)", s, 1e3 * seconds["single"], mem, M, 0.0)
-    add_row(f"dense TracIn, batch of {Q} queries", s, 1e3 * seconds["batch"], mem, M, 0.0, batched=True)
+    s, seconds, mem = dense_scores(model, windows, xq, yq)
+    add_row("dense TracIn (all parameters)", s, 1e3 * seconds["single"], mem["single"], M, 0.0)
+    add_row(f"dense TracIn, batch of {Q} queries", s, 1e3 * seconds["batch"], mem["batch"], M, 0.0, batched=True)
     sk = sketched_dense_scores(model, windows, xq, yq, cache.nbytes(), seed=cfg.seed)
     sketch_name = "dense TracIn, CountSketch cache at matched memory"
     add_row(sketch_name, sk["scores"], 1e3 * sk["seconds"], sk["bytes"], M, sk["setup"])
@@ -2497,6 +2496,18 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
             # dense TracIn batch row (the factor fitting is its setup, as the cache's build is the cached method's)
             add_row(f"EK-FAC (kronfluence), batch of {Q} queries", ek["scores"], 1e3 * ek["seconds"] / Q, ek["bytes"],
                     M, ek["setup"], batched=True)
+    # what each method's memory figure counts (the tensors it holds, on every device)
+    memory_notes = {cached_name: "the cache (index, A_ii, S's eigenbasis; A's for kfac)",
+                     "prototype-space exact": "row-sparse exact gradients + M×M Cholesky factor" if
+                     ex.fisher is None else "row-sparse exact gradients, and sampled-target ones (M·S rows) "
+                     "+ their M·S×M·S Cholesky factor + the M×M·S cross Gram",
+                     "dense TracIn (all parameters)": "its query gradient + one training gradient at a time",
+                     f"dense TracIn, batch of {Q} queries": f"the {Q} query gradients + one training gradient",
+                     sketch_name: f"the M x D training-gradient sketches, D = {sk['D']:,} (the hash is "
+                                  "computed from the parameter index each query: no other state; it takes "
+                                  f"{1e3 * sk['hash_seconds']:.1f} of the query's {1e3 * sk['seconds']:.1f} ms)",
+                     f"EK-FAC (kronfluence), batch of {Q} queries":
+                         "eigenbases and corrected eigenvalues of the Linear modules"}
     # overlaps with the exact ranking, the table, the log
     ref = ranked["prototype-space exact"]
     chance = {n: chance_overlap(n, M) for n in (10, 100)}  # a random ranking's expected overlap, n/M
@@ -2507,11 +2518,12 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
                       **overlaps(s, ref),
                       "top-10 chance": chance[10], "top-100 chance": chance[100],
                       "sequences scored": r["scored"], "sequences scored (min)": r["scored min"],
-                      "setup s": r["setup s"]})
+                      "setup s": r["setup s"], "memory holds": memory_notes[r["method"]]})
         # a mean over queries: 255.9 printed :.0f would read as "every query scored all 256"
         scored = (f"{M}/{M} sequences scored by every query" if r["scored min"] == M else
                   f"{r['scored']:.1f}/{M} sequences scored per query (min {r['scored min']})")
-        log(f"attribution {r['method']}: {r['ms/query']:.2f} ms/query, {r['memory MB']:.3g} MB, top-10/top-100 "
+        log(f"attribution {r['method']}: {r['ms/query']:.2f} ms/query, {r['memory MB']:.3g} MB "
+            f"({memory_notes[r['method']]}), top-10/top-100 "
             f"overlap with exact {table[-1]['top-10 overlap']:.2f}/{table[-1]['top-100 overlap']:.2f} (chance "
             f"{chance[10]:.2f}/{chance[100]:.2f}), {scored}, setup {r['setup s']:.1f}s")
     by = {r["method"]: r for r in table}
@@ -2571,15 +2583,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
             "reference_redraw": redraw,
             "speedup": speed, "cache": {"postings": len(cache.index.seq), "bytes": cache.nbytes(),
                                         "prototypes per sequence": len(cache.index.seq) / M},
-            "memory_notes": {cached_name: "the cache (index, A_ii, S's eigenbasis; A's for kfac)",
-                             "prototype-space exact": "row-sparse exact gradients + M×M Cholesky factor" if
-                             ex.fisher is None else "row-sparse exact gradients, and sampled-target ones (M·S rows) "
-                             "+ their M·S×M·S Cholesky factor + the M×M·S cross Gram",
-                             "dense TracIn (all parameters)": dense_mem_note,
-                             sketch_name: f"the M x D training-gradient sketches, D = {sk['D']:,} (the hash is "
-                                          "computed from the parameter index each query: no other state)",
-                             f"EK-FAC (kronfluence), batch of {Q} queries":
-                                 "eigenbases and corrected eigenvalues of the Linear modules"},
+            "memory_notes": memory_notes,
             "examples": examples}
 
 
@@ -2800,9 +2804,13 @@ def controller_row(name: str, feats: dict, cloze: dict, l1: float, features: str
     zero = torch.zeros_like(c)
     before, after = accuracy(feats["eval"], ans["eval"], zero), accuracy(feats["eval"], ans["eval"], c)
     fit_acc = {"before": accuracy(feats["fit"], ans["fit"], zero), "after": accuracy(feats["fit"], ans["fit"], c)}
+    # a gain whose term never fires on the fit examples gets no gradient: of the K trainable gains, only the
+    # terms active there can move, and the two controllers differ in how many that is
+    fit = feats["fit"]
+    active = int(torch.unique(fit.idx[fit.G.abs().sum(1) > 0]).numel())  # terms with a non-zero logit on an option
     row = {"model/controller": name, "features": features, "acc before": before, "acc after": after,
            "gain (points)": 100 * (after - before), "non-zero gains": int((c.abs() > NONZERO).sum()),
-           "trainable params": c.numel()}
+           "trainable params": c.numel(), "terms active on fit": active}
     return row, c, fit_acc
 
 
@@ -2851,7 +2859,8 @@ def controller_experiment(model, dense, data, cfg, log) -> dict:
     tops = top_gains(model, feats["fit"], c, tok)
     log(f"controller PRISM: eval accuracy {row['acc before']:.1%} -> {row['acc after']:.1%} "
         f"({row['gain (points)']:+.2f} points; fit {fit_acc['before']:.1%} -> {fit_acc['after']:.1%}), "
-        f"{row['non-zero gains']}/{K} non-zero gains; largest: "
+        f"{row['non-zero gains']}/{K} non-zero gains ({row['terms active on fit']} prototypes active on the fit "
+        f"examples, the only gains that can move); largest: "
         + (", ".join(f"p{t['proto']} {t['gain']:+.2f} ({' '.join(t['signature'][:3])!r})" for t in tops) or "none"))
     sae_info = None
     if dense is None:
@@ -2883,7 +2892,7 @@ def controller_experiment(model, dense, data, cfg, log) -> dict:
             f"{sae_info['fvu_train']:.3f} (train) / {sae_info['fvu_val']:.3f} (val), {sae_info['dead']} dead latents; "
             f"eval accuracy {row_d['acc before']:.1%} -> {row_d['acc after']:.1%} ({row_d['gain (points)']:+.2f} "
             f"points; fit {fit_acc_d['before']:.1%} -> {fit_acc_d['after']:.1%}), {row_d['non-zero gains']}/{K} "
-            f"non-zero gains")
+            f"non-zero gains ({row_d['terms active on fit']} latents active on the fit examples)")
     n_fit, n_eval = len(cloze["fit"].pos), len(cloze["eval"].pos)
     sae_part = (f"the SAE controller {rows[1]['acc before']:.1%} -> {rows[1]['acc after']:.1%} "
                 f"({rows[1]['gain (points)']:+.2f} points)" if len(rows) > 1 else "no SAE controller (no dense twin)")

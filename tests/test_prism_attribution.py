@@ -424,7 +424,7 @@ def test_dense_baseline_is_the_dot_product_of_flattened_gradients(assert_close):
     xq = windows_of(3, 8, seed=10)
     calls, hidden = [], model.hidden
     model.hidden = lambda idx: calls.append(idx.shape[0]) or hidden(idx)  # every pass, query or training window
-    scores, seconds, held, note = prism.dense_scores(model, w, xq[:, :-1], xq[:, -1])
+    scores, seconds, held = prism.dense_scores(model, w, xq[:, :-1], xq[:, -1])
     del model.hidden
     # an untimed warm-up (one query, one training window), as the cached and exact methods have, then Q + M passes
     assert len(calls) == 2 + 3 + 5
@@ -439,7 +439,8 @@ def test_dense_baseline_is_the_dot_product_of_flattened_gradients(assert_close):
     ref = torch.stack([torch.stack([q @ m for m in gm]) for q in gq])
     model.zero_grad(set_to_none=True)
     assert_close("TracIn", ref, scores, ratio=1e-4)
-    assert seconds["single"] > seconds["batch"] > 0 and held == (3 + 1) * sum(p.numel() for p in params) * 4
+    n = sum(p.numel() for p in params)  # held: one query alone its gradient and one training gradient; a batch
+    assert seconds["single"] > seconds["batch"] > 0 and held == {"single": 2 * n * 4, "batch": (3 + 1) * n * 4}
 
 
 def test_sketched_dense_baseline_is_an_unbiased_sketch_of_the_dense_dot_products():
@@ -455,6 +456,7 @@ def test_sketched_dense_baseline_is_an_unbiased_sketch_of_the_dense_dot_products
     runs = [prism.sketched_dense_scores(model, w, xq[:, :-1], xq[:, -1], nbytes=4 * M * (n // 8), seed=s)
             for s in range(32)]
     assert all(r["D"] == n // 8 and r["bytes"] == 4 * M * (n // 8) for r in runs)
+    assert all(0 < r["hash_seconds"] < r["seconds"] for r in runs)  # the hashing's share of a query, timed apart
     S = torch.stack([r["scores"] for r in runs]).double()  # [seeds, Q, M]
     mean, se = S.mean(0), S.std(0) / len(runs) ** 0.5
 
@@ -610,7 +612,7 @@ def test_batched_rows_are_labelled_and_compared_as_batches(monkeypatch):
     res = prism.attribution_experiment(PRISM(cfg, V).eval(), None, StandIn(), cfg, lines.append)
     ek = res["table"][-1]
     assert ek["method"] == "EK-FAC (kronfluence), batch of 3 queries" and ek["ms/query"] == pytest.approx(100.0)
-    assert ek["method"] in res["memory_notes"]
+    assert ek["method"] in res["memory_notes"] and all(r["method"] in res["memory_notes"] for r in res["table"])
     alone, batched = res["summary"].split("; against per-query times of one batched pass over 3 queries")
     assert "prototype-space exact" in alone and "dense TracIn (all parameters)" in alone and "batch of" not in alone
     assert "dense TracIn, batch of 3 queries" in batched and "EK-FAC (kronfluence), batch of 3 queries" in batched

@@ -1,5 +1,7 @@
 """prism.py's controllers (spec §6.3): the 4-way cloze, the prototype gains, the SAE baseline, the experiment.
 Tiny models and a stand-in corpus (a 30-token vocabulary), CPU, a few seconds in all."""
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -189,6 +191,22 @@ def test_fitted_gains_raise_accuracy_and_l1_keeps_them_sparse():
     assert never_active.any() and (c[never_active] == 0).all()
     dense_c = prism.fit_gains(feats, answer, l1=0.0)  # without L1 the noise prototypes get gains too
     assert int((dense_c.abs() > prism.NONZERO).sum()) > int((c.abs() > prism.NONZERO).sum())
+
+
+def test_controller_row_counts_the_terms_active_on_the_fit_examples(monkeypatch):
+    """Of the K trainable gains only those whose term fires on a fit example can move: the row says how many (here
+    prototypes 5 and 6..11, 0..3: 11 of 12, prototype 4 never drawn), and a term whose activation is 0 wherever it
+    is listed does not count."""
+    monkeypatch.setattr(prism, "GAIN_STEPS", 20)
+    feats, answer = synthetic_task()
+    cloze = {s: types.SimpleNamespace(answer=answer) for s in ("fit", "eval")}
+    row = prism.controller_row("x", {"fit": feats, "eval": feats}, cloze, 3e-2, "f")[0]
+    assert row["trainable params"] == 12 and row["terms active on fit"] == 11
+    assert row["non-zero gains"] <= row["terms active on fit"]
+    silent = prism.GainFeatures(feats.base, feats.idx, feats.G.clone(), feats.K)
+    silent.G.masked_fill_((feats.idx == 0)[:, None, :], 0.0)  # prototype 0 listed, with activation 0: cannot move
+    row = prism.controller_row("x", {"fit": silent, "eval": silent}, cloze, 3e-2, "f")[0]
+    assert row["terms active on fit"] == 10
 
 
 # --- the SAE ------------------------------------------------------------------------------------------------------
