@@ -1556,7 +1556,9 @@ def sweep_table(models: dict, ppl: dict, compare: bool = True) -> list[dict]:
     for name, m in models.items():
         n, emb = m.n_params(), m.wte.weight.numel()
         row = {"model": name, "config": variant(m.cfg), "params (M)": n / 1e6, "non-embedding (M)": (n - emb) / 1e6,
-               "val loss": ppl[name]["loss"], "ppl": ppl[name]["ppl"]}
+               "val loss": ppl[name]["loss"], "ppl": ppl[name]["ppl"],
+               "without the unk targets": f"loss {ppl[name]['loss_known']:.4f}, ppl {ppl[name]['ppl_known']:.2f}"
+               if ppl[name].get("unk_tokens") else "—"}
         if base is not None:
             row["vs dense"] = f"{ppl[name]['loss'] / base - 1:+.2%}"
             row["paper"] = PAPER_COST.get(name, "0%" if name == "dense" else "")

@@ -3085,8 +3085,10 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                          + table_html(rows, list(rows[-1])))
     if "ppl" in results:
         parts.append("<h2>Validation (every token once)</h2>" + table_html(
-            [{"model": k, "loss": v["loss"], "ppl": v["ppl"], "tokens": v["tokens"]} for k, v in results["ppl"].items()],
-            ["model", "loss", "ppl", "tokens"]))
+            [{"model": k, "loss": v["loss"], "ppl": v["ppl"], "tokens": v["tokens"],
+              "without the unk targets": f"loss {v['loss_known']:.4f}, ppl {v['ppl_known']:.2f} ({v['unk_tokens']:,} "
+                                         "left out)" if v.get("unk_tokens") else "—"}
+             for k, v in results["ppl"].items()], ["model", "loss", "ppl", "tokens", "without the unk targets"]))
         if "gap" in results:
             parts.append(f"<p>PRISM val loss vs the dense twin: {results['gap']:+.2%} (paper: within 5%)</p>")
         elif "gap_skipped" in results:

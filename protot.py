@@ -2258,8 +2258,11 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         parts.append(f'<h2>Training</h2><img src="data:image/png;base64,{loss_figure(histories)}">')
     if "ppl" in results:
         parts.append("<h2>Perplexity (val, every token once)</h2>" + table_html(
-            [{"model": k, "ppl": f"{v['ppl']:.2f}", "tokens": v["tokens"], "weights of step": v.get("step", "")}
-             for k, v in results["ppl"].items()], ["model", "ppl", "tokens", "weights of step"]))
+            [{"model": k, "ppl": f"{v['ppl']:.2f}", "tokens": v["tokens"], "weights of step": v.get("step", ""),
+              "ppl without the unk targets": f"{v['ppl_known']:.2f} ({v['unk_tokens']:,} left out)"
+              if v.get("unk_tokens") else "—"}
+             for k, v in results["ppl"].items()],
+            ["model", "ppl", "tokens", "weights of step", "ppl without the unk targets"]))
         if "ratio" in results:
             parts.append(f"<p>ProtoT / attention perplexity ratio: {results['ratio']:.3f} (paper: 90.5 / 78.7 = 1.150)</p>")
         elif "ratio_skipped" in results:
