@@ -2254,8 +2254,8 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
                                     "fidelity_projection", "probe_standardise", "ig_steps", "ig_baseline", "ig_batch")},
            **{k: (cfg.cards, "concept cards are off: --no-cards")
               for k in ("cards_per_method", "coherence_embed", "coherence_draws")}}
-    for k in TRAINING_KEYS:  # load_checkpoint kept the checkpoint's value: the typed one went unused
-        why.setdefault(k, (cfg.train, "--no-train trains nothing: the checkpoint's value stays"))
+    if not cfg.train:  # load_checkpoint kept the checkpoint's value: the typed one went unused, whatever else
+        why.update(dict.fromkeys(TRAINING_KEYS, (False, "--no-train trains nothing: the checkpoint's value stays")))
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
             if k in explicit and not used]
 
@@ -3610,7 +3610,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                      "concept drop exceeds the random-direction drop. rank: the dimension of the subspace "
                      "projected out of each sentence's representation (1 for a codebook method's concept vector, "
                      "the top encoder rows for the SAE); the random control removes as many random "
-                     "directions. shift_concept and shift_random: the mean distance ‖r − r′‖ each ablation moves a "
+                     "directions. shift_concept and shift_random: the mean distance ‖r − r′‖ each ablation "
+                     "moves a "
                      "sentence's representation, over the sentences' RMS spread around their mean. A shift well "
                      "above 1 moves r off the data the probe was fit on, which can drop its accuracy whatever "
                      "was removed; the paper's raw projection does this when r carries a large mean (then "

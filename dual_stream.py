@@ -1201,13 +1201,14 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
                  **forward_kw) -> dict:
     """Exact token-weighted perplexity over the val split: every token predicted once (common.iter_eval), or over
     its first max_windows windows (fewer where the split holds fewer). forward_kw (ablate, at) evaluates an ablated
-    model. -> loss, ppl, and the tokens and windows it read (a report names what a loss was measured on). The unk id (compaction's image of every id
-    unseen in training, so never a training target) is scored like any token; "unk_tokens" counts those targets and
-    "loss_known"/"ppl_known" leave them out."""
+    model. -> loss, ppl, and the tokens and windows it read (a report names what a loss was measured on).
+    The unk id (compaction's image of every id unseen in training, so never a training target) is scored like any
+    token; "unk_tokens" counts those targets and "loss_known"/"ppl_known" leave them out."""
     model.eval()
     unk = getattr(data.tokenizer, "unk", None)
     unk = -1 if unk is None else unk  # -1: no unk id (no compaction), every target is known
-    total, count, windows, total_known, count_known = 0.0, 0, 0, 0.0, 0
+    # Σ nll and targets, all and known (not unk), windows: summed on the device, read once at the end
+    sums = torch.zeros(5, dtype=torch.float64, device=data.device)
     for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):
         if max_windows is not None:
             if i * batch_size >= max_windows:
@@ -1215,17 +1216,15 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
             x, y = x[:max_windows - i * batch_size], y[:max_windows - i * batch_size]  # exactly max_windows
         with autocast:
             logits = model(x, **forward_kw)
-        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").double()
         known = y.flatten() != unk
-        total, count = total + nll.sum().item(), count + y.numel()
-        total_known, count_known = total_known + nll[known].sum().item(), count_known + int(known.sum())
-        windows += y.shape[0]
+        sums += torch.stack([nll.sum(), nll.new_tensor(y.numel()), (nll * known).sum(), known.sum().double(),
+                             nll.new_tensor(y.shape[0])])
     if dist_ready():
         import torch.distributed as dist
 
-        t = torch.tensor([total, count, windows, total_known, count_known], dtype=torch.float64, device=data.device)
-        dist.all_reduce(t)
-        total, count, windows, total_known, count_known = t.tolist()
+        dist.all_reduce(sums)
+    total, count, total_known, count_known, windows = sums.tolist()
     return {"loss": total / count, "ppl": perplexity(total / count), "tokens": int(count), "windows": int(windows),
             "unk_tokens": int(count - count_known), "loss_known": total_known / max(count_known, 1),
             "ppl_known": perplexity(total_known / max(count_known, 1))}
@@ -1557,8 +1556,9 @@ def sweep_table(models: dict, ppl: dict, compare: bool = True) -> list[dict]:
         n, emb = m.n_params(), m.wte.weight.numel()
         row = {"model": name, "config": variant(m.cfg), "params (M)": n / 1e6, "non-embedding (M)": (n - emb) / 1e6,
                "val loss": ppl[name]["loss"], "ppl": ppl[name]["ppl"],
-               "without the unk targets": f"loss {ppl[name]['loss_known']:.4f}, ppl {ppl[name]['ppl_known']:.2f}"
-               if ppl[name].get("unk_tokens") else "—"}
+               "without the unk targets": f"loss {ppl[name]['loss_known']:.4f}, ppl {ppl[name]['ppl_known']:.2f} "
+                                          f"({ppl[name]['unk_tokens']:,} left out)" if ppl[name].get("unk_tokens")
+                                          else "—"}
         if base is not None:
             row["vs dense"] = f"{ppl[name]['loss'] / base - 1:+.2%}"
             row["paper"] = PAPER_COST.get(name, "0%" if name == "dense" else "")
@@ -1685,12 +1685,14 @@ def js_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return 0.5 * (kl(p) + kl(q))
 
 
-DISTINCTIVENESS_ON = ("mean pairwise JS in bits over heads and query rows 8 on, in the first 8 val windows of "
-                      "min(128, ctx) tokens")
+DISTINCT_WINDOWS, DISTINCT_WIDTH, DISTINCT_SKIP = 8, 128, 8  # what distinctiveness reads, and its label says
+DISTINCTIVENESS_ON = (f"mean pairwise JS in bits over heads and query rows {DISTINCT_SKIP} on, in the first "
+                      f"{DISTINCT_WINDOWS} val windows of min({DISTINCT_WIDTH}, ctx) tokens")
 
 
 @torch.no_grad()
-def distinctiveness(model: DualStream, data, windows: int = 8, width: int = 128, skip: int = 8) -> list[float]:
+def distinctiveness(model: DualStream, data, windows: int = DISTINCT_WINDOWS, width: int = DISTINCT_WIDTH,
+                    skip: int = DISTINCT_SKIP) -> list[float]:
     """Attention-pattern distinctiveness per layer (spec §7, our operationalisation): the mean over head pairs and
     query rows of the JS divergence between the two heads' attention rows, on `windows` val windows. The first
     `skip` rows (a handful of keys, nearly forced patterns) are left out."""
@@ -2149,7 +2151,8 @@ def bench_kernel(cfg: Config, device, log=print) -> dict:
                                   f"({row['torch-o']['fwd_ms'] / row['sdpa']['fwd_ms']:.2f}x SDPA's)")
         log(f"kernel ({name}, {out['dtype']}) T={T}: o + statistics fwd {row[name]['fwd_ms']:.3f} ms "
             f"({row['fwd_vs_sdpa']:.2f}x SDPA's time{', goal <= 1.3x' if cuda else ''}; {row['fwd_vs_reference']:.2f}x "
-            f"the reference's), fwd+bwd {row[name]['fwd_bwd_ms']:.3f} ms ({row['fwd_bwd_vs_sdpa']:.2f}x SDPA's){o_only}")
+            f"the reference's), fwd+bwd {row[name]['fwd_bwd_ms']:.3f} ms ({row['fwd_bwd_vs_sdpa']:.2f}x SDPA's)"
+            + o_only)
     return out
 
 
@@ -2265,7 +2268,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         parts.append(f"<h2>Attention amplification</h2><p>{REPORTED_AMPLIFICATION}. "
                      f"Losses on the first {where}, set by --analysis-windows, not on the whole split of the validation "
                      "table above, so the loss at α = 1 need not match it. Attention entropy in nats, the mean over "
-                     "each layer's heads and queries (the first query, with one key and entropy 0, included).</p>" + img(amplification_figure(amp))
+                     "each layer's heads and queries (the first query, with one key and entropy 0, "
+                     "included).</p>" + img(amplification_figure(amp))
                      + table_html(rows, list(rows[0])))
         for m, a in amp.items():
             parts.append(f"<h3>Greedy samples, {html.escape(m)}</h3><p>temperature 0, so a weak model repeats "
@@ -2418,8 +2422,8 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
                   "(amplification's texts are greedy)") for k in ("temperature", "top_k")},
            "alibi_alpha": (cfg.pos == "alibi" and amplify, "it sets how amplification scales ALiBi's bias: it needs "
                            "--pos alibi and --amplify (training runs at α = 1, where both readings agree)")}
-    for k in TRAINING_KEYS:  # load_checkpoint kept the checkpoint's value: the typed one went unused
-        why.setdefault(k, (cfg.train, "--no-train trains nothing: the checkpoint's value stays"))
+    if not cfg.train:  # load_checkpoint kept the checkpoint's value: the typed one went unused, whatever else
+        why.update(dict.fromkeys(TRAINING_KEYS, (False, "--no-train trains nothing: the checkpoint's value stays")))
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
             if k in explicit and not used]
 

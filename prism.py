@@ -1147,13 +1147,14 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
                  head_kw: Optional[dict] = None) -> dict:
     """Exact token-weighted perplexity over the val split: every token predicted once (common.iter_eval).
     head_kw (suppress, factor, gain) evaluates an edited prototype head; with suppress, "fired" counts the
-    (token, suppressed prototype) activations a > 0 it met: 0 means the edit cannot change a logit here. The unk id (compaction's image of every id
-    unseen in training, so never a training target) is scored like any token; "unk_tokens" counts those targets and
-    "loss_known"/"ppl_known" leave them out."""
+    (token, suppressed prototype) activations a > 0 it met: 0 means the edit cannot change a logit here.
+    The unk id (compaction's image of every id unseen in training, so never a training target) is scored like any
+    token; "unk_tokens" counts those targets and "loss_known"/"ppl_known" leave them out."""
     model.eval()
     unk = getattr(data.tokenizer, "unk", None)
     unk = -1 if unk is None else unk  # -1: no unk id (no compaction), every target is known
-    total, count, fired, total_known, count_known = 0.0, 0, 0, 0.0, 0
+    # Σ nll and targets, all and known (not unk), suppressed activations met: summed on the device, read once
+    sums = torch.zeros(5, dtype=torch.float64, device=data.device)
     for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):
         if max_windows is not None:
             if i * batch_size >= max_windows:
@@ -1164,19 +1165,17 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
                 out = model.head(model.hidden(x), **head_kw)
                 logits = out["logits"]
                 if head_kw.get("suppress") is not None:
-                    fired += int((head_kw["suppress"][out["idx"]] & (out["a"] > 0)).sum())
+                    sums[4] += (head_kw["suppress"][out["idx"]] & (out["a"] > 0)).sum()
             else:
                 logits = model(x)
-        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").double()
         known = y.flatten() != unk
-        total, count = total + nll.sum().item(), count + y.numel()
-        total_known, count_known = total_known + nll[known].sum().item(), count_known + int(known.sum())
+        sums[:4] += torch.stack([nll.sum(), nll.new_tensor(y.numel()), (nll * known).sum(), known.sum().double()])
     if dist_ready():
         import torch.distributed as dist
 
-        t = torch.tensor([total, count, fired, total_known, count_known], dtype=torch.float64, device=data.device)
-        dist.all_reduce(t)
-        total, count, fired, total_known, count_known = t.tolist()
+        dist.all_reduce(sums)
+    total, count, total_known, count_known, fired = sums.tolist()
     res = {"loss": total / count, "ppl": perplexity(total / count), "tokens": int(count),
            "unk_tokens": int(count - count_known), "loss_known": total_known / max(count_known, 1),
            "ppl_known": perplexity(total_known / max(count_known, 1))}
@@ -2504,8 +2503,9 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
                      "dense TracIn (all parameters)": "its query gradient + one training gradient at a time",
                      f"dense TracIn, batch of {Q} queries": f"the {Q} query gradients + one training gradient",
                      sketch_name: f"the M x D training-gradient sketches, D = {sk['D']:,} (the hash is "
-                                  "computed from the parameter index each query: no other state; it takes "
-                                  f"{1e3 * sk['hash_seconds']:.1f} of the query's {1e3 * sk['seconds']:.1f} ms)",
+                                  "computed from the parameter index each query: no stored state; it takes "
+                                  f"{1e3 * sk['hash_seconds']:.1f} of the query's {1e3 * sk['seconds']:.1f} ms, and "
+                                  "while a query runs, 12 bytes per parameter beside its gradient, not counted)",
                      f"EK-FAC (kronfluence), batch of {Q} queries":
                          "eigenbases and corrected eigenvalues of the Linear modules"}
     # overlaps with the exact ranking, the table, the log
@@ -3297,8 +3297,8 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
            "temperature": (cfg.train or cfg.sample is not None or suppression or prism and cfg.cards, "no text is "
                            "generated: a --no-train run generates only with --sample, suppression or the cards' "
                            "decomposed text")}
-    for k in TRAINING_KEYS:  # load_checkpoint kept the checkpoint's value: the typed one went unused
-        why.setdefault(k, (cfg.train, "--no-train trains nothing: the checkpoint's value stays"))
+    if not cfg.train:  # load_checkpoint kept the checkpoint's value: the typed one went unused, whatever else
+        why.update(dict.fromkeys(TRAINING_KEYS, (False, "--no-train trains nothing: the checkpoint's value stays")))
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
             if k in explicit and not used and getattr(cfg, k) is not False]  # --no-X of an idle analysis: nothing to say
 

@@ -1300,13 +1300,14 @@ def perplexity(loss: float) -> float:
 
 @torch.no_grad()
 def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windows: Optional[int] = None) -> dict:
-    """Exact token-weighted perplexity over the val split: every token predicted once (common.iter_eval). The unk id (compaction's image of every id
-    unseen in training, so never a training target) is scored like any token; "unk_tokens" counts those targets and
-    "loss_known"/"ppl_known" leave them out."""
+    """Exact token-weighted perplexity over the val split: every token predicted once (common.iter_eval).
+    The unk id (compaction's image of every id unseen in training, so never a training target) is scored like any
+    token; "unk_tokens" counts those targets and "loss_known"/"ppl_known" leave them out."""
     model.eval()
     unk = getattr(data.tokenizer, "unk", None)
     unk = -1 if unk is None else unk  # -1: no unk id (no compaction), every target is known
-    total, count, total_known, count_known = 0.0, 0, 0.0, 0
+    # Σ nll and targets, all and known (not unk): summed on the device, read once at the end
+    sums = torch.zeros(4, dtype=torch.float64, device=data.device)
     for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):
         if max_windows is not None:
             if i * batch_size >= max_windows:
@@ -1314,16 +1315,14 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
             x, y = x[:max_windows - i * batch_size], y[:max_windows - i * batch_size]  # exactly max_windows
         with autocast:
             logits = model(x)
-        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").double()
         known = y.flatten() != unk
-        total, count = total + nll.sum().item(), count + y.numel()
-        total_known, count_known = total_known + nll[known].sum().item(), count_known + int(known.sum())
+        sums += torch.stack([nll.sum(), nll.new_tensor(y.numel()), (nll * known).sum(), known.sum().double()])
     if dist_ready():
         import torch.distributed as dist
 
-        t = torch.tensor([total, count, total_known, count_known], dtype=torch.float64, device=data.device)
-        dist.all_reduce(t)
-        total, count, total_known, count_known = t.tolist()
+        dist.all_reduce(sums)
+    total, count, total_known, count_known = sums.tolist()
     return {"loss": total / count, "ppl": perplexity(total / count), "tokens": int(count),
             "unk_tokens": int(count - count_known), "loss_known": total_known / max(count_known, 1),
             "ppl_known": perplexity(total_known / max(count_known, 1))}
@@ -2259,10 +2258,10 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
     if "ppl" in results:
         parts.append("<h2>Perplexity (val, every token once)</h2>" + table_html(
             [{"model": k, "ppl": f"{v['ppl']:.2f}", "tokens": v["tokens"], "weights of step": v.get("step", ""),
-              "ppl without the unk targets": f"{v['ppl_known']:.2f} ({v['unk_tokens']:,} left out)"
-              if v.get("unk_tokens") else "—"}
+              "without the unk targets": f"loss {v['loss_known']:.4f}, ppl {v['ppl_known']:.2f} ({v['unk_tokens']:,} "
+                                         "left out)" if v.get("unk_tokens") else "—"}
              for k, v in results["ppl"].items()],
-            ["model", "ppl", "tokens", "weights of step", "ppl without the unk targets"]))
+            ["model", "ppl", "tokens", "weights of step", "without the unk targets"]))
         if "ratio" in results:
             parts.append(f"<p>ProtoT / attention perplexity ratio: {results['ratio']:.3f} (paper: 90.5 / 78.7 = 1.150)</p>")
         elif "ratio_skipped" in results:
@@ -2433,8 +2432,8 @@ def unused_flags(cfg: Config, explicit, mixers) -> list[str]:
                              "--mixer attention has no prototypes to label"),
            **dict.fromkeys(("sample_tokens",) + SAMPLING_KEYS,
                            (cfg.train or cfg.sample is not None, "no samples: a --no-train run samples only with --sample"))}
-    for k in TRAINING_KEYS:  # load_checkpoint kept the checkpoint's value: the typed one went unused
-        why.setdefault(k, (cfg.train, "--no-train trains nothing: the checkpoint's value stays"))
+    if not cfg.train:  # load_checkpoint kept the checkpoint's value: the typed one went unused, whatever else
+        why.update(dict.fromkeys(TRAINING_KEYS, (False, "--no-train trains nothing: the checkpoint's value stays")))
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
             if k in explicit and not used]
 

@@ -93,7 +93,8 @@ def test_training_loss_falls_and_evaluations_are_logged(tmp_path, acts):
     assert len(steps) == 40 and steps[0].startswith("step 1/40 | loss ") and steps[0].endswith(" tok/s | mfu -")
     evals = [ln for ln in lines if ln.startswith("step 20: val loss")]
     assert len(evals) == 1 and "| mse " in evals[0] and "| commit " in evals[0] and "perplexity" in evals[0] \
-        and "dead codes" in evals[0] and "unused on val" in evals[0] and "EMA count < --dead-threshold 0.001" in evals[0]
+        and "dead codes" in evals[0] and "unused on val" in evals[0] \
+        and "EMA count < --dead-threshold 0.001" in evals[0]
     assert any(ln.startswith("codebook: spherical-kmeans init") for ln in lines)
     assert bool(model.vq.initialised) and (cv.ckpt_path(cfg)).name == "ckpt-clvq-l1-h2.pt"
 

@@ -416,14 +416,18 @@ def test_no_train_keeps_the_checkpoints_training_settings(name, tmp_path, cache_
     checkpoint's value, so the config line and the report describe the run that trained the model, and a note says
     the typed value went unused. --resume may still change them; ctx is not one of them (the analyses read it)."""
     mod, data, cfg, path = tiny_lm_checkpoint(name, tmp_path, cache_dir)
-    typed = dict(batch_size=3, lr=0.5, eval_iters=77, eval_interval=7, **({} if name == "prism" else dict(ctx=8)))
+    # prism: also a loss weight, which its prototype notes would otherwise speak for (--head prism uses it)
+    typed = dict(batch_size=3, lr=0.5, eval_iters=77, eval_interval=7,
+                 **(dict(lambda_rec=7.0) if name == "prism" else dict(ctx=8)))
     asked = replace(cfg, train=False, **typed)  # (prism's ctx is its learned position table's size: architecture)
     merged = mod.load_checkpoint(path, asked, explicit=set(typed))[1]
     assert (merged.batch_size, merged.lr, merged.eval_iters, merged.eval_interval) == \
         (cfg.batch_size, cfg.lr, cfg.eval_iters, cfg.eval_interval) and merged.ctx == typed.get("ctx", cfg.ctx)
     args = (set(typed), ("proto",)) if name == "protot" else (set(typed),)
     notes = [n for n in mod.unused_flags(merged, *args) if "--no-train trains nothing" in n]
-    assert sorted(n.split()[1] for n in notes) == ["--batch-size", "--eval-interval", "--eval-iters", "--lr"]
+    assert sorted(n.split()[1] for n in notes) == ["--batch-size", "--eval-interval", "--eval-iters",
+                                                   *(["--lambda-rec"] if name == "prism" else []), "--lr"]
+    assert name != "prism" or merged.lambda_rec == cfg.lambda_rec
     resumed = mod.load_checkpoint(path, replace(cfg, resume=True, batch_size=3), explicit={"batch_size"})[1]
     assert resumed.batch_size == 3 and not mod.unused_flags(resumed, *((({"batch_size"},) + args[1:])))
 

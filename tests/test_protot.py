@@ -468,7 +468,8 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     (["--repetition-penalty", "inf"], 1, "--repetition-penalty must be > 0 and finite"),
     (["--no-repeat-ngram-size", "-1"], 1, "--no-repeat-ngram-size must be >= 0"),
     (["--lr", "inf"], 1, "--lr must be a finite number"), (["--weight-decay", "inf"], 1, "--weight-decay must be a"),
-    (["--temperature", "-1"], 1, "--temperature must be >= 0 (0: greedy)"), (["--top-k", "-1"], 1, "--top-k must be >= 0"),
+    (["--temperature", "-1"], 1, "--temperature must be >= 0 (0: greedy)"),
+    (["--top-k", "-1"], 1, "--top-k must be >= 0"),
     (["--top-p", "0.9x"], 2, "argument --top-p: invalid float value: '0.9x'"),
     (["--bench", "--d-model", "36", "--layers", "1"], 1, "must split into --heads 4 heads"),  # bench times attention
     (["--out-dir", "/dev/null/x"], 1, "--out-dir /dev/null/x: cannot write there"),
