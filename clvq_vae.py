@@ -1926,7 +1926,7 @@ RESUME_KEYS = ("max_iters", "lr", "schedule", "min_lr_ratio", "warmup_frac", "pl
                "sampling", "ema_decay", "ema_eps", "beta", "dead_code", "dead_threshold")
 # What only training reads: typed with --no-train, each keeps the checkpoint's value (a note says so), so that the
 # config and the report describe the run that trained the model, not flags that changed nothing
-TRAINING_KEYS = tuple(k for k in RESUME_KEYS if k != "ctx") + ("eval_interval", "log_interval")
+TRAINING_KEYS = RESUME_KEYS + ("eval_interval", "log_interval")
 
 
 # What --resume cannot change: the run goes on from the checkpoint's random state and codebook (initialised
@@ -3118,8 +3118,9 @@ def probe_fidelity(r: torch.Tensor, labels, ablations: dict, folds: int = 20, se
     # how far each ablation moves r, in units of the sentences' spread around their mean: a projection that moves r
     # far off the data can drop the probe's accuracy whatever it removes (the paper's raw projection mostly removes
     # a share of the mean every r carries), so a drop reads as fidelity only beside a random control shifted as far
-    spread = (r.double() - r.double().mean(0)).norm(dim=1).pow(2).mean().sqrt().clamp_min(1e-12).item()
-    shift = lambda x: ((r.double() - x.double()).norm(dim=1).mean() / spread).item()  # noqa: E731
+    r64 = r.double()
+    spread = (r64 - r64.mean(0)).norm(dim=1).pow(2).mean().sqrt().clamp_min(1e-12).item()
+    shift = lambda x: ((r64 - x.double()).norm(dim=1).mean() / spread).item()  # noqa: E731
     rows = []
     for n, B in ablations.items():
         c, rd = acc[(n, "c")], acc[("rand", int(B.shape[1]))]
@@ -3611,10 +3612,9 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                      "projected out of each sentence's representation (1 for a codebook method's concept vector, "
                      "the top encoder rows for the SAE); the random control removes as many random "
                      "directions. shift_concept and shift_random: the mean distance ‖r − r′‖ each ablation "
-                     "moves a "
-                     "sentence's representation, over the sentences' RMS spread around their mean. A shift well "
-                     "above 1 moves r off the data the probe was fit on, which can drop its accuracy whatever "
-                     "was removed; the paper's raw projection does this when r carries a large mean (then "
+                     "moves a sentence's representation, over the sentences' RMS spread around their mean. A "
+                     "shift well above 1 moves r off the data the probe was fit on, which can drop its accuracy "
+                     "whatever was removed; the paper's raw projection does this when r carries a large mean (then "
                      "--fidelity-projection centred removes only each sentence's own component).</p>"
                      + table_html(rows, list(dict.fromkeys(k for r in rows for k in r))))
     if results.get("baselines"):

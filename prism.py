@@ -1002,7 +1002,7 @@ RESUME_KEYS = ("max_iters", "lr", "min_lr_ratio", "warmup_frac", "batch_size", "
                "lambda_rec", "lambda_r1", "lambda_r2", "rec", "dist", "r1_detach_z", "revive_dead", "push_interval")
 # What only training reads: typed with --no-train, each keeps the checkpoint's value (a note says so), so that the
 # config and the report describe the run that trained the model, not flags that changed nothing
-TRAINING_KEYS = tuple(k for k in RESUME_KEYS if k != "ctx") + ("eval_interval", "eval_iters", "log_interval")
+TRAINING_KEYS = RESUME_KEYS + ("eval_interval", "eval_iters", "log_interval")  # (ctx is architecture here)
 # ... and, before the prototypes are seeded (step < init_steps), how and when they will be
 SEED_KEYS = ("init", "init_steps")
 
@@ -1151,8 +1151,7 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
     The unk id (compaction's image of every id unseen in training, so never a training target) is scored like any
     token; "unk_tokens" counts those targets and "loss_known"/"ppl_known" leave them out."""
     model.eval()
-    unk = getattr(data.tokenizer, "unk", None)
-    unk = -1 if unk is None else unk  # -1: no unk id (no compaction), every target is known
+    unk = -1 if data.tokenizer.unk is None else data.tokenizer.unk  # -1: no compaction, every target is known
     # Σ nll and targets, all and known (not unk), suppressed activations met: summed on the device, read once
     sums = torch.zeros(5, dtype=torch.float64, device=data.device)
     for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):
@@ -1636,13 +1635,12 @@ def logit_decomposition(model: PRISM, ids: torch.Tensor, tok, prompt_len: int = 
     logit = (w_y * z).sum(-1)
     err = (slices.sum(-1) + resid - logit).abs().max().item()
     rows = []
+    S, on, ids = slices.tolist(), (out["a"] > 0).tolist(), out["idx"].tolist()
     for t in range(len(y)):  # the 4 largest slices by name; the other active ones summed, so each row adds up
-        order = slices[t].abs().argsort(descending=True).tolist()
-        active = [j for j in order if out["a"][t, j] > 0]
+        active = sorted((j for j in range(len(S[t])) if on[t][j]), key=lambda j: -abs(S[t][j]))
         rows.append({"token": tok.decode([int(y[t])]), "prompt": t + 1 < prompt_len, "logit": logit[t].item(),
-                     "residual": resid[t].item(),
-                     "prototypes": [(int(out["idx"][t, j]), slices[t, j].item()) for j in active[:4]],
-                     "other": (len(active[4:]), sum(slices[t, j].item() for j in active[4:]))})
+                     "residual": resid[t].item(), "prototypes": [(ids[t][j], S[t][j]) for j in active[:4]],
+                     "other": (len(active[4:]), sum(S[t][j] for j in active[4:]))})
     return {"rows": rows, "max_abs_error": err, "max_abs_logit": logit.abs().max().item()}
 
 

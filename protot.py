@@ -1304,8 +1304,7 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
     The unk id (compaction's image of every id unseen in training, so never a training target) is scored like any
     token; "unk_tokens" counts those targets and "loss_known"/"ppl_known" leave them out."""
     model.eval()
-    unk = getattr(data.tokenizer, "unk", None)
-    unk = -1 if unk is None else unk  # -1: no unk id (no compaction), every target is known
+    unk = -1 if data.tokenizer.unk is None else data.tokenizer.unk  # -1: no compaction, every target is known
     # Σ nll and targets, all and known (not unk): summed on the device, read once at the end
     sums = torch.zeros(4, dtype=torch.float64, device=data.device)
     for i, (x, y) in enumerate(data.iter_eval("val", batch_size, ctx)):

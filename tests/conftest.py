@@ -214,6 +214,16 @@ def fake_cuda_dispatch(monkeypatch, module, launcher: str) -> None:
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
 
 
+def check_bad_token_batches(call, generate) -> None:
+    """A language model refuses an empty or 1-D token batch at `call` (its forward, or generate) and a negative
+    top_k in `generate`, each with a one-line ValueError."""
+    for shape in ((1, 0), (0, 4), (4,)):
+        with pytest.raises(ValueError, match=r"idx must be \[B, T\] with B, T >= 1"):
+            call(torch.zeros(shape, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"top_k must be >= 0 \(0: no top-k\), got -1"):
+        generate(torch.zeros(1, 3, dtype=torch.long), 2, top_k=-1)
+
+
 def half_written_save(obj, f, *args, **kwargs):
     """A stand-in for torch.save that writes the first bytes of its file and fails, as on a full disk."""
     Path(f).write_bytes(b"PK\x03\x04 the first bytes of a zip")

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import common
 import dual_stream as ds
-from conftest import (SMALL_CORPUS, call_main, check_close, check_cuda_run, check_ddp_weights, run_main, run_script,
-                      run_one_and_ddp)
+from conftest import (SMALL_CORPUS, call_main, check_bad_token_batches, check_close, check_cuda_run,
+                      check_ddp_weights, run_main, run_script, run_one_and_ddp)
 from dual_stream import Config, DualStream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,11 +105,7 @@ def test_ffn_equals_its_matrices(up, down):
 
 def test_an_empty_or_flat_batch_is_a_clear_error():
     m = tiny_model()
-    for shape in ((1, 0), (0, 4), (4,)):
-        with pytest.raises(ValueError, match=r"idx must be \[B, T\] with B, T >= 1"):
-            m(torch.zeros(shape, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"top_k must be >= 0 \(0: no top-k\), got -1"):
-        m.generate(torch.zeros(1, 3, dtype=torch.long), 2, top_k=-1)
+    check_bad_token_batches(m, m.generate)
 
 
 def test_one_architecture_has_one_spelling():
