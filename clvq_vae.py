@@ -415,9 +415,9 @@ VQ_SEARCH_BACKENDS = ("auto", "triton", "torch")
 VQ_MAX_K = 32  # the longest running list the kernel keeps in registers (compiled for sm_90 in the tests); "auto"
                # takes the torch form above it, "triton" refuses
 # tl.dot's precision in the kernel: 3xTF32 (each fp32 operand split into a TF32 head and tail, three tensor-core
-# products) comes close to fp32 accuracy. On an H200 (2026-12-04; N = 64k, K = 4096, d = 768, k = 5) the search
-# took 60.8 ms with "ieee" (FMA units), 24.4 with 3xTF32 and 11.6 with 3xTF32 and 128-row blocks, the same top-5
-# as IEEE torch.cdist + topk in 100 % of rows (plain TF32: 14.8 ms and 98.8 %). "ieee" stays a choice.
+# products) comes close to fp32 accuracy. On an H200 (2026-12-04, `--bench`, N = 64k, K = 4096, d = 768, k = 5)
+# the search took 11.6 ms with 3xTF32 and 128-row blocks, against 60.7 with "ieee" (FMA units) and 64-row blocks,
+# drawing the same codes as the IEEE reference. Plain TF32 would reorder near-equal distances. "ieee" stays a choice.
 VQ_DOT_PRECISION = "tf32x3"
 _VQ_CHUNK_ELEMS = 1 << 22  # distance entries per row chunk of the torch form (16 MiB of fp32)
 
@@ -429,8 +429,8 @@ _VQ_CHUNK_ELEMS = 1 << 22  # distance entries per row chunk of the torch form (1
 def full_fp32():
     """IEEE fp32 matmuls inside. setup_device turns TF32 on for the decoder's GEMMs on CUDA (a no-op elsewhere); the
     distances of (2) are claimed in fp32 (spec §10.12), TF32's 10-bit mantissa would reorder near-equal codes, and
-    the Triton kernel's tl.dot is near-fp32 (3xTF32), so the torch forms agree with it, and the benchmark compares like precision,
-    only with TF32 off here. The flags are process-global; the callers are @torch.compiler.disable'd or run
+    the Triton kernel's tl.dot is near-fp32 (3xTF32), so the torch forms agree with it, and the benchmark compares
+    like precision, only with TF32 off here. The flags are process-global; the callers are @torch.compiler.disable'd or run
     outside any compiled graph."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -602,7 +602,7 @@ def _vq_search_fwd(
     KP: tl.constexpr,  # slots of the running list: a power of two >= k
     ONE_D: tl.constexpr,  # BLOCK_D >= D: load the rows once, one tl.dot per tile
     SAMPLE: tl.constexpr,  # draw among the k (T > 0); else the nearest
-    DOT_PREC: tl.constexpr = "ieee",  # tl.dot's input_precision
+    DOT_PREC: tl.constexpr,  # tl.dot's input_precision: VQ_DOT_PRECISION
 ):
     BIG: tl.constexpr = 2147483647  # an index above every real and placeholder index
     pid = tl.program_id(0)
@@ -1235,6 +1235,26 @@ def _model_fingerprint(model, tokenizer) -> str:
     return h.hexdigest()
 
 
+def transformers_without_hub_kernels():
+    """transformers 5.25 depends on Hugging Face's `kernels` package, imports it by that name, and by default
+    swaps hub kernels into every model it loads. Beside this file the name `kernels` is glassbox's kernels.py (the
+    script's folder comes first on sys.path), so loading any model would fail with "cannot import name
+    'CUDAProperties' from 'kernels'". When `kernels` resolves to that file, turn hub kernels off with transformers'
+    own switch (USE_HUB_KERNELS=NO) and tell it the package is absent (glassbox never uses hub kernels); call it
+    before the first model class is imported. Copied alone into a project with HF's `kernels`, it changes nothing."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kernels")
+    if spec is None or spec.origin is None or Path(spec.origin).resolve() != Path(__file__).resolve().with_name(
+            "kernels.py"):
+        return
+    import transformers.utils as tu
+    import transformers.utils.import_utils as iu
+
+    os.environ["USE_HUB_KERNELS"] = "NO"
+    iu.is_kernels_available = tu.is_kernels_available = lambda *args, **kwargs: False
+
+
 def load_source_model(name: str = DEFAULT_MODEL, device="cpu", causal_lm: bool = False) -> SourceModel:
     """The frozen source LM: the packaged MiniLM (default), a local folder (what save_pretrained writes), or a
     hub id (online, or already in the HF cache). Problems a user can fix raise DataError with one line.
@@ -1242,6 +1262,7 @@ def load_source_model(name: str = DEFAULT_MODEL, device="cpu", causal_lm: bool =
     then its base model, the same weights and fingerprint as without (encoders ignore it)."""
     import transformers
     from common import DataError, hub_reachable
+    transformers_without_hub_kernels()
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_MASKED_LM_MAPPING_NAMES)

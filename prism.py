@@ -330,9 +330,9 @@ PROTO_TOPK_BACKENDS = ("auto", "triton", "torch")
 PROTO_TOPK_MAX_K = 32  # the longest running list the kernel keeps in registers (compiled for sm_90 in the tests);
                        # "auto" takes the torch form above it, "triton" refuses
 # tl.dot's precision in the kernel: 3xTF32 (each fp32 operand split into a TF32 head and tail, three tensor-core
-# products) comes close to fp32 accuracy (the CUDA test's near-tie tolerance, 1e-6 on a cosine, holds) and on an H200
-# ran the selection in 7.1 ms against 32.3 for "ieee" (FMA units) at N = K = 16384, d = 768, k = 16, the same
-# top-16 in 99.96 % of rows (ieee 99.99 %) against torch's IEEE GEMM + topk (2026-12-04). "ieee" stays a choice.
+# products) comes close to fp32 accuracy (the CUDA test's near-tie tolerance, 1e-6 on a cosine, holds). On an H200
+# (2026-12-04, `--bench`) the top-k's fwd+bwd at N = K = 16384, d = 768, k = 16 took 11.2 ms, against 36.4 with
+# "ieee" (FMA units). Plain TF32 would reorder near-equal cosines. "ieee" stays a choice.
 PROTO_TOPK_DOT_PRECISION = "tf32x3"
 _TOPK_CHUNK_ELEMS = 1 << 22  # score entries per row chunk of the torch form (16 MiB of fp32 scores)
 
@@ -342,8 +342,8 @@ def full_fp32():
     """IEEE fp32 matmuls inside: setup_device turns TF32 on for the backbone's GEMMs on CUDA (a no-op elsewhere),
     and this turns it off again where fp32 is claimed. (a) The scoring GEMMs of the core op's torch forms and of
     nearest_pairs: spec §7 asks for fp32 cosines and selection, TF32's 10-bit mantissa would reorder near-equal
-    cosines, and the Triton kernel's tl.dot is near-fp32 (3xTF32), so the forms agree only if the torch ones are too. (b) The
-    kernel benchmark's torch reference, so that it compares like precision. (c) Attribution: the exact baseline's
+    cosines, and the Triton kernel's tl.dot is near-fp32 (3xTF32), so the forms agree only if the torch ones are
+    too. (b) The kernel benchmark's torch reference, so that it compares like precision. (c) Attribution: the exact baseline's
     Cholesky of M λ' I + G Gᵀ needs more than TF32 when λ' is 1e-3 of the mean eigenvalue, and every method runs
     in the same precision, so the timings stay comparable. The flags are process-global: the model's callers
     (nearest_pairs, the torch selection) are @torch.compiler.disable'd, so no compiled graph toggles them."""
@@ -413,7 +413,8 @@ def _proto_topk_select_torch(zn, Pn, k):
 # so "the worst slot" is always one slot; slots j >= k are padding, (+inf, -1), never the worst and never output.
 #
 # Order: (s, i) beats (s', i') iff s > s' or (s == s' and i < i'). Per tile:
-#   scores   S = relu(z̄_blk · P̄_tileᵀ) [BLOCK_N, BLOCK_K] by tl.dot (fp32, 3xTF32: PROTO_TOPK_DOT_PRECISION), over d chunks when d is large;
+#   scores   S = relu(z̄_blk · P̄_tileᵀ) [BLOCK_N, BLOCK_K] by tl.dot (fp32, 3xTF32: PROTO_TOPK_DOT_PRECISION), over d
+#            chunks when d is large;
 #            padded d columns load as 0 and add nothing, padded prototypes (i >= K) are masked out of `alive`
 #            (their score would be 0 with an index above every real one, so they could never win anyway);
 #   merge    alive = the tile's candidates that beat the row's current worst slot. While any row has one:
@@ -456,7 +457,7 @@ def _proto_topk_fwd(
     BLOCK_D: tl.constexpr,  # width per chunk (the whole padded row when ONE_D)
     KP: tl.constexpr,  # slots of the running list: a power of two >= k
     ONE_D: tl.constexpr,  # BLOCK_D >= D: load the token rows once, one tl.dot per tile
-    DOT_PREC: tl.constexpr = "ieee",  # tl.dot's input_precision
+    DOT_PREC: tl.constexpr,  # tl.dot's input_precision: PROTO_TOPK_DOT_PRECISION
 ):
     BIG: tl.constexpr = 2147483647  # an index above every real and placeholder index
     pid = tl.program_id(0)

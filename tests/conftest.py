@@ -4,13 +4,15 @@
   Triton's interpreter, the same on a laptop, in CI and on a CUDA machine; and `-m gpu`, the CUDA tests.
 * GLASSBOX_POISON=1 makes kernels.py allocate its output buffers filled with NaN, so a kernel that forgets
   to write a tile fails the comparison instead of passing on lucky zeros (fla's conftest does the same).
-* fp32 matmuls stay IEEE (no TF32), so fp32 comparisons measure the kernel, not the tensor cores.
+* fp32 matmuls stay IEEE (no TF32), so fp32 comparisons measure the kernel, not the tensor cores (prism's top-k and
+  clvq's search pick their own tl.dot precision, 3xTF32; the interpreter computes it in IEEE fp32 anyway).
 * Every test starts from the same seeds.
 * Every cache a test writes (tokens, activations, fine-tuned models) goes to one session folder (GLASSBOX_CACHE).
 * `check_close` is the one relative-error helper of the suite (thresholds in its docstring), given to tests
   as the `assert_close` fixture, or imported (`from conftest import check_close`) where a helper needs it.
 """
 import concurrent.futures
+import importlib.util
 import os
 import random
 import re
@@ -80,6 +82,10 @@ def pytest_configure(config):
             raise pytest.UsageError(problem)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    if importlib.util.find_spec("transformers") is not None:  # clvq_vae's tests build HF models in this process:
+        import clvq_vae  # keep transformers >= 5.25 off the repo's kernels.py (see the function)
+
+        clvq_vae.transformers_without_hub_kernels()
 
 
 import numpy as np  # noqa: E402

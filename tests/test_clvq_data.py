@@ -1,6 +1,11 @@
 """clvq_vae.py's data section: source model loading, word alignment, the frequency filter, the activation cache,
 sentence representations, padding and the labelled passages. Offline, on tiny random HF models built in tmp_path."""
+import os
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -362,3 +367,16 @@ def test_decoders_are_not_finetuned(gpt2, tmp_path, monkeypatch):
     assert src.head is None and len(tr.texts) == 6
     assert ("fine-tuning: tiny-gpt2 is a decoder, not fine-tuned: the frozen LM + a trained linear head, no prompt "
             "(not the paper's prompted zero-shot use, §5.2)") in lines
+
+
+def test_hub_kernels_are_turned_off_only_beside_glassbox_kernels(tmp_path):
+    """transformers 5.25 imports Hugging Face's `kernels` by that name and loads models with hub kernels by default;
+    beside glassbox's kernels.py the name is ours, so clvq_vae turns hub kernels off there, and changes nothing where
+    `kernels` is another package or none (clvq_vae.py copied alone)."""
+    code = "import os, clvq_vae; clvq_vae.transformers_without_hub_kernels(); print(os.environ.get('USE_HUB_KERNELS'))"
+    root = Path(C.__file__).resolve().parent
+    shutil.copy(root / "clvq_vae.py", tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("USE_HUB_KERNELS", "PYTHONPATH")}
+    runs = [subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+            for cwd in (root, tmp_path)]
+    assert [r.stdout.split()[-1:] for r in runs] == [["NO"], ["None"]], [r.stderr[-2000:] for r in runs]

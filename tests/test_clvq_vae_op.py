@@ -264,7 +264,7 @@ def test_nan_poisoning_catches_a_skipped_block():
                                                        ((40,), torch.long), ((40,), torch.float32))]
     u = torch.rand(40, device=DEVICE)
     cv._vq_search_fwd[(2,)](x, e, u, *bufs, 40, 30, 16, k, 1.0, BLOCK_N=16, BLOCK_K=16, BLOCK_D=BLOCK_D, KP=KP,
-                            ONE_D=ONE_D, SAMPLE=True)
+                            ONE_D=ONE_D, SAMPLE=True, DOT_PREC=cv.VQ_DOT_PRECISION)
     top, top_d, idx, dist = bufs
     assert not top_d[:32].isnan().any() and top_d[32:].isnan().all() and (top[32:] == -1).all()
     assert dist[32:].isnan().all() and (idx[32:] == -1).all()

@@ -154,6 +154,22 @@ def test_cross_entropy(assert_close, lead, V, dtype, reduction, inplace):
         assert torch.equal(z.detach(), logits)
 
 
+@pytest.mark.parametrize("grad_output", ["expanded", "transposed"])
+def test_cross_entropy_none_with_a_strided_grad_output(assert_close, grad_output):
+    """reduction="none" under loss.sum() hands the backward an expanded (stride-0) grad_output, and under a
+    transposed weight a non-contiguous one: the backward kernel reads one factor per row, so it must see them in
+    row order (a kernel fed the view's raw storage gave gradients off by up to 1.0)."""
+    logits = 2 * torch.randn(4, 6, 300)
+    target = torch.randint(300, (4, 6))
+    z = logits.clone().requires_grad_()
+    loss = cross_entropy(z, target, reduction="none", backend="triton")  # [4, 6]
+    weight = torch.randn(6, 4).t() if grad_output == "transposed" else torch.ones(4, 6)
+    (loss.sum() if grad_output == "expanded" else (loss * weight).sum()).backward()
+    loss_ref, grad_ref = ce_truth(logits, target, weight, "none")
+    assert_close("loss", loss_ref, loss)
+    assert_close("dlogits", grad_ref, z.grad)
+
+
 def test_cross_entropy_many_vocabulary_tiles(assert_close):
     """V = 4.5 tiles of MAX_BLOCK_V; each row's max sits in another tile (last, first, middle) and is large
     enough (exp(100) overflows fp32) that the online log-sum-exp must track the running max to stay finite."""

@@ -292,7 +292,7 @@ def test_nan_poisoning_catches_a_skipped_block():
     idx = op._proto_topk_empty((40, k), torch.long, DEVICE)
     a = op._proto_topk_empty((40, k), torch.float32, DEVICE)
     op._proto_topk_fwd[(2,)](zn, Pn, idx, a, 40, 30, 16, k, BLOCK_N=16, BLOCK_K=16, BLOCK_D=BLOCK_D, KP=KP,
-                             ONE_D=ONE_D)
+                             ONE_D=ONE_D, DOT_PREC=op.PROTO_TOPK_DOT_PRECISION)
     assert not a[:32].isnan().any() and a[32:].isnan().all() and (idx[32:] == -1).all()
     assert torch.equal(idx[:32], op.proto_topk_ref(z, P, k)[0][:32])
 
@@ -336,10 +336,10 @@ class RecordTF32(torch.overrides.TorchFunctionMode):
 
 def test_scoring_gemms_run_in_ieee_fp32_with_tf32_on():
     """setup_device turns TF32 on for training on CUDA; the torch forms' scoring GEMMs and nearest_pairs claim fp32
-    (spec §7) and must turn it off around their matmuls (as the Triton kernel's IEEE tl.dot), then restore it. The
-    flag is only recorded here (on CPU it changes nothing), so this runs anywhere. The flags are set and restored by
-    hand: torch.backends.cuda.matmul takes them through __setattr__ and has no __delattr__, which the monkeypatch of
-    pytest >= 9.2 calls on undo for an attribute that is not in the instance's __dict__."""
+    (spec §7) and must turn it off around their matmuls (the Triton kernel's tl.dot is 3xTF32, near fp32), then
+    restore it. The flag is only recorded here (on CPU it changes nothing), so this runs anywhere. The flags are set
+    and restored by hand: torch.backends.cuda.matmul takes them through __setattr__ and has no __delattr__, which
+    the monkeypatch of pytest >= 9.2 calls on undo for an attribute that is not in the instance's __dict__."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     try:
