@@ -430,8 +430,8 @@ def full_fp32():
     """IEEE fp32 matmuls inside. setup_device turns TF32 on for the decoder's GEMMs on CUDA (a no-op elsewhere); the
     distances of (2) are claimed in fp32 (spec §10.12), TF32's 10-bit mantissa would reorder near-equal codes, and
     the Triton kernel's tl.dot is near-fp32 (3xTF32), so the torch forms agree with it, and the benchmark compares
-    like precision, only with TF32 off here. The flags are process-global; the callers are @torch.compiler.disable'd or run
-    outside any compiled graph."""
+    like precision, only with TF32 off here. The flags are process-global; the callers are @torch.compiler.disable'd
+    or run outside any compiled graph."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:

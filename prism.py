@@ -343,10 +343,11 @@ def full_fp32():
     and this turns it off again where fp32 is claimed. (a) The scoring GEMMs of the core op's torch forms and of
     nearest_pairs: spec §7 asks for fp32 cosines and selection, TF32's 10-bit mantissa would reorder near-equal
     cosines, and the Triton kernel's tl.dot is near-fp32 (3xTF32), so the forms agree only if the torch ones are
-    too. (b) The kernel benchmark's torch reference, so that it compares like precision. (c) Attribution: the exact baseline's
-    Cholesky of M λ' I + G Gᵀ needs more than TF32 when λ' is 1e-3 of the mean eigenvalue, and every method runs
-    in the same precision, so the timings stay comparable. The flags are process-global: the model's callers
-    (nearest_pairs, the torch selection) are @torch.compiler.disable'd, so no compiled graph toggles them."""
+    too. (b) The kernel benchmark's torch reference, so that it compares like precision. (c) Attribution: the exact
+    baseline's Cholesky of M λ' I + G Gᵀ needs more than TF32 when λ' is 1e-3 of the mean eigenvalue, and every
+    method runs in the same precision, so the timings stay comparable. The flags are process-global: the model's
+    callers (nearest_pairs, the torch selection) are @torch.compiler.disable'd, so no compiled graph toggles
+    them."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -413,8 +414,8 @@ def _proto_topk_select_torch(zn, Pn, k):
 # so "the worst slot" is always one slot; slots j >= k are padding, (+inf, -1), never the worst and never output.
 #
 # Order: (s, i) beats (s', i') iff s > s' or (s == s' and i < i'). Per tile:
-#   scores   S = relu(z̄_blk · P̄_tileᵀ) [BLOCK_N, BLOCK_K] by tl.dot (fp32, 3xTF32: PROTO_TOPK_DOT_PRECISION), over d
-#            chunks when d is large;
+#   scores   S = relu(z̄_blk · P̄_tileᵀ) [BLOCK_N, BLOCK_K] by tl.dot (fp32, 3xTF32: PROTO_TOPK_DOT_PRECISION),
+#            over d chunks when d is large;
 #            padded d columns load as 0 and add nothing, padded prototypes (i >= K) are masked out of `alive`
 #            (their score would be 0 with an index above every real one, so they could never win anyway);
 #   merge    alive = the tile's candidates that beat the row's current worst slot. While any row has one:
