@@ -696,7 +696,7 @@ def _vq_blocks(d, k):
 
 # Triton launches stay out of torch.compile graphs: torch.compiler.disable makes dynamo graph-break here.
 @torch.compiler.disable
-def _vq_select_triton(x, e, k, temperature, u, BLOCK_N=128, BLOCK_K=64, BLOCK_D=None, precision=None, num_warps=8):
+def _vq_select_triton(x, e, k, temperature, u, BLOCK_N=128, BLOCK_K=64, BLOCK_D=None):
     """Launch _vq_search_fwd on x [N, d] (fp32, bf16 or fp16, upcast in the kernel) and fp32 e [K, d]:
     (top [N, k], top_d [N, k], idx [N], dist [N]).
     BLOCK_D forces the width chunking (tests); the default is _vq_blocks'."""
@@ -705,7 +705,6 @@ def _vq_select_triton(x, e, k, temperature, u, BLOCK_N=128, BLOCK_K=64, BLOCK_D=
     KP, block_d, one_d = _vq_blocks(d, k)
     if BLOCK_D is not None:
         block_d, one_d = BLOCK_D, BLOCK_D >= d
-    precision = precision or VQ_DOT_PRECISION
     x, e = x.contiguous(), e.float().contiguous()  # x in its own dtype: no O(N·d) fp32 copy of a bf16 batch
     top = _vq_empty((N, k), torch.long, x.device)
     top_d = _vq_empty((N, k), torch.float32, x.device)
@@ -714,7 +713,7 @@ def _vq_select_triton(x, e, k, temperature, u, BLOCK_N=128, BLOCK_K=64, BLOCK_D=
     _vq_search_fwd[(triton.cdiv(N, BLOCK_N),)](
         x, e, u.float().contiguous(), top, top_d, idx, dist, N, K, d, k, float(max(temperature, 1e-30)),
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_D=block_d, KP=KP, ONE_D=one_d, SAMPLE=temperature > 0,
-        DOT_PREC=precision, num_warps=num_warps)  # sm_90 (tests/test_sm90_compile.py): fp32 rows spill 40-136 B
+        DOT_PREC=VQ_DOT_PRECISION, num_warps=8)  # sm_90 (tests/test_sm90_compile.py): fp32 rows spill 40-136 B
     return top, top_d, idx, dist
 
 

@@ -532,7 +532,7 @@ def _proto_topk_blocks(d, k):
 
 # Triton launches stay out of torch.compile graphs: torch.compiler.disable makes dynamo graph-break here.
 @torch.compiler.disable
-def _proto_topk_select_triton(zn, Pn, k, BLOCK_N=64, BLOCK_K=64, BLOCK_D=None, precision=None, num_warps=4):
+def _proto_topk_select_triton(zn, Pn, k, BLOCK_N=64, BLOCK_K=64, BLOCK_D=None):
     """Launch _proto_topk_fwd on fp32 z̄ [N, d], P̄ [K, d]: (idx [N, k] int64, a [N, k] fp32). BLOCK_D forces the
     width chunking (tests); the default is _proto_topk_blocks'."""
     N, d = zn.shape
@@ -541,12 +541,12 @@ def _proto_topk_select_triton(zn, Pn, k, BLOCK_N=64, BLOCK_K=64, BLOCK_D=None, p
     if BLOCK_D is not None:
         block_d, one_d = BLOCK_D, BLOCK_D >= d
     zn, Pn = zn.float().contiguous(), Pn.float().contiguous()
-    precision = precision or PROTO_TOPK_DOT_PRECISION
     idx = _proto_topk_empty((N, k), torch.long, zn.device)
     act = _proto_topk_empty((N, k), torch.float32, zn.device)
     _proto_topk_fwd[(triton.cdiv(N, BLOCK_N),)](
         zn, Pn, idx, act, N, K, d, k,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_D=block_d, KP=KP, ONE_D=one_d, DOT_PREC=precision, num_warps=num_warps)
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_D=block_d, KP=KP, ONE_D=one_d, DOT_PREC=PROTO_TOPK_DOT_PRECISION,
+        num_warps=4)
     return idx, act
 
 
