@@ -407,6 +407,39 @@ def amp_attention_torch(q, k, v, alpha=1.0, stats=True, block=128, slopes=None):
 # error), so the CPU tests compare the same maths in fp32.
 
 @triton.jit
+def _amp_fwd_tiles(q, K, V, rows, dims, dim_ok, m_i, l_i, s_i, acc, lo, hi, T, DH, qk_scale, slope,
+                   BLOCK_N: tl.constexpr, DOT_T: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr):
+    """The forward's online softmax over the key tiles lo..hi; MASKED applies the causal mask and the sequence end
+    (the diagonal tile), else every key is visible (tiles wholly before the query tile)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        if MASKED:
+            col_ok = cols < T
+            kT = tl.load(K + cols[None, :] * DH + dims[:, None], mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
+            v = tl.load(V + cols[:, None] * DH + dims[None, :], mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+        else:
+            kT = tl.load(K + cols[None, :] * DH + dims[:, None], mask=dim_ok[:, None], other=0.0)
+            v = tl.load(V + cols[:, None] * DH + dims[None, :], mask=dim_ok[None, :], other=0.0)
+        x = tl.dot(q, kT.to(DOT_T), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
+        if HAS_BIAS:
+            x -= slope * (rows[:, None] - cols[None, :]).to(tl.float32)
+        if MASKED:
+            visible = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
+            x = tl.where(visible, x, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(x, 1))
+        c = tl.exp2(m_i - m_new)
+        xc = x - m_new[:, None]
+        p = tl.exp2(xc)  # 0 on masked keys
+        if MASKED:
+            xc = tl.where(visible, xc, 0.0)  # p·xc would be 0·(-inf) there
+        s_i = c * (s_i + (m_i - m_new) * l_i) + tl.sum(p * xc, 1)
+        l_i = c * l_i + tl.sum(p, 1)
+        acc = acc * c[:, None] + tl.dot(p.to(DOT_T), v.to(DOT_T), input_precision="ieee")
+        m_i = m_new
+    return m_i, l_i, s_i, acc
+
+
+@triton.jit
 def _amp_attn_fwd(
     Q,  # pointer to the queries [B, H, T, DH]
     K,  # pointer to the keys [B, H, T, DH]
@@ -429,6 +462,7 @@ def _amp_attn_fwd(
     bh = tl.program_id(1).to(tl.int64)  # B·H·T·DH can pass 2³¹
     Q, K, V, Out = Q + bh * T * DH, K + bh * T * DH, V + bh * T * DH, Out + bh * T * DH
     LSE, ENT, MAXW = LSE + bh * T, ENT + bh * T, MAXW + bh * T
+    slope = 0.0
     if HAS_BIAS:
         slope = tl.load(Slopes + bh) * 1.4426950408889634  # in base 2, as the logits
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -443,24 +477,13 @@ def _amp_attn_fwd(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     s_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start_n in range(0, tl.minimum(start_m + BLOCK_M, T), BLOCK_N):  # causal: no key tile past the diagonal
-        cols = start_n + tl.arange(0, BLOCK_N)
-        col_ok = cols < T
-        kT = tl.load(K + cols[None, :] * DH + dims[:, None], mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
-        v = tl.load(V + cols[:, None] * DH + dims[None, :], mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
-        visible = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
-        x = tl.dot(q, kT.to(DOT_T), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
-        if HAS_BIAS:
-            x -= slope * (rows[:, None] - cols[None, :]).to(tl.float32)
-        x = tl.where(visible, x, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(x, 1))
-        c = tl.exp2(m_i - m_new)
-        xc = x - m_new[:, None]
-        p = tl.exp2(xc)  # 0 on masked keys
-        s_i = c * (s_i + (m_i - m_new) * l_i) + tl.sum(p * tl.where(visible, xc, 0.0), 1)
-        l_i = c * l_i + tl.sum(p, 1)
-        acc = acc * c[:, None] + tl.dot(p.to(DOT_T), v.to(DOT_T), input_precision="ieee")
-        m_i = m_new
+    # Key tiles wholly before this query tile need no causal mask (start_m is a multiple of BLOCK_N); the tile on
+    # the diagonal does (the tutorial's two stages)
+    m_i, l_i, s_i, acc = _amp_fwd_tiles(q, K, V, rows, dims, dim_ok, m_i, l_i, s_i, acc, 0, start_m, T, DH, qk_scale,
+                                        slope, BLOCK_N, DOT_T, HAS_BIAS, MASKED=False)
+    m_i, l_i, s_i, acc = _amp_fwd_tiles(q, K, V, rows, dims, dim_ok, m_i, l_i, s_i, acc, start_m,
+                                        tl.minimum(start_m + BLOCK_M, T), T, DH, qk_scale, slope, BLOCK_N, DOT_T,
+                                        HAS_BIAS, MASKED=True)
     tl.store(Out + rows[:, None] * DH + dims[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
     log2_l = tl.log2(l_i)
@@ -581,6 +604,7 @@ def _amp_attn_bwd_dq(
     bh = tl.program_id(1).to(tl.int64)
     Q, K, V, DO, DQ = Q + bh * T * DH, K + bh * T * DH, V + bh * T * DH, DO + bh * T * DH, DQ + bh * T * DH
     LSE, Delta = LSE + bh * T, Delta + bh * T
+    slope = 0.0
     if HAS_BIAS:
         slope = tl.load(Slopes + bh) * 1.4426950408889634  # in base 2, as the logits
     rows = start_m + tl.arange(0, BLOCK_M)

@@ -419,9 +419,11 @@ def prefix_mean_read_official(w, v, rho, beta):
 #
 # The chunked form again (rescaled sums Ñ, M̃ and the clamp at eps/(1-β)), with chunks of BT = 16 tokens, small
 # enough for the [BT, BT, R] decay tensor to stay in registers, and R padded to RP = max(16, next power of two)
-# with masks. Five kernels; none stores anything of size [B, T, R, dv]:
+# with masks. Six kernels; none stores anything of size [B, T, R, dv]:
 #
-#   forward   _prefix_mean_fwd_state  grid (dv blocks, B): scan over chunks, store S_n [B, NC, R, dv], m_n [B, NC, R]
+#   forward   _prefix_mean_fwd_chunk  grid (NC, B): each chunk's discounted sums, stored one slot on [B, NC, R, dv]
+#             _prefix_mean_fwd_carry  grid (R·dv/128 + R/128, B): in place, S_n = β^BT S_{n-1} + slot_n, m_n
+#                                     likewise, as a scan over 16 chunks at a time (tl.associative_scan)
 #             _prefix_mean_fwd_read   grid (NC, B): intra-chunk maths + read of S_n, store y and M̃_{t-1} [B, T, R]
 #   backward  _prefix_mean_bwd_read   grid (NC, B): ∂ρ, ∂M̃_{t-1} and the clamp's share of ∂β
 #             _prefix_mean_bwd_state  grid (dv blocks, B): reverse scan, store the adjoints dS_{n+1}, dm_{n+1}
@@ -439,50 +441,89 @@ def prefix_mean_read_official(w, v, rho, beta):
 #   (Spec §6 gives the same gradients for the unscaled N, M as a token-by-token reverse scan.)
 
 _BT = 16  # tokens per chunk in the kernels
+_CARRY_CB, _CARRY_TILE = 16, 128  # the carry's scan step (chunks) and elements per program
 
 
 @triton.jit
-def _prefix_mean_fwd_state(
+def _prefix_mean_fwd_chunk(
     W,  # pointer to the write gates w [B, T, R]
     V,  # pointer to the values v [B, T, DV]
     Beta,  # pointer to the decays β [R] (fp32)
-    S,  # pointer to the carried states [B, NC, R, DV] (fp32): S_n = Ñ_{n·BT-1}
-    Mc,  # pointer to the carried masses [B, NC, R] (fp32): m_n = M̃_{n·BT-1}
+    S,  # pointer to the slots [B, NC, R, DV] (fp32): slot n gets chunk n-1's discounted sum (0 for n = 0)
+    Mc,  # pointer to the mass slots [B, NC, R] (fp32), likewise
     T,  # sequence length
     R,  # number of prototype channels
     DV,  # value width
     NC,  # number of chunks, cdiv(T, BT)
     BT: tl.constexpr,  # tokens per chunk
     RP: tl.constexpr,  # R padded to a power of two >= 16
-    BD: tl.constexpr,  # block of value columns handled by this program
+    BDV: tl.constexpr,  # DV padded to a power of two >= 16
 ):
-    pid_d = tl.program_id(0)
+    n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     j = tl.arange(0, BT)
     k = tl.arange(0, RP)
-    d = pid_d * BD + tl.arange(0, BD)
+    d = tl.arange(0, BDV)
     k_ok = k < R
     d_ok = d < DV
     beta = tl.load(Beta + k, mask=k_ok, other=0.5)  # padded channels get a harmless β; their w is 0
-    log_beta = tl.log(beta)
-    decay_chunk = tl.exp(BT * log_beta)  # β^BT
-    decay_out = tl.exp((BT - 1 - j).to(tl.float32)[:, None] * log_beta[None, :])  # [BT, RP]: β^(BT-1-j)
-    state = tl.zeros([RP, BD], dtype=tl.float32)
-    mass = tl.zeros([RP], dtype=tl.float32)
-    for n in range(NC):
-        # Store the state entering chunk n
-        chunk = b * NC + n
-        tl.store(S + (chunk * R + k[:, None]) * DV + d[None, :], state, mask=k_ok[:, None] & d_ok[None, :])
-        if pid_d == 0:  # the masses do not depend on the value block: one program stores them
-            tl.store(Mc + chunk * R + k, mass, mask=k_ok)
-        t = n * BT + j
-        t_ok = t < T
-        w = tl.load(W + (b * T + t[:, None]) * R + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        v = tl.load(V + (b * T + t[:, None]) * DV + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-        written = w.to(tl.float32) * decay_out  # [BT, RP]
-        # S_{n+1} = β^BT S_n + Σ_j β^(BT-1-j) w_j v_jᵀ,   m_{n+1} = β^BT m_n + Σ_j β^(BT-1-j) w_j
-        state = decay_chunk[:, None] * state + tl.dot(tl.trans(written), v.to(tl.float32), input_precision="ieee")
-        mass = decay_chunk * mass + tl.sum(written, axis=0)
+    decay_out = tl.exp((BT - 1 - j).to(tl.float32)[:, None] * tl.log(beta)[None, :])  # [BT, RP]: β^(BT-1-j)
+    t = (n - 1) * BT + j  # the previous chunk's tokens: none for n = 0, whose slot is the zero initial state
+    t_ok = (t >= 0) & (t < T)
+    w = tl.load(W + (b * T + t[:, None]) * R + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+    v = tl.load(V + (b * T + t[:, None]) * DV + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    written = w.to(tl.float32) * decay_out  # [BT, RP]
+    # Σ_j β^(BT-1-j) w_j v_jᵀ and Σ_j β^(BT-1-j) w_j over chunk n-1
+    chunk = b * NC + n
+    tl.store(S + (chunk * R + k[:, None]) * DV + d[None, :],
+             tl.dot(tl.trans(written), v.to(tl.float32), input_precision="ieee"), mask=k_ok[:, None] & d_ok[None, :])
+    tl.store(Mc + chunk * R + k, tl.sum(written, axis=0), mask=k_ok)
+
+
+@triton.jit
+def _decay_combine(a1, x1, a2, x2):
+    """Two steps s -> a·s + x composed: the associative operator of a first-order linear recurrence."""
+    return a1 * a2, x1 * a2 + x2
+
+
+@triton.jit
+def _prefix_mean_carry_tile(S, Beta, b, e0, E, DV, NC, BT: tl.constexpr, CB: tl.constexpr, TILE: tl.constexpr):
+    """In place over the slots of TILE elements (element e of a row belongs to channel e // DV):
+    S_n = β^BT S_{n-1} + slot_n, CB chunks per step, each step a scan along the chunks plus the carry in."""
+    e = e0 + tl.arange(0, TILE)
+    e_ok = e < E
+    beta = tl.load(Beta + e // DV, mask=e_ok, other=0.5)
+    decay = tl.broadcast_to(tl.exp(BT * tl.log(beta))[None, :], (CB, TILE))  # β^BT, as the read kernels form it
+    c = tl.arange(0, CB)
+    carry = tl.zeros([TILE], dtype=tl.float32)  # S_{n0-1}
+    for n0 in range(0, NC, CB):
+        ptrs = S + (b * NC + n0 + c[:, None]) * E + e[None, :]
+        ok = ((n0 + c) < NC)[:, None] & e_ok[None, :]
+        decay_in, partial = tl.associative_scan((decay, tl.load(ptrs, mask=ok, other=0.0)), 0, _decay_combine)
+        state = partial + decay_in * carry[None, :]  # S_{n0+c} = Σ_{m≤c} β^(BT(c-m)) slot_{n0+m} + β^(BT(c+1)) S_{n0-1}
+        tl.store(ptrs, state, mask=ok)
+        carry = tl.sum(tl.where(c[:, None] == CB - 1, state, 0.0), axis=0)
+
+
+@triton.jit
+def _prefix_mean_fwd_carry(
+    S,  # pointer to the slots [B, NC, R, DV] (fp32), turned in place into the states S_n = Ñ_{n·BT-1}
+    Mc,  # pointer to the mass slots [B, NC, R] (fp32), turned into the masses m_n = M̃_{n·BT-1}
+    Beta,  # pointer to the decays β [R] (fp32)
+    R,  # number of prototype channels
+    DV,  # value width
+    NC,  # number of chunks
+    BT: tl.constexpr,  # tokens per chunk
+    CB: tl.constexpr,  # chunks per scan step
+    TILE: tl.constexpr,  # elements of a slot row per program
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    state_tiles = tl.cdiv(R * DV, TILE)
+    if pid < state_tiles:
+        _prefix_mean_carry_tile(S, Beta, b, pid * TILE, R * DV, DV, NC, BT, CB, TILE)
+    else:  # the last program of each row carries the masses
+        _prefix_mean_carry_tile(Mc, Beta, b, (pid - state_tiles) * TILE, R, 1, NC, BT, CB, TILE)
 
 
 @triton.jit
@@ -779,11 +820,12 @@ class PrefixMeanRead(torch.autograd.Function):
         w, v, rho = w.contiguous(), v.contiguous(), rho.contiguous()
         beta32 = beta.detach().float().contiguous()
         NC = triton.cdiv(T, _BT)
-        RP, BDV, BD = _prefix_mean_blocks(R, dv)
+        RP, BDV, _ = _prefix_mean_blocks(R, dv)
         states = _prefix_mean_empty((B, NC, R, dv), torch.float32, v.device)
         masses = _prefix_mean_empty((B, NC, R), torch.float32, v.device)
-        _prefix_mean_fwd_state[(triton.cdiv(dv, BD), B)](
-            w, v, beta32, states, masses, T, R, dv, NC, BT=_BT, RP=RP, BD=BD, num_warps=4)
+        _prefix_mean_fwd_chunk[(NC, B)](w, v, beta32, states, masses, T, R, dv, NC, BT=_BT, RP=RP, BDV=BDV, num_warps=4)
+        _prefix_mean_fwd_carry[(triton.cdiv(R * dv, _CARRY_TILE) + triton.cdiv(R, _CARRY_TILE), B)](
+            states, masses, beta32, R, dv, NC, BT=_BT, CB=_CARRY_CB, TILE=_CARRY_TILE, num_warps=4)
         y = _prefix_mean_empty((B, T, dv), v.dtype, v.device)
         mass_prev = _prefix_mean_empty((B, T, R), torch.float32, v.device)
         _prefix_mean_fwd_read[(NC, B)](

@@ -118,6 +118,14 @@ def test_long_sequence():
     check_against_reference(["chunked", "triton"], inputs, dy, RATIO[torch.float32])
 
 
+def test_carry_over_partial_tiles_and_scan_steps():
+    """The forward carry scans 16 chunks per step over 128 slot elements per program: R·d_v = 280 (two full tiles and
+    a partial one) and 19 chunks (a full step and a partial one), against the float64 recurrence."""
+    assert (op._CARRY_CB, op._CARRY_TILE) == (16, 128)  # the shape below straddles both
+    inputs, dy = make_inputs(2, 300, 7, 40)
+    check_against_reference(["triton"], inputs, dy, RATIO[torch.float32])
+
+
 def test_official_shortcut_collapses():
     """Spec §1.3: at β = 0.9 the official β^s-cumsum matches early on but reads ~0 past a few hundred tokens;
     the exact forms match the recurrence everywhere."""
@@ -249,10 +257,12 @@ def test_nan_poisoning_catches_a_skipped_tile():
     (w, v, rho, beta), _ = make_inputs(1, 40, 5, 24)
     B, T, R = w.shape
     NC = -(-T // op._BT)
-    RP, BDV, BD = op._prefix_mean_blocks(R, 24)
+    RP, BDV, _ = op._prefix_mean_blocks(R, 24)
     states = op._prefix_mean_empty((B, NC, R, 24), torch.float32, DEVICE)
     masses = op._prefix_mean_empty((B, NC, R), torch.float32, DEVICE)
-    op._prefix_mean_fwd_state[(1, B)](w, v, beta, states, masses, T, R, 24, NC, BT=op._BT, RP=RP, BD=BD)
+    op._prefix_mean_fwd_chunk[(NC, B)](w, v, beta, states, masses, T, R, 24, NC, BT=op._BT, RP=RP, BDV=BDV)
+    op._prefix_mean_fwd_carry[(2, B)](states, masses, beta, R, 24, NC, BT=op._BT, CB=op._CARRY_CB,
+                                      TILE=op._CARRY_TILE)
     y = op._prefix_mean_empty((B, T, 24), torch.float32, DEVICE)
     mass_prev = op._prefix_mean_empty((B, T, R), torch.float32, DEVICE)
     op._prefix_mean_fwd_read[(NC - 1, B)](w, v, rho, beta, states, masses, y, mass_prev, T, R, 24, NC, op.MASS_EPS,
