@@ -2147,7 +2147,9 @@ def bench_kernel(cfg: Config, device, log=print) -> dict:
     """amp_attention (o plus entropy and max weight) against SDPA (o only) and the explicit reference, forward and
     forward + backward, B·H = 4·6 heads of d_h = 64. On CUDA the Triton kernel in bf16 at ctx 256 … 4096; without
     one the blocked torch form (what the model runs there) in fp32 at ctx 256 … 1024 (BENCH_KERNEL_CTX), where the
-    statistics take a second blocked pass: it is timed also without them ("torch-o", what training runs)."""
+    statistics take a second blocked pass: it is timed also without them ("torch-o", what training runs). On CUDA
+    the forwards are also timed replayed from a CUDA graph, the GPU's time without the host's launch costs, which
+    dominate below ctx 1k."""
     cuda = device.type == "cuda" and HAS_TRITON
     name, backend = ("triton", "triton") if cuda else ("torch", "torch")
     dtype, lengths = (torch.bfloat16, BENCH_KERNEL_CTX["cuda"]) if cuda else (torch.float32, BENCH_KERNEL_CTX["cpu"])
@@ -2166,12 +2168,19 @@ def bench_kernel(cfg: Config, device, log=print) -> dict:
             fwd = bench_time(lambda: fn(q, k, v), device)
             fb = bench_time(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), device)
             row[form] = {"fwd_ms": 1e3 * fwd, "fwd_bwd_ms": 1e3 * fb}
+        if cuda:  # the GPU's time alone: a CUDA graph replays the launches without the host's per-call costs
+            for form in (name, "sdpa"):
+                with torch.no_grad():
+                    row[form]["graph_fwd_ms"] = triton.testing.do_bench_cudagraph(
+                        lambda: forms[form](q, k, v), quantiles=[0.5])
+            row["graph_fwd_vs_sdpa"] = row[name]["graph_fwd_ms"] / row["sdpa"]["graph_fwd_ms"]
         row["fwd_vs_sdpa"] = row[name]["fwd_ms"] / row["sdpa"]["fwd_ms"]
         row["fwd_bwd_vs_sdpa"] = row[name]["fwd_bwd_ms"] / row["sdpa"]["fwd_bwd_ms"]
         row["fwd_vs_reference"] = row[name]["fwd_ms"] / row["reference"]["fwd_ms"]
         out[f"T{T}"] = row
-        o_only = "" if cuda else (f"; o alone (training's call) fwd {row['torch-o']['fwd_ms']:.3f} ms "
-                                  f"({row['torch-o']['fwd_ms'] / row['sdpa']['fwd_ms']:.2f}x SDPA's)")
+        o_only = (f"; in a CUDA graph fwd {row[name]['graph_fwd_ms']:.3f} ms ({row['graph_fwd_vs_sdpa']:.2f}x SDPA's)"
+                  if cuda else f"; o alone (training's call) fwd {row['torch-o']['fwd_ms']:.3f} ms "
+                               f"({row['torch-o']['fwd_ms'] / row['sdpa']['fwd_ms']:.2f}x SDPA's)")
         log(f"kernel ({name}, {out['dtype']}) T={T}: o + statistics fwd {row[name]['fwd_ms']:.3f} ms "
             f"({row['fwd_vs_sdpa']:.2f}x SDPA's time{', goal <= 1.3x' if cuda else ''}; {row['fwd_vs_reference']:.2f}x "
             f"the reference's), fwd+bwd {row[name]['fwd_bwd_ms']:.3f} ms ({row['fwd_bwd_vs_sdpa']:.2f}x SDPA's)"

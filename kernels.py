@@ -62,7 +62,9 @@ The module imports without triton (e.g. on macOS): `auto` then always takes the 
 that launch Triton are decorated with torch.compiler.disable, so torch.compile graph-breaks around them.
 
 Benchmark (CUDA only): Triton vs torch eager at realistic bf16 shapes, fwd and fwd+bwd times (do_bench median
-and 20/80% quantiles) and fwd+bwd peak memory, side by side in one table headed by GPU and versions:
+and 20/80% quantiles), fwd+bwd peak memory, and fwd+bwd again replayed from a CUDA graph (do_bench_cudagraph):
+the GPU's time without the host's launch costs, which a Python autograd.Function pays more of than torch's own
+fused ops and which dominate at small sizes. Side by side in one table headed by GPU and versions:
 
     python kernels.py --bench [--bench-json out.json]
 """
@@ -137,9 +139,14 @@ def _num_warps(block):
     return min(max(block // 256, 1), 8)  # tutorial 05's heuristic: one warp per 256 elements, at most 8
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _row_blocks(x, rows):
     """Split `rows` into contiguous blocks for the backward programs: 4 programs per SM on CUDA, 8 otherwise."""
-    programs = 4 * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
+    programs = 4 * _sm_count(x.device.index) if x.is_cuda else 8
     rows_per_program = max(1, triton.cdiv(rows, programs))
     return triton.cdiv(rows, rows_per_program), rows_per_program
 
@@ -631,9 +638,10 @@ def _bench_cases():
 
 
 def _measure(fn, inputs):
-    """do_bench (median, 20% and 80% quantiles, ms) of fwd and of fwd+bwd, and the peak memory (MiB) that one
-    fwd+bwd allocates beyond what was allocated before it."""
-    from triton.testing import do_bench
+    """do_bench (median, 20% and 80% quantiles, ms) of fwd and of fwd+bwd, the peak memory (MiB) that one
+    fwd+bwd allocates beyond what was allocated before it, and do_bench_cudagraph's fwd+bwd (the same quantiles;
+    None, with the reason printed, if the call cannot be captured in a CUDA graph)."""
+    from triton.testing import do_bench, do_bench_cudagraph
 
     leaves = [t for t in inputs if t.requires_grad]
     with torch.no_grad():
@@ -647,7 +655,13 @@ def _measure(fn, inputs):
     torch.cuda.reset_peak_memory_stats()
     fn(*inputs).backward(dy)
     torch.cuda.synchronize()
-    return fwd, fwd_bwd, (torch.cuda.max_memory_allocated() - before) / 2**20
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+    try:
+        graph = do_bench_cudagraph(lambda: fn(*inputs).backward(dy), grad_to_none=leaves, quantiles=[0.5, 0.2, 0.8])
+    except Exception as e:  # a capture error: report it and go on with the other rows
+        print(f"cuda graph: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        graph = None
+    return fwd, fwd_bwd, peak, graph
 
 
 def _ms(q):
@@ -658,20 +672,24 @@ def _print_table(header, rows):
     """One line per (case, provider); each torch provider's ratios compare it with the Triton row of its case."""
     print(header)
     print("speed = torch ms / triton ms (>1: Triton faster); mem = triton peak / torch peak (<1: Triton smaller)")
-    print("the fwd of Triton's cross-entropy includes writing the gradient; peak = fwd+bwd beyond the inputs")
-    fmt = "{:<16} {:<12} {:<16} {:>22} {:>6} {:>22} {:>6} {:>9} {:>5}"
+    print("the fwd of Triton's cross-entropy includes writing the gradient; peak = fwd+bwd beyond the inputs; "
+          "graph = fwd+bwd replayed from a CUDA graph (GPU time, no host launch cost)")
+    fmt = "{:<16} {:<12} {:<16} {:>22} {:>6} {:>22} {:>6} {:>9} {:>5} {:>22} {:>6}"
     title = fmt.format("op", "shape", "provider", "fwd ms (p20-p80)", "speed", "fwd+bwd ms (p20-p80)", "speed",
-                       "peak MiB", "mem")
+                       "peak MiB", "mem", "graph fwd+bwd ms", "speed")
     print(title)
     print("-" * len(title))
     triton_rows = {(r["op"], r["shape"]): r for r in rows if r["provider"] == "triton"}
     for r in rows:
         t = triton_rows[r["op"], r["shape"]]
-        ratios = ("", "", "") if r["provider"].startswith("triton") else (
+        graphs = r["graph_fwd_bwd_ms"] and t["graph_fwd_bwd_ms"]
+        ratios = ("", "", "", "") if r["provider"].startswith("triton") else (
             f"{r['fwd_ms'][0] / t['fwd_ms'][0]:.2f}", f"{r['fwd_bwd_ms'][0] / t['fwd_bwd_ms'][0]:.2f}",
-            f"{t['peak_mib'] / r['peak_mib']:.2f}")
+            f"{t['peak_mib'] / r['peak_mib']:.2f}",
+            f"{r['graph_fwd_bwd_ms'][0] / t['graph_fwd_bwd_ms'][0]:.2f}" if graphs else "")
         print(fmt.format(r["op"], r["shape"], r["provider"], _ms(r["fwd_ms"]), ratios[0], _ms(r["fwd_bwd_ms"]),
-                         ratios[1], f"{r['peak_mib']:.1f}", ratios[2]))
+                         ratios[1], f"{r['peak_mib']:.1f}", ratios[2],
+                         _ms(r["graph_fwd_bwd_ms"]) if r["graph_fwd_bwd_ms"] else "n/a", ratios[3]))
 
 
 def bench(json_path=None):
@@ -687,9 +705,9 @@ def bench(json_path=None):
     rows = []
     for op, shape, make_inputs, providers in _bench_cases():
         for provider, fn in providers.items():
-            fwd, fwd_bwd, peak = _measure(fn, make_inputs())
+            fwd, fwd_bwd, peak, graph = _measure(fn, make_inputs())
             rows.append(dict(op=op, shape=shape, provider=provider, fwd_ms=fwd, fwd_bwd_ms=fwd_bwd,
-                             peak_mib=peak))
+                             peak_mib=peak, graph_fwd_bwd_ms=graph))
             torch.cuda.empty_cache()
     _print_table(" | ".join(f"{k} {v}" for k, v in machine.items()), rows)
     if json_path:

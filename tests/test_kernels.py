@@ -481,15 +481,17 @@ def test_unknown_flag_is_an_argparse_error(capsys):
 def test_bench_table(capsys):
     """The CUDA-only table, fed with made-up timings for every benchmark case, prints one line per row."""
     rows = [dict(op=op, shape=shape, provider=p, fwd_ms=(i + 1.0, 0.9, 1.1), fwd_bwd_ms=(2.0, 1.9, 2.1),
-                 peak_mib=10.0 * (i + 1)) for op, shape, _, providers in kernels._bench_cases()
-            for i, p in enumerate(providers)]
+                 peak_mib=10.0 * (i + 1), graph_fwd_bwd_ms=None if op == "layer_norm g=12" else (0.5 * (i + 1), 0.4, 0.6))
+            for op, shape, _, providers in kernels._bench_cases() for i, p in enumerate(providers)]
     kernels._print_table("gpu X | cuda Y", rows)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "gpu X | cuda Y" and len(out) == 5 + len(rows)  # header, 2 legend lines, titles, rule
     assert {r["op"] for r in rows} == {"rms_norm", "layer_norm g=1", "layer_norm g=6", "layer_norm g=12",
                                        "cross_entropy"}
     assert out[-1].split() == ["cross_entropy", "8192x100277", "F.cross_entropy", "3.000", "(0.900-1.100)", "3.00",
-                               "2.000", "(1.900-2.100)", "1.00", "30.0", "0.33"]
+                               "2.000", "(1.900-2.100)", "1.00", "30.0", "0.33", "1.500", "(0.400-0.600)", "3.00"]
+    uncaptured = next(line for line in out if line.split()[:4] == ["layer_norm", "g=12", "4096x768", "reference"])
+    assert uncaptured.split()[-2:] == ["0.50", "n/a"]  # no graph time, no ratio
 
 
 # ----------------------------------------------------------------------------------------------------------
