@@ -18,8 +18,9 @@ With x̃_t = RMSNorm(h_t) (the block's pre-norm):
 
 Eqs. (3)-(6) between the gates and U are the core op `prefix_mean_read(w, v, ρ, β) -> Σ_k ρ_tk PM_tk`, here in three
 forms: the recurrence as defined, a chunked torch form (matmuls within chunks, the state carried across chunks,
-decay factors exp((t-1-s)·ln β), the past-only lag, so nothing overflows), and a Triton kernel (forward and
-backward; it never stores a [B, T, R, d_v] tensor). Generation uses the recurrence: per layer a cache (N, M, the
+decay factors exp((t-1-s)·ln β), the past-only lag, so nothing overflows), and Triton kernels (forward and
+backward; they never store a [B, T, R, d_v] tensor, and the forward carries the state across chunks as a parallel
+scan, so that batch 1 at long context fills the GPU). Generation uses the recurrence: per layer a cache (N, M, the
 conv's last 4 values) and an O(1) step per token.
 
 What differs from the official code, and why
@@ -423,7 +424,9 @@ def prefix_mean_read_official(w, v, rho, beta):
 #
 #   forward   _prefix_mean_fwd_chunk  grid (NC, B): each chunk's discounted sums, stored one slot on [B, NC, R, dv]
 #             _prefix_mean_fwd_carry  grid (R·dv/128 + R/128, B): in place, S_n = β^BT S_{n-1} + slot_n, m_n
-#                                     likewise, as a scan over 16 chunks at a time (tl.associative_scan)
+#                                     likewise, as a scan over 16 chunks at a time (tl.associative_scan); a
+#                                     single loop over the chunks would give batch 1 only d_v/32 programs, each
+#                                     walking T/16 dependent steps (on an H200 that capped the forward at ~3.3M tok/s)
 #             _prefix_mean_fwd_read   grid (NC, B): intra-chunk maths + read of S_n, store y and M̃_{t-1} [B, T, R]
 #   backward  _prefix_mean_bwd_read   grid (NC, B): ∂ρ, ∂M̃_{t-1} and the clamp's share of ∂β
 #             _prefix_mean_bwd_state  grid (dv blocks, B): reverse scan, store the adjoints dS_{n+1}, dm_{n+1}
