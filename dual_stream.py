@@ -477,11 +477,12 @@ def _amp_attn_fwd(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     s_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Key tiles wholly before this query tile need no causal mask (start_m is a multiple of BLOCK_N); the tile on
-    # the diagonal does (the tutorial's two stages)
-    m_i, l_i, s_i, acc = _amp_fwd_tiles(q, K, V, rows, dims, dim_ok, m_i, l_i, s_i, acc, 0, start_m, T, DH, qk_scale,
+    # Key tiles wholly before this query tile need no causal mask; from the one holding key start_m on, up to the
+    # diagonal, they do (the tutorial's two stages; `split` keeps any BLOCK_M, BLOCK_N pair right)
+    split = start_m // BLOCK_N * BLOCK_N
+    m_i, l_i, s_i, acc = _amp_fwd_tiles(q, K, V, rows, dims, dim_ok, m_i, l_i, s_i, acc, 0, split, T, DH, qk_scale,
                                         slope, BLOCK_N, DOT_T, HAS_BIAS, MASKED=False)
-    m_i, l_i, s_i, acc = _amp_fwd_tiles(q, K, V, rows, dims, dim_ok, m_i, l_i, s_i, acc, start_m,
+    m_i, l_i, s_i, acc = _amp_fwd_tiles(q, K, V, rows, dims, dim_ok, m_i, l_i, s_i, acc, split,
                                         tl.minimum(start_m + BLOCK_M, T), T, DH, qk_scale, slope, BLOCK_N, DOT_T,
                                         HAS_BIAS, MASKED=True)
     tl.store(Out + rows[:, None] * DH + dims[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty),

@@ -68,16 +68,17 @@ def test_triton_matches_reference(shape, alpha):
 
 
 @needs_triton
-@pytest.mark.parametrize("block", [16, 64])
+@pytest.mark.parametrize("block", [(16, 16), (64, 64), (16, 32), (32, 16)], ids=str)
 @pytest.mark.parametrize("shape", [(1, 2, 200, 64), (1, 2, 77, 24)], ids=str)
 def test_triton_forced_tiles(shape, block, monkeypatch):
     """_amp_launch_config picks 32-wide tiles for fp32 dots and 64-wide ones only for bf16 on CUDA, so the
     interpreter would never run the 64-wide loop bounds (the causal start of the dk/dv loop, the partial last
-    tile). Force each square tile size on fp32 inputs: the kernels must be right at any BLOCK_M = BLOCK_N."""
+    tile). Force other tile sizes on fp32 inputs, square and not (BLOCK_M < BLOCK_N puts a query tile's start
+    inside a key tile, where the forward's unmasked stage must stop short): the kernels must be right at any."""
     config = op._amp_launch_config
 
     def forced(q, cuda=None):
-        return dict(config(q, cuda), BLOCK_M=block, BLOCK_N=block)
+        return dict(config(q, cuda), BLOCK_M=block[0], BLOCK_N=block[1])
 
     monkeypatch.setattr(op, "_amp_launch_config", forced)
     q, k, v, do = _inputs(*shape)

@@ -120,9 +120,13 @@ def test_long_sequence():
 
 def test_carry_over_partial_tiles_and_scan_steps():
     """The forward carry scans 16 chunks per step over 128 slot elements per program: R·d_v = 280 (two full tiles and
-    a partial one) and 19 chunks (a full step and a partial one), against the float64 recurrence."""
-    assert (op._CARRY_CB, op._CARRY_TILE) == (16, 128)  # the shape below straddles both
+    a partial one) and 19 chunks (a full step and a partial one), then R = 130 (two mass programs), against the
+    float64 recurrence."""
+    assert (op._CARRY_CB, op._CARRY_TILE) == (16, 128)  # the shapes below straddle both
     inputs, dy = make_inputs(2, 300, 7, 40)
+    check_against_reference(["triton"], inputs, dy, RATIO[torch.float32])
+    # R = 130 > TILE: the masses take two programs, the second starting at mass element 128
+    inputs, dy = make_inputs(1, 300, 130, 16)
     check_against_reference(["triton"], inputs, dy, RATIO[torch.float32])
 
 
