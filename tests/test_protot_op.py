@@ -322,9 +322,11 @@ class TestOnCUDA:
     """The compiled kernels at the benchmark's sizes (python -m pytest -m gpu on a CUDA machine)."""
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-    def test_triton_matches_chunked_at_realistic_size(self, dtype):
+    @pytest.mark.parametrize("B,T,R,dv", [(8, 2048, 32, 128), (3, 4100, 200, 40)], ids=str)
+    def test_triton_matches_chunked_at_realistic_size(self, dtype, B, T, R, dv):
+        """The benchmark's shape, and one where the forward carry has partial tiles, a partial last scan step
+        (257 chunks) and two programs for the masses (R = 200), which only compiled kernels run in parallel."""
         torch.manual_seed(0)
-        B, T, R, dv = 8, 2048, 32, 128
         w = (2 * torch.randn(B, T, R, device="cuda")).softmax(-1).to(dtype)
         rho = (2 * torch.randn(B, T, R, device="cuda")).softmax(-1).to(dtype)
         v = torch.randn(B, T, dv, device="cuda", dtype=dtype)
