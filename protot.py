@@ -20,8 +20,8 @@ Eqs. (3)-(6) between the gates and U are the core op `prefix_mean_read(w, v, ρ,
 forms: the recurrence as defined, a chunked torch form (matmuls within chunks, the state carried across chunks,
 decay factors exp((t-1-s)·ln β), the past-only lag, so nothing overflows), and Triton kernels (forward and
 backward; they never store a [B, T, R, d_v] tensor, and the forward carries the state across chunks as a parallel
-scan: 1/16 of the dependent steps of a loop over the chunks, on 8 times its programs). Generation uses the recurrence: per layer a cache (N, M, the
-conv's last 4 values) and an O(1) step per token.
+scan: 1/16 of the dependent steps of a loop over the chunks, on 8 times its programs). Generation uses the
+recurrence: per layer a cache (N, M, the conv's last 4 values) and an O(1) step per token.
 
 What differs from the official code, and why
   * The EMA is exact at every length. The official code computes the discounted sums as
@@ -504,7 +504,8 @@ def _prefix_mean_carry_tile(S, Beta, b, e0, E, DV, NC, BT: tl.constexpr, CB: tl.
         ptrs = S + (b * NC + n0 + c[:, None]) * E + e[None, :]
         ok = ((n0 + c) < NC)[:, None] & e_ok[None, :]
         decay_in, partial = tl.associative_scan((decay, tl.load(ptrs, mask=ok, other=0.0)), 0, _decay_combine)
-        state = partial + decay_in * carry[None, :]  # S_{n0+c} = Σ_{m≤c} β^(BT(c-m)) slot_{n0+m} + β^(BT(c+1)) S_{n0-1}
+        # S_{n0+c} = Σ_{m≤c} β^(BT(c-m)) slot_{n0+m} + β^(BT(c+1)) S_{n0-1}
+        state = partial + decay_in * carry[None, :]
         tl.store(ptrs, state, mask=ok)
         carry = tl.sum(tl.where(c[:, None] == CB - 1, state, 0.0), axis=0)
 
