@@ -445,7 +445,7 @@ def prefix_mean_read_official(w, v, rho, beta):
 #   (Spec §6 gives the same gradients for the unscaled N, M as a token-by-token reverse scan.)
 
 _BT = 16  # tokens per chunk in the kernels
-_CARRY_CB, _CARRY_TILE = 16, 128  # the carry's scan step (chunks) and elements per program
+_CARRY_CB, _CARRY_TILE = 16, 128  # the carry's longest scan step (chunks) and elements per program
 
 
 @triton.jit
@@ -808,6 +808,13 @@ def _prefix_mean_blocks(R, dv):
 _PREFIX_MEAN_MAX_TILE = 16384
 
 
+def _carry_step(NC):
+    """Chunks per scan step of the forward carry: _CARRY_CB, or fewer (a power of two >= 2) when the sequence has
+    fewer chunks, so that a short sequence scans no padding (the interpreter runs the scan's combine element by
+    element, so padding is what made the CPU tests slow)."""
+    return min(_CARRY_CB, max(2, triton.next_power_of_2(NC)))
+
+
 def _prefix_mean_fits(R, dv):
     # The state kernels hold [RP, 32] tiles whatever d_v: R 1024 × d_v 32 needs 324 KiB, R 512 × d_v 32 164 KiB.
     RP, BDV, _ = _prefix_mean_blocks(R, dv)
@@ -830,7 +837,7 @@ class PrefixMeanRead(torch.autograd.Function):
         masses = _prefix_mean_empty((B, NC, R), torch.float32, v.device)
         _prefix_mean_fwd_chunk[(NC, B)](w, v, beta32, states, masses, T, R, dv, NC, BT=_BT, RP=RP, BDV=BDV, num_warps=4)
         _prefix_mean_fwd_carry[(triton.cdiv(R * dv, _CARRY_TILE) + triton.cdiv(R, _CARRY_TILE), B)](
-            states, masses, beta32, R, dv, NC, BT=_BT, CB=_CARRY_CB, TILE=_CARRY_TILE, num_warps=4)
+            states, masses, beta32, R, dv, NC, BT=_BT, CB=_carry_step(NC), TILE=_CARRY_TILE, num_warps=4)
         y = _prefix_mean_empty((B, T, dv), v.dtype, v.device)
         mass_prev = _prefix_mean_empty((B, T, R), torch.float32, v.device)
         _prefix_mean_fwd_read[(NC, B)](

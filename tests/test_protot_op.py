@@ -122,7 +122,8 @@ def test_carry_over_partial_tiles_and_scan_steps():
     """The forward carry scans 16 chunks per step over 128 slot elements per program: R·d_v = 280 (two full tiles and
     a partial one) and 19 chunks (a full step and a partial one), then R = 130 (two mass programs), against the
     float64 recurrence."""
-    assert (op._CARRY_CB, op._CARRY_TILE) == (16, 128)  # the shapes below straddle both
+    assert (op._CARRY_CB, op._CARRY_TILE, op._carry_step(19)) == (16, 128, 16)  # the shapes below straddle them
+    assert [op._carry_step(n) for n in (1, 2, 3, 7, 16, 17)] == [2, 2, 4, 8, 16, 16]
     inputs, dy = make_inputs(2, 300, 7, 40)
     check_against_reference(["triton"], inputs, dy, RATIO[torch.float32])
     # R = 130 > TILE: the masses take two programs, the second starting at mass element 128
@@ -265,7 +266,7 @@ def test_nan_poisoning_catches_a_skipped_tile():
     states = op._prefix_mean_empty((B, NC, R, 24), torch.float32, DEVICE)
     masses = op._prefix_mean_empty((B, NC, R), torch.float32, DEVICE)
     op._prefix_mean_fwd_chunk[(NC, B)](w, v, beta, states, masses, T, R, 24, NC, BT=op._BT, RP=RP, BDV=BDV)
-    op._prefix_mean_fwd_carry[(2, B)](states, masses, beta, R, 24, NC, BT=op._BT, CB=op._CARRY_CB,
+    op._prefix_mean_fwd_carry[(2, B)](states, masses, beta, R, 24, NC, BT=op._BT, CB=op._carry_step(NC),
                                       TILE=op._CARRY_TILE)
     y = op._prefix_mean_empty((B, T, 24), torch.float32, DEVICE)
     mass_prev = op._prefix_mean_empty((B, T, R), torch.float32, DEVICE)
