@@ -163,6 +163,12 @@ def _op_shapes():
         args = [torch.softmax(torch.randn(1, 40, R), -1).requires_grad_(), torch.randn(1, 40, dv, dtype=bf16).requires_grad_(),
                 torch.softmax(torch.randn(1, 40, R), -1).requires_grad_(), torch.sigmoid(torch.randn(R)).requires_grad_()]
         protot.prefix_mean_read(*args, backend="triton").float().sum().backward()
+    # T = 40 above takes the forward carry's 4-chunk scan step; --bench's contexts (and training at ctx >= 256) take
+    # the 16-chunk one. R, d_v and NC are runtime arguments, so small ones that are multiples of 16 like theirs
+    # (R 32, d_v 128, NC 64 and up) give the same launch
+    slots, masses = torch.zeros(1, 32, 16, 16), torch.zeros(1, 32, 16)
+    protot._prefix_mean_fwd_carry[(3, 1)](slots, masses, torch.full((16,), 0.9), 16, 16, 32, BT=protot._BT,
+                                          CB=protot._carry_step(32), TILE=protot._CARRY_TILE)
     # prism --bench: d = 768, k = 16, bf16 z, K = 4096...16384; K is a runtime argument (the block sizes depend on d
     # and k only), so K = 512 gives the same launch and the interpreter runs it in seconds less
     z, P = torch.randn(70, 768, dtype=bf16, requires_grad=True), torch.randn(512, 768, requires_grad=True)
