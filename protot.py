@@ -424,7 +424,7 @@ def prefix_mean_read_official(w, v, rho, beta):
 #
 #   forward   _prefix_mean_fwd_chunk  grid (NC, B): each chunk's discounted sums, stored one slot on [B, NC, R, dv]
 #             _prefix_mean_fwd_carry  grid (R·dv/128 + R/128, B): in place, S_n = β^BT S_{n-1} + slot_n, m_n
-#                                     likewise, as a scan over 16 chunks at a time (tl.associative_scan); a
+#                                     likewise, as a scan over up to 16 chunks a step (tl.associative_scan); a
 #                                     single loop over the chunks would give batch 1 only d_v/32 programs, each
 #                                     walking T/16 dependent steps (an H200 timed that form's forward at batch 1
 #                                     at no more than 3.3M tokens/s, and this one's at 7.2M at ctx 64k)
