@@ -3931,8 +3931,11 @@ def run(cfg: Config, explicit) -> int:
     (out_dir / f"{tag}.json").write_text(to_json(json_safe))
     if results.get("cards_html"):
         (out_dir / f"{'cards' if cfg.train else 'analysis-cards'}.html").write_text(cards_page(results["cards_html"]))
+    page = "report" if cfg.train else "analysis"
     if cfg.report:
-        log(f"report: {write_report(out_dir, cfg, results, histories, 'report' if cfg.train else 'analysis')}")
+        log(f"report: {write_report(out_dir, cfg, results, histories, page)}")
+    elif (out_dir / f"{page}.html").exists():  # --no-report: the page there does not show this run's results
+        log(f"report: none written (--no-report); {out_dir / f'{page}.html'} is an earlier run's, not {tag}.json's")
     return 0
 
 

@@ -2704,8 +2704,11 @@ def run(cfg: Config, explicit) -> int:
     strip["specialization"] = {m: {k: v for k, v in s.items() if k != "figure"}
                                for m, s in results.get("specialization", {}).items()}
     (out_dir / f"{tag}.json").write_text(to_json(strip))
+    page = "report" if cfg.train else "analysis"
     if cfg.report:
-        log(f"report: {write_report(out_dir, cfg, results, histories, 'report' if cfg.train else 'analysis')}")
+        log(f"report: {write_report(out_dir, cfg, results, histories, page)}")
+    elif (out_dir / f"{page}.html").exists():  # --no-report: the page there does not show this run's results
+        log(f"report: none written (--no-report); {out_dir / f'{page}.html'} is an earlier run's, not {tag}.json's")
     return 0
 
 

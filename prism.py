@@ -3579,8 +3579,11 @@ def run(cfg: Config, explicit) -> int:
                 log(f"sample ({h}): " + s.replace("\n", "\n        "))
     tag = "results" if cfg.train else "analysis"  # an analysis-only run never overwrites the training run's report
     (out_dir / f"{tag}.json").write_text(to_json(results))
+    page = "report" if cfg.train else "analysis"
     if cfg.report:
-        log(f"report: {write_report(out_dir, cfg, results, histories, 'report' if cfg.train else 'analysis')}")
+        log(f"report: {write_report(out_dir, cfg, results, histories, page)}")
+    elif (out_dir / f"{page}.html").exists():  # --no-report: the page there does not show this run's results
+        log(f"report: none written (--no-report); {out_dir / f'{page}.html'} is an earlier run's, not {tag}.json's")
     return 0
 
 

@@ -421,6 +421,13 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     assert (tmp_path / "analysis.json").is_file() and (tmp_path / "analysis.html").is_file()
     assert json.loads((tmp_path / "results.json").read_text()) == res  # the training run's results are kept
     assert (tmp_path / "analysis-prototypes.html").is_file() and (tmp_path / "prototypes.json").read_text() == labels
+    # --no-report rewrites analysis.json and leaves the earlier analysis.html: the log says that page is not this run's
+    page = (tmp_path / "analysis.html").read_text()
+    r = run_main(protot.main, ["--no-train", "--no-report", "--no-labels", "--no-robustness", "--find-prototype", "off",
+                               "--out-dir", str(tmp_path), "--cache-dir", str(cache_dir)], capsys, monkeypatch)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"report: none written (--no-report); {tmp_path / 'analysis.html'} is an earlier run's, not analysis.json's" \
+        in r.stdout and (tmp_path / "analysis.html").read_text() == page
     rc, err = call_main(protot.main, ["--no-train", "--layers", "3", "--out-dir", str(tmp_path), "--cache-dir",
                                       str(cache_dir)], capsys, monkeypatch)
     assert rc == 1 and err.count("\n") == 1
