@@ -2149,8 +2149,8 @@ def bench_kernel(cfg: Config, device, log=print) -> dict:
     forward + backward, B·H = 4·6 heads of d_h = 64. On CUDA the Triton kernel in bf16 at ctx 256 … 4096; without
     one the blocked torch form (what the model runs there) in fp32 at ctx 256 … 1024 (BENCH_KERNEL_CTX), where the
     statistics take a second blocked pass: it is timed also without them ("torch-o", what training runs). On CUDA
-    the forwards are also timed replayed from a CUDA graph, the GPU's time without the host's launch costs, which
-    dominate below ctx 1k."""
+    the forwards are also timed replayed from a CUDA graph, the GPU's time without the host's launch costs (with a
+    warm L2: the replays skip do_bench's cache flush), which dominated below ctx 4k on an H200."""
     cuda = device.type == "cuda" and HAS_TRITON
     name, backend = ("triton", "triton") if cuda else ("torch", "torch")
     dtype, lengths = (torch.bfloat16, BENCH_KERNEL_CTX["cuda"]) if cuda else (torch.float32, BENCH_KERNEL_CTX["cpu"])

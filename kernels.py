@@ -64,7 +64,8 @@ that launch Triton are decorated with torch.compiler.disable, so torch.compile g
 Benchmark (CUDA only): Triton vs torch eager at realistic bf16 shapes, fwd and fwd+bwd times (do_bench median
 and 20/80% quantiles), fwd+bwd peak memory, and fwd+bwd again replayed from a CUDA graph (do_bench_cudagraph):
 the GPU's time without the host's launch costs, which a Python autograd.Function pays more of than torch's own
-fused ops and which dominate at small sizes (the replays skip do_bench's L2 flush, so they run with a warm L2). Side by side in one table headed by GPU and versions:
+fused ops and which dominate at small sizes (the replays skip do_bench's L2 flush, so they run with a warm L2).
+Side by side in one table headed by GPU and versions:
 
     python kernels.py --bench [--bench-json out.json]
 """
