@@ -46,7 +46,11 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     minima), gradient into both sides unless --r1-detach-z; λ_rec = 1, λ_1 = λ_2 = 0.1. --rec absolute is
     |r|²/d, the spec's |r|² per dimension, for the same reason as R1/R2. --dist defaults to l2 for every --act
     (the spec: L2 for the raw weights of relu_cos, cosine otherwise), so that --act changes one thing alone;
-    type --dist cosine with relu_cos_znorm or relu_cos_sum1 for the spec's choice. Spec §9.4's all-gathered
+    type --dist cosine with relu_cos_znorm or relu_cos_sum1 for the spec's choice. The nearest pairs are read
+    off the top-k selection's own fp32 cosines (proto_topk(..., pairs=dist): |z - p|² = |z|² + |p|² - 2|z||p|cos),
+    not found by a second [N, K] GEMM; a different rounding of the same distances, so a near-tie may go the other
+    way, ties to the lower index (nearest_pairs remains the separate search, for evaluation's cosine coverage and
+    the push). Spec §9.4's all-gathered
     R1/R2 is not implemented (no switch): on one device the two are the same, and gathering every rank's
     hidden states each step would add a collective and world× the distance matrix for a DDP-only difference.
   * Initialisation: --init-steps of dense warm-up, then k-means++ (D² sampling) over one batch of hidden states,
@@ -116,19 +120,20 @@ Commands
     python prism.py --no-train --suppress 3,17 --suppress-factor -1 --no-attribution --no-controller
                                            # push those prototypes away
     python prism.py --no-train --attr-curvature kfac --ekfac        # attribution with co-usage, EK-FAC
-    python prism.py --bench                # training tok/s PRISM / dense, top-k kernel vs torch at K = 4k..16k
+    python prism.py --bench                # training tok/s PRISM / dense, R1/R2's pairs from the selection vs
+                                           # a separate search, top-k kernel vs torch at K = 4k..16k
                                            # (fp32 scores: kernel 3xTF32, torch IEEE)
     python prism.py --push-interval 100    # also push the prototypes onto their nearest tokens every 100 steps
     python prism.py --dataset fineweb-edu --max-tokens 2000000000  # the paper's data (online)
     torchrun --standalone --nproc_per_node=8 prism.py              # DDP
 
-Expected (CPU preset, 2 cores): `python prism.py` takes about 7 minutes on 2026-12-03's machine (6 min 40 s - 7 min
-03 s in four runs; 3 min 48 s - 4 min 18 s on 2026-12-02's) for the twin, PRISM and every analysis, with the same
-figures in every run on one machine; PRISM's val loss ends 1.4% above the twin's (6.81 vs 6.72 nats, cl100k
-compacted to 19,447 ids, 410k training tokens each; +0.55% with --revive-dead, 2026-12-02), and a cached attribution
-query is over 1,000x faster than dense TracIn for one query alone (1.44-1.99 x 10^3 in five runs; 93-128x per query
-in a batch of 16, 11.7-23x against dense TracIn from a gradient sketch of the cache's size); the cached ranking keeps
-0.42/0.65 of the exact (empirical-Fisher) top-10/top-100.
+Expected (CPU preset, 2 cores): `python prism.py` takes about 4 minutes on 2026-12-04's machine (4 min 05 s;
+about 7 on 2026-12-03's) for the twin, PRISM and every analysis, with the same figures in every run on one machine;
+at the present code (R1/R2's pairs from the selection) PRISM's val loss ends 1.8% above the twin's (6.82 vs 6.70
+nats, cl100k compacted to 19,447 ids, 410k training tokens each; +0.75% with --revive-dead), and a cached
+attribution query is 2.2 x 10^3 times faster than dense TracIn for one query alone (142x per query in a batch of
+16, 19x against dense TracIn from a gradient sketch of the cache's size); the cached ranking keeps 0.38/0.63 of
+the exact (empirical-Fisher) top-10/top-100. The README's PRISM table has every figure and the earlier code's.
 """
 from __future__ import annotations
 
@@ -325,6 +330,12 @@ GAP_KEYS = tuple(k for k in TWIN_KEYS if k != "eval_interval") + ("step",)
 #
 # Dispatch (`backend` in PROTO_TOPK_BACKENDS): "auto" = Triton when the tensors are on CUDA and triton imports,
 # else the chunked torch form; "triton" = the kernel (on CPU only under TRITON_INTERPRET=1); "torch" = chunked.
+#
+# R1/R2's nearest pairs ride along (pairs="l2" or "cosine", what training asks for): the same cosines, before the
+# ReLU, give each token's nearest prototype and each prototype's nearest token, with |z - p|² = |z|² + |p|² -
+# 2|z||p|cos for squared L2 (_pair_scores). A separate nearest_pairs would run a second [N, K] GEMM in IEEE fp32
+# every step; here the kernel keeps a running best per token and writes each token block's best per prototype
+# ([cdiv(N, BLOCK_N), K], reduced after the launch). Ties go to the lower index, as in nearest_pairs.
 
 PROTO_TOPK_BACKENDS = ("auto", "triton", "torch")
 PROTO_TOPK_MAX_K = 32  # the longest running list the kernel keeps in registers (compiled for sm_90 in the tests);
@@ -334,6 +345,7 @@ PROTO_TOPK_MAX_K = 32  # the longest running list the kernel keeps in registers 
 # (2026-12-04, `--bench`) the top-k's fwd+bwd at N = K = 16384, d = 768, k = 16 took 11.2 ms, against 36.4 with
 # "ieee" (FMA units). Plain TF32 would reorder near-equal cosines. "ieee" stays a choice.
 PROTO_TOPK_DOT_PRECISION = "tf32x3"
+_PAIRS_CODE = {"l2": 1, "cosine": 2}  # the kernel's PAIRS switch
 _TOPK_CHUNK_ELEMS = 1 << 22  # score entries per row chunk of the torch form (16 MiB of fp32 scores)
 
 
@@ -377,20 +389,33 @@ def proto_topk_ref(z, P, k):
 # Selection only (no autograd), with a data-dependent nonzero and a Python loop over chunks: kept out of
 # torch.compile graphs too, so dynamo neither unrolls the loop nor breaks the graph inside it.
 @torch.compiler.disable
-def _proto_topk_select_torch(zn, Pn, k):
+def _proto_topk_select_torch(zn, Pn, k, pairs=None, zr=None, pr=None):
     """Exact top-k under (score desc, index asc), a row chunk of z at a time: at most _TOPK_CHUNK_ELEMS scores.
 
     torch.topk's order among equal scores is unspecified, so it only supplies the k-th largest score t_n (an
     element of s, exact). Then the winners are every score > t_n plus, of the scores == t_n, the lowest-index
     ones until there are k; a stable sort of those k by score (they are gathered in index order) gives the
-    output order."""
+    output order. With `pairs` ("l2" or "cosine"; zr, pr the rows' norms for "l2") the same cosines also give
+    R1/R2's nearest pairs (_pair_scores) -> (idx, act, (proto_of_token, token_of_proto)); else (idx, act, None)."""
     N, K = zn.shape[0], Pn.shape[0]
     idx = torch.empty(N, k, dtype=torch.long, device=zn.device)
     act = torch.empty(N, k, dtype=zn.dtype, device=zn.device)
+    if pairs is not None:
+        proto_of_token = torch.empty(N, dtype=torch.long, device=zn.device)
+        best = torch.full((K,), float("-inf"), device=zn.device)
+        token_of_proto = torch.zeros(K, dtype=torch.long, device=zn.device)
     rows = max(1, _TOPK_CHUNK_ELEMS // K)
     for r0 in range(0, N, rows):
         with full_fp32():  # fp32 like the Triton kernel's 3xTF32 tl.dot: TF32 would reorder near-equal cosines (§7)
-            s = (zn[r0:r0 + rows] @ Pn.T).relu_()  # [C, K]
+            s = zn[r0:r0 + rows] @ Pn.T  # [C, K]
+        if pairs is not None:  # before the ReLU: a nearest pair may have a negative cosine
+            g2, g1 = _pair_scores(s, pairs, None if zr is None else zr[r0:r0 + rows], pr)
+            proto_of_token[r0:r0 + rows] = g2.argmax(1)
+            col, arg = g1.max(0)
+            better = col > best  # strict: on equal scores the earlier chunk (the lower token index) keeps it
+            best = torch.where(better, col, best)
+            token_of_proto = torch.where(better, arg + r0, token_of_proto)
+        s = s.relu_()
         C = s.shape[0]
         kth = s.topk(k, dim=1, sorted=False).values.amin(1, keepdim=True)  # [C, 1]: t_n
         above = s > kth
@@ -402,7 +427,18 @@ def _proto_topk_select_torch(zn, Pn, k):
         order = torch.sort(vals, dim=1, descending=True, stable=True).indices  # stable: index order kept on ties
         idx[r0:r0 + rows] = chosen.gather(1, order)
         act[r0:r0 + rows] = vals.gather(1, order)
-    return idx, act
+    return idx, act, None if pairs is None else (proto_of_token, token_of_proto)
+
+
+def _pair_scores(s, pairs, zr, pr):
+    """R1/R2's nearest pairs from the cosines s = z̄·P̄ᵀ [C, K] (spec §3.3, nearest_pairs' definition): g2 to
+    maximise over prototypes (R2: each token's nearest prototype), g1 over tokens (R1: each prototype's nearest
+    token). Squared L2, |z - p|² = |z|² + |p|² - 2|z||p|cos: the term constant along the maximised axis is dropped
+    (g2 = 2|z||p|cos - |p|², g1 = 2|z||p|cos - |z|²); cosine distance: both are s."""
+    if pairs == "cosine":
+        return s, s
+    zp = torch.outer(2 * zr, pr).mul_(s)
+    return zp - (pr * pr)[None, :], zp.sub_((zr * zr)[:, None])  # g2 first: g1 reuses zp's buffer
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -459,11 +495,22 @@ def _proto_topk_fwd(
     KP: tl.constexpr,  # slots of the running list: a power of two >= k
     ONE_D: tl.constexpr,  # BLOCK_D >= D: load the token rows once, one tl.dot per tile
     DOT_PREC: tl.constexpr,  # tl.dot's input_precision: PROTO_TOPK_DOT_PRECISION
+    Zr=None,  # PAIRS == 1: pointer to the tokens' norms |z| [N] (fp32)
+    Pr=None,  # PAIRS == 1: pointer to the prototypes' norms |p| [K] (fp32)
+    R2Idx=None,  # PAIRS: pointer to each token's nearest prototype [N] (int64)
+    R1Val=None,  # PAIRS: pointer to each prototype's best score within each token block [cdiv(N, BLOCK_N), K] (fp32)
+    R1Idx=None,  # PAIRS: pointer to the token holding it [cdiv(N, BLOCK_N), K] (int32)
+    PAIRS: tl.constexpr = 0,  # R1/R2's nearest pairs from the same cosines: 0 none, 1 squared L2, 2 cosine
 ):
     BIG: tl.constexpr = 2147483647  # an index above every real and placeholder index
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
+    if PAIRS != 0:  # each token's nearest prototype so far: (score, index); index 0 until a finite score beats -inf
+        r2_s = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        r2_i = tl.zeros([BLOCK_N], dtype=tl.int32)
+        if PAIRS == 1:
+            zr = tl.load(Zr + rows, mask=row_ok, other=0.0)
     cols = tl.arange(0, BLOCK_D)
     z_ptrs = Z + rows.to(tl.int64)[:, None] * D + cols[None, :]
     if ONE_D:
@@ -487,8 +534,28 @@ def _proto_topk_fwd(
                 zc = tl.load(z_ptrs + d0, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
                 pc = tl.load(p_ptrs + d0, mask=proto_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
                 s += tl.dot(zc, tl.trans(pc), input_precision=DOT_PREC)
-        s = tl.maximum(s, 0.0)  # the ReLU
         ids = protos[None, :]  # [1, BLOCK_K]
+        if PAIRS != 0:  # _pair_scores on this tile, before the ReLU; NaN and padding score -inf
+            if PAIRS == 1:
+                pr = tl.load(Pr + protos, mask=proto_ok, other=0.0)
+                zp = s * (2 * zr)[:, None] * pr[None, :]
+                g2 = zp - (pr * pr)[None, :]
+                g1 = zp - (zr * zr)[:, None]
+            else:
+                g2 = s
+                g1 = s
+            g2 = tl.where(proto_ok[None, :] & (g2 == g2), g2, float("-inf"))
+            g1 = tl.where(row_ok[:, None] & (g1 == g1), g1, float("-inf"))
+            t2 = tl.max(g2, axis=1)  # R2: the tile's best prototype per token, the lowest index on ties ...
+            t2_i = tl.min(tl.where(g2 == t2[:, None], ids, BIG), axis=1)
+            better = t2 > r2_s  # ... and an earlier tile's keeps it on equal scores
+            r2_s = tl.where(better, t2, r2_s)
+            r2_i = tl.where(better, t2_i, r2_i)
+            t1 = tl.max(g1, axis=0)  # R1: this block's best token per prototype, the lowest row on ties
+            t1_i = tl.min(tl.where(g1 == t1[None, :], rows[:, None], BIG), axis=0)
+            tl.store(R1Val + pid.to(tl.int64) * K + protos, t1, mask=proto_ok)
+            tl.store(R1Idx + pid.to(tl.int64) * K + protos, t1_i, mask=proto_ok)
+        s = tl.maximum(s, 0.0)  # the ReLU
         alive = proto_ok[None, :] & _topk_beats(s, ids, worst_s[:, None], worst_i[:, None])
         while tl.max(tl.sum(alive.to(tl.int32), axis=1), axis=0) > 0:
             cand = tl.where(alive, s, float("-inf"))
@@ -509,6 +576,8 @@ def _proto_topk_fwd(
         tl.store(Idx + out + j, best_i.to(tl.int64), mask=row_ok)
         tl.store(A + out + j, best_s, mask=row_ok)
         left = left & (run_i != best_i[:, None])
+    if PAIRS != 0:
+        tl.store(R2Idx + rows, r2_i.to(tl.int64), mask=row_ok)
 
 
 def _proto_topk_empty(shape, dtype, device):
@@ -532,9 +601,10 @@ def _proto_topk_blocks(d, k):
 
 # Triton launches stay out of torch.compile graphs: torch.compiler.disable makes dynamo graph-break here.
 @torch.compiler.disable
-def _proto_topk_select_triton(zn, Pn, k, BLOCK_N=64, BLOCK_K=64, BLOCK_D=None):
-    """Launch _proto_topk_fwd on fp32 z̄ [N, d], P̄ [K, d]: (idx [N, k] int64, a [N, k] fp32). BLOCK_D forces the
-    width chunking (tests); the default is _proto_topk_blocks'."""
+def _proto_topk_select_triton(zn, Pn, k, pairs=None, zr=None, pr=None, BLOCK_N=64, BLOCK_K=64, BLOCK_D=None):
+    """Launch _proto_topk_fwd on fp32 z̄ [N, d], P̄ [K, d]: (idx [N, k] int64, a [N, k] fp32, pairs or None), as
+    _proto_topk_select_torch. R1's per-block bests [cdiv(N, BLOCK_N), K] are reduced here, the first block on
+    equal scores. BLOCK_D forces the width chunking (tests); the default is _proto_topk_blocks'."""
     N, d = zn.shape
     K = Pn.shape[0]
     KP, block_d, one_d = _proto_topk_blocks(d, k)
@@ -543,11 +613,22 @@ def _proto_topk_select_triton(zn, Pn, k, BLOCK_N=64, BLOCK_K=64, BLOCK_D=None):
     zn, Pn = zn.float().contiguous(), Pn.float().contiguous()
     idx = _proto_topk_empty((N, k), torch.long, zn.device)
     act = _proto_topk_empty((N, k), torch.float32, zn.device)
-    _proto_topk_fwd[(triton.cdiv(N, BLOCK_N),)](
+    grid = (triton.cdiv(N, BLOCK_N),)
+    extra = {}
+    if pairs is not None:
+        extra = dict(R2Idx=_proto_topk_empty((N,), torch.long, zn.device),
+                     R1Val=_proto_topk_empty((grid[0], K), torch.float32, zn.device),
+                     R1Idx=_proto_topk_empty((grid[0], K), torch.int32, zn.device), PAIRS=_PAIRS_CODE[pairs])
+        if pairs == "l2":
+            extra.update(Zr=zr.float().contiguous(), Pr=pr.float().contiguous())
+    _proto_topk_fwd[grid](
         zn, Pn, idx, act, N, K, d, k,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_D=block_d, KP=KP, ONE_D=one_d, DOT_PREC=PROTO_TOPK_DOT_PRECISION,
-        num_warps=4)
-    return idx, act
+        num_warps=4, **extra)
+    if pairs is None:
+        return idx, act, None
+    block = extra["R1Val"].argmax(0, keepdim=True)  # the first maximal block (torch.argmax's documented tie rule)
+    return idx, act, (extra["R2Idx"], extra["R1Idx"].gather(0, block)[0].long())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -585,12 +666,19 @@ class WinnerCosine(torch.autograd.Function):
         return grad_zn, grad_Pn, None, None
 
 
-def proto_topk(z, P, k, backend="auto"):
+def proto_topk(z, P, k, backend="auto", pairs=None):
     """The k most similar prototypes per token (section header): z [N, d], P [K, d], 1 <= k <= K.
     Returns idx [N, k] int64, sorted by (score desc, index asc), and a [N, k] fp32 = relu(cos), differentiable
-    in z and P with every backend. Scores are fp32 whatever the inputs' dtype (bf16 z is cast)."""
+    in z and P with every backend. Scores are fp32 whatever the inputs' dtype (bf16 z is cast).
+    pairs="l2" or "cosine" also returns, as a third item, what nearest_pairs(z, P, pairs) returns (R1/R2's
+    nearest neighbours), read off the same cosines, so training runs one N×K GEMM, not two (the two agree up
+    to fp32 rounding: near-equal distances may pick the other neighbour)."""
     if backend not in PROTO_TOPK_BACKENDS:
         raise ValueError(f"backend must be one of {PROTO_TOPK_BACKENDS}, got {backend!r}")
+    if pairs is not None:
+        _check_dist(pairs)
+        if z.shape[0] == 0:
+            raise ValueError("proto_topk: no tokens, so no prototype has a nearest one (pairs)")
     if z.dim() != 2 or P.dim() != 2 or z.shape[1] != P.shape[1]:
         raise ValueError(f"proto_topk: expected z [N, d], P [K, d]; got z {tuple(z.shape)}, P {tuple(P.shape)}")
     if not 1 <= k <= P.shape[0]:
@@ -608,8 +696,13 @@ def proto_topk(z, P, k, backend="auto"):
         with torch.no_grad():
             select = _proto_topk_select_triton if use_triton else _proto_topk_select_torch
             # non-finite rows (a diverged run) select like zero vectors, so the loss, not the index maths, reports them
-            idx, act = select(zn.detach().nan_to_num(0.0, 0.0, 0.0), Pn.detach().nan_to_num(0.0, 0.0, 0.0), k)
-        return idx, WinnerCosine.apply(zn, Pn, idx, act)
+            def clean(t):
+                return t.nan_to_num(0.0, 0.0, 0.0)
+            norms = ({"zr": clean(z.detach().float().norm(dim=-1)), "pr": clean(P.detach().float().norm(dim=-1))}
+                     if pairs == "l2" else {})
+            idx, act, near = select(clean(zn.detach()), clean(Pn.detach()), k, pairs=pairs, **norms)
+        a = WinnerCosine.apply(zn, Pn, idx, act)
+        return (idx, a) if pairs is None else (idx, a, near)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -670,7 +763,7 @@ def nearest_pairs(z, P, dist="l2", chunk=4096):
         with torch.autocast(z.device.type, enabled=False):
             return nearest_pairs(z, P, dist, chunk)
     z, P = z.detach().float(), P.detach().float()
-    if dist == "cosine":
+    if dist == "cosine":  # the cosines themselves (a zero row has cosine 0 with all, like F.cosine_similarity)
         z, P = F.normalize(z, dim=-1), F.normalize(P, dim=-1)
     pp, zz = P.pow(2).sum(-1), z.pow(2).sum(-1)
     proto_of_token = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
@@ -678,9 +771,13 @@ def nearest_pairs(z, P, dist="l2", chunk=4096):
     token_of_proto = torch.zeros(P.shape[0], dtype=torch.long, device=z.device)
     for s in range(0, z.shape[0], chunk):
         with full_fp32():  # IEEE fp32 (TF32 is on for the backbone on CUDA): this GEMM runs at the fp32 rate
-            dot = z[s:s + chunk] @ P.T  # -|z-p|² = 2 z·p - |z|² - |p|²; for unit vectors the order is the cosine's
-        proto_of_token[s:s + chunk] = (2 * dot - pp).argmax(1)
-        col, arg = (2 * dot - zz[s:s + chunk, None]).max(0)
+            dot = z[s:s + chunk] @ P.T  # -|z-p|² = 2 z·p - |z|² - |p|²
+        if dist == "cosine":
+            g2 = g1 = dot
+        else:
+            g2, g1 = 2 * dot - pp, 2 * dot - zz[s:s + chunk, None]
+        proto_of_token[s:s + chunk] = g2.argmax(1)
+        col, arg = g1.max(0)
         better = col > best
         best = torch.where(better, col, best)
         token_of_proto = torch.where(better, arg + s, token_of_proto)
@@ -788,19 +885,20 @@ class PRISM(nn.Module):
             x = block(x)
         return self.ln_f(x)
 
-    def prototypes(self, z):
+    def prototypes(self, z, pairs=None):
         """Active set A_t and activations a_t (spec §2.1 steps 1-3): top-k of ReLU(cos(z_t, p_i)), then the
-        --act variant. -> idx [..., k] (int64), a [..., k] (fp32)."""
+        --act variant. -> idx [..., k] (int64), a [..., k] (fp32); with pairs="l2"/"cosine" also R1/R2's nearest
+        pairs over the flattened tokens (proto_topk's third item)."""
         shape = z.shape[:-1]
         zf = z.reshape(-1, z.shape[-1])
-        idx, a = proto_topk(zf, self.P, self.cfg.topk, backend=self.cfg.kernels)
+        idx, a, *near = proto_topk(zf, self.P, self.cfg.topk, backend=self.cfg.kernels, pairs=pairs)
         if self.cfg.act == "relu_cos_znorm":
             a = a * zf.float().norm(dim=-1, keepdim=True)
         elif self.cfg.act == "relu_cos_sum1":
             a = a / a.sum(-1, keepdim=True).clamp_min(1e-6)
-        return idx.view(*shape, -1), a.view(*shape, -1)
+        return idx.view(*shape, -1), a.view(*shape, -1), *near
 
-    def head(self, z, suppress=None, factor=0.0, gain=None) -> dict:
+    def head(self, z, suppress=None, factor=0.0, gain=None, pairs=None) -> dict:
         """The prototype head (spec §2.1): ẑ = Σ a_i p_i, r = z - ẑ, logits = W r + Σ a_i W p_i (= W z).
 
         One matmul with W, of the routed sum below; --resid-grad decides which way CE's gradient flows (§2.3):
@@ -810,8 +908,9 @@ class PRISM(nn.Module):
                        (ẑ depends on z through the cosines in a)
           detach-r     W sg(z - ẑ) + W ẑ: CE reaches the backbone only through the cosines in a
         suppress (bool [K]) drops those prototypes' terms, keeping r from the *unsuppressed* reconstruction
-        (§2.4: recomputing r would give W z back), times `factor` kept; gain ([K]) adds c_i a_i W p_i (§6.3)."""
-        idx, a = self.prototypes(z)
+        (§2.4: recomputing r would give W z back), times `factor` kept; gain ([K]) adds c_i a_i W p_i (§6.3).
+        pairs (cfg.dist, for aux_losses) adds "pairs": R1/R2's nearest pairs from the selection's own cosines."""
+        idx, a, *near = self.prototypes(z, pairs)
         zf = z.to(torch.promote_types(z.dtype, torch.float32))
         zhat = reconstruct(idx.flatten(0, -2), a.flatten(0, -2), self.P).view(zf.shape)
         r = zf - zhat
@@ -827,7 +926,7 @@ class PRISM(nn.Module):
         if gain is not None:
             routed = routed + reconstruct(idx.flatten(0, -2), (a * gain[idx]).flatten(0, -2), self.P).view(zf.shape)
         logits = F.linear(routed.to(self.wte.weight.dtype), self.wte.weight)  # autocast may still run it in bf16
-        return {"logits": logits, "idx": idx, "a": a, "zhat": zhat, "r": r}
+        return {"logits": logits, "idx": idx, "a": a, "zhat": zhat, "r": r, **({"pairs": near[0]} if near else {})}
 
     def aux_losses(self, z, out, r1_each: bool = False) -> dict:
         """REC, R1, R2 (spec §3.3), each with full gradient unless --r1-detach-z; batch-local under DDP (R1's
@@ -842,7 +941,8 @@ class PRISM(nn.Module):
             rec = (r.pow(2).sum(-1) / zf.pow(2).sum(-1).clamp_min(1e-6)).mean()
         else:
             rec = r.pow(2).mean(-1).mean()
-        proto_of_token, token_of_proto = nearest_pairs(zf, self.P, cfg.dist)
+        # the head's selection found them when asked (head(z, pairs=cfg.dist)); else the separate search
+        proto_of_token, token_of_proto = out["pairs"] if "pairs" in out else nearest_pairs(zf, self.P, cfg.dist)
         # index_select, not zf[...]: advanced indexing's backward is index_put_(accumulate=True), whose CPU kernel
         # adds duplicate rows in thread order (runs differed in the last bits); index_add_ is deterministic on CPU (on CUDA both use atomics)
         near_tokens = zf.index_select(0, token_of_proto)
@@ -861,7 +961,7 @@ class PRISM(nn.Module):
             ce = cross_entropy(logits, targets, backend=self.cfg.kernels)
             loss = ce + 0.0 * self.P.sum() if self.cfg.head == "prism" else ce
             return loss, {"ce": ce.detach()}
-        out = self.head(z)
+        out = self.head(z, pairs=None if targets is None else self.cfg.dist)
         if targets is None:
             return out["logits"]
         ce = cross_entropy(out["logits"], targets, backend=self.cfg.kernels)
@@ -1040,14 +1140,14 @@ def resume_note(saved: dict, cfg: Config, step: int) -> Optional[str]:
 
 def flops_per_token(model: PRISM, cfg: Config, ctx: int) -> float:
     """Training FLOPs per token: 6·N for the backbone's matmuls (PaLM appendix B; the tied head once), plus
-    attention's 12·L·d·T. P is no dense layer, so it is counted apart: the head scores all K prototypes and R1/R2
-    look for nearest pairs (two K·d GEMMs, forward only: 4·K·d), and only the k winners carry gradients (their
-    cosines and the reconstruction: 2·k·d each forward, twice that backward, 12·k·d)."""
+    attention's 12·L·d·T. P is no dense layer, so it is counted apart: the head scores all K prototypes, and R1/R2's
+    nearest pairs come from the same scores (one K·d GEMM, forward only: 2·K·d), and only the k winners carry
+    gradients (their cosines and the reconstruction: 2·k·d each forward, twice that backward, 12·k·d)."""
     n, prototypes = model.n_params(), 0
     if cfg.head == "prism":
         K, d = model.P.shape
         n -= K * d
-        prototypes = 4 * K * d + 12 * cfg.topk * d
+        prototypes = 2 * K * d + 12 * cfg.topk * d
     return 6 * n + prototypes + 12 * cfg.layers * cfg.d_model * ctx
 
 
@@ -1105,7 +1205,7 @@ def estimate_loss(model, data, cfg: Config, autocast, batch_size) -> dict:
             z = raw.hidden(x)
             parts = {}
             if raw.ready:
-                out = raw.head(z)
+                out = raw.head(z, pairs=cfg.dist)
                 aux = raw.aux_losses(z, out, r1_each=True)
                 r1_each.append(aux.pop("r1_each").float())  # R1 = its mean, taken after the reduction below
                 parts = {k: aux[k].item() for k in ("rec", "r2")}
@@ -2980,8 +3080,33 @@ def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
     res["throughput_ratio"] = tok_s["prism"] / tok_s["dense"]
     log(f"training tokens/s: dense {tok_s['dense']:,.0f}, PRISM {tok_s['prism']:,.0f}: "
         f"PRISM / dense = {res['throughput_ratio']:.1%} (paper: 97.3% at XL)")
+    res["pairs"] = bench_pairs(device, log)
     res["kernel"] = bench_kernel(device, log)
     return res
+
+
+BENCH_PAIRS_SHAPE = {"cuda": (16384, 8192, 768), "cpu": (2048, 8192, 768)}  # (N, K, d), looked up per call: tests shrink
+
+
+def bench_pairs(device, log=print) -> dict:
+    """R1/R2's nearest pairs as training finds them (read off the top-k selection's cosines) against the selection
+    followed by a separate nearest_pairs search (a second [N, K] GEMM, IEEE fp32): forward only (the pairs carry no
+    gradient), squared L2, k = 16, fp32 z, the --preset paper sizes on CUDA (the Triton kernel), N = 2048 without
+    one (the chunked torch form)."""
+    N, K, d = BENCH_PAIRS_SHAPE["cuda" if device.type == "cuda" else "cpu"]
+    z, P = torch.randn(N, d, device=device), torch.randn(K, d, device=device)
+
+    def separate():
+        proto_topk(z, P, 16)
+        nearest_pairs(z, P, "l2")
+    with torch.no_grad():
+        ms = {name: 1e3 * bench_time(fn, device) for name, fn in
+              (("separate", separate), ("fused", lambda: proto_topk(z, P, 16, pairs="l2")))}
+    out = {"N": N, "K": K, "d": d, "fused_ms": ms["fused"], "separate_ms": ms["separate"],
+           "speedup": ms["separate"] / ms["fused"]}
+    log(f"pairs: N = {N:,}, K = {K:,}, d = {d}, k = 16, squared L2: top-k with R1/R2's pairs {ms['fused']:.2f} ms, "
+        f"top-k then nearest_pairs {ms['separate']:.2f} ms ({out['speedup']:.2f}x)")
+    return out
 
 
 def bench_kernel(device, log=print) -> dict:

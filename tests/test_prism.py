@@ -178,6 +178,28 @@ def test_losses_follow_their_definitions():
     assert torch.autograd.grad(md.aux_losses(zz, md.head(zz))["r1"], zz, allow_unused=True)[0] is None
 
 
+@pytest.mark.parametrize("dist", ["l2", "cosine"])
+def test_training_takes_the_nearest_pairs_from_the_selection(dist, monkeypatch):
+    """The training forward reads R1/R2's pairs off the top-k selection's cosines (head(z, pairs=dist)), with no
+    second search; the losses equal those of the separate nearest_pairs search."""
+    m = tiny_model(dist=dist)
+    x, y = batch()
+    z = m.hidden(x)
+    want = m.aux_losses(z, m.head(z))
+    out = m.head(z, pairs=dist)
+    assert "pairs" in out and "pairs" not in m.head(z)
+    got = m.aux_losses(z, out)
+    for k in ("rec", "r1", "r2"):
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7)
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("the training forward ran a separate nearest_pairs search")
+    monkeypatch.setattr(prism, "nearest_pairs", no_search)
+    _, stats = m(x, y)
+    for k in ("r1", "r2"):
+        torch.testing.assert_close(stats[k], want[k].detach(), rtol=1e-6, atol=1e-7)
+
+
 def test_training_loss_is_ce_plus_the_weighted_terms():
     """The loss the optimizer sees is CE + λ_rec·REC + λ1·R1 + λ2·R2, each weight its own (distinct values, so a
     dropped or swapped term shows)."""
@@ -977,3 +999,17 @@ def test_resume_note_counts_the_seeding_settings_only_before_the_seeding():
     assert "init_steps 200 -> 50" in prism.resume_note(saved, dataclasses.replace(c, init_steps=50), 10)
     assert prism.resume_note(saved, dataclasses.replace(c, init_steps=50), 300) is None
     assert prism.resume_note(saved, dataclasses.replace(c, init="random"), 300) is None
+
+
+def test_bench_on_cpu(capsys, monkeypatch):
+    """--bench without a GPU: PRISM's training rate against its dense twin, the pairs read off the selection
+    against a separate search (at a small shape here), and the kernel's line saying it needs CUDA."""
+    monkeypatch.setitem(prism.BENCH_PAIRS_SHAPE, "cpu", (64, 96, 24))
+    r = run_main(prism.main, ["--bench", "--layers", "1", "--d-model", "16", "--heads", "2", "--ctx", "8",
+                              "--batch-size", "2", "--n-protos", "12", "--topk", "3"], capsys, monkeypatch)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "PRISM / dense = " in r.stdout and "kernel: the Triton top-k needs a CUDA GPU; skipped" in r.stdout
+    assert "pairs: N = 64, K = 96, d = 24, k = 16, squared L2: top-k with R1/R2's pairs " in r.stdout
+    res = json.loads(r.stdout[r.stdout.index("\n{") + 1:])
+    assert set(res["train_tok_s"]) == {"dense", "prism"} and res["throughput_ratio"] > 0
+    assert res["pairs"]["N"] == 64 and res["pairs"]["speedup"] > 0 and res["kernel"] == {}

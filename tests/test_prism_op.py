@@ -260,7 +260,7 @@ def test_dispatch(monkeypatch):
     calls = []
     for name in ("_proto_topk_select_torch", "_proto_topk_select_triton"):
         fn = getattr(op, name)
-        monkeypatch.setattr(op, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+        monkeypatch.setattr(op, name, lambda *a, fn=fn, name=name, **kw: calls.append(name) or fn(*a, **kw))
     op.proto_topk(z, P, 2, backend="triton")
     op.proto_topk(z, P, 2, backend="torch")
     op.proto_topk(z, P, 2)
@@ -334,6 +334,119 @@ class RecordTF32(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+# ----------------------------------------------------------------------------------------------------------
+# R1/R2's nearest pairs read off the selection's cosines (proto_topk(..., pairs=dist)) against nearest_pairs and a
+# float64 truth
+
+PAIR_FORMS = ("torch", "triton", "torch-chunk7", "triton-small")
+
+
+def with_pairs(form, z, P, k, dist):
+    """proto_topk(z, P, k, pairs=dist) in one of the forms: (idx, a, (proto_of_token, token_of_proto)), or
+    (idx, a) for dist None."""
+    fn = {"torch": lambda: op.proto_topk(z, P, k, backend="torch", pairs=dist),
+          "triton": lambda: op.proto_topk(z, P, k, backend="triton", pairs=dist)}
+    if form == "torch-chunk7":
+        with mock.patch.object(op, "_TOPK_CHUNK_ELEMS", 7 * P.shape[0]):
+            return fn["torch"]()
+    if form == "triton-small":
+        small = functools.partial(op._proto_topk_select_triton, BLOCK_N=16, BLOCK_K=16, BLOCK_D=32)
+        with mock.patch.object(op, "_proto_topk_select_triton", small):
+            return fn["triton"]()
+    return fn[form]()
+
+
+def true_distances(z, P, dist):
+    """[N, K] float64 distances in nearest_pairs' sense: squared L2, or 1 - cos."""
+    z64, P64 = z.detach().double(), P.detach().double()
+    if dist == "cosine":
+        return 1 - F.normalize(z64, dim=-1) @ F.normalize(P64, dim=-1).T
+    return (z64.pow(2).sum(-1, keepdim=True) + P64.pow(2).sum(-1) - 2 * z64 @ P64.T).clamp_min(0)
+
+
+def check_pairs(name, z, P, dist, got):
+    """Each token's and each prototype's neighbour is a nearest one in float64 up to fp32 rounding (tolerance
+    1e-5 of the largest distance), and equals nearest_pairs' except at such near-ties."""
+    pt, tp = got
+    N, K = z.shape[0], P.shape[0]
+    assert pt.dtype == tp.dtype == torch.long and pt.shape == (N,) and tp.shape == (K,), name
+    assert ((pt >= 0) & (pt < K)).all() and ((tp >= 0) & (tp < N)).all(), f"{name}: index out of range"
+    D = true_distances(z, P, dist).cpu()
+    pt, tp = pt.cpu(), tp.cpu()
+    tol = 1e-5 * D.abs().max().clamp_min(1e-3)
+    gap_t = D.gather(1, pt[:, None])[:, 0] - D.min(1).values
+    gap_p = D.gather(0, tp[None, :])[0] - D.min(0).values
+    assert (gap_t <= tol).all(), f"{name}: token {int(gap_t.argmax())} got a prototype {float(gap_t.max()):.3g} farther"
+    assert (gap_p <= tol).all(), f"{name}: prototype {int(gap_p.argmax())} got a token {float(gap_p.max()):.3g} farther"
+    want_t, want_p = (w.cpu() for w in op.nearest_pairs(z, P, dist))
+    swaps = int((pt != want_t).sum() + (tp != want_p).sum())
+    assert swaps <= 1e-3 * (N + K) + 2, f"{name}: {swaps} neighbours differ from nearest_pairs'"
+
+
+# (N, K, d): one token and one prototype; N across several token blocks and torch chunks; K across prototype tiles
+# with a last tile of one; d loaded whole (16, 40) and streamed in chunks (100, 200)
+PAIR_SHAPES = [(1, 1, 16), (37, 5, 100), (200, 257, 40), (70, 100, 200)]
+
+
+@pytest.mark.parametrize("dist", ["l2", "cosine"])
+@pytest.mark.parametrize("form", PAIR_FORMS)
+@pytest.mark.parametrize("N,K,d", PAIR_SHAPES, ids=["N{}-K{}-d{}".format(*s) for s in PAIR_SHAPES])
+def test_pairs_from_the_selection_match_nearest_pairs(N, K, d, form, dist):
+    """Asking for the pairs changes nothing else: the winners, activations and gradients are those without."""
+    z, P = make_inputs(N, K, d)
+    z = z * torch.rand(N, 1, device=DEVICE) * 3  # norms that vary, so squared L2 and cosine pick differently
+    k = min(K, 4)
+    zl, Pl = z.clone().requires_grad_(), P.clone().requires_grad_()
+    idx, a, near = with_pairs(form, zl, Pl, k, dist)
+    check_pairs(f"{form} {dist}", z, P, dist, near)
+    a.sum().backward()
+    zb, Pb = z.clone().requires_grad_(), P.clone().requires_grad_()
+    idx_b, a_b = with_pairs(form, zb, Pb, k, None)
+    a_b.sum().backward()
+    assert torch.equal(idx, idx_b) and torch.equal(a, a_b)
+    assert torch.equal(zl.grad, zb.grad) and torch.equal(Pl.grad, Pb.grad)
+
+
+@pytest.mark.parametrize("dist", ["l2", "cosine"])
+@pytest.mark.parametrize("form", PAIR_FORMS)
+def test_pairs_break_ties_by_the_lower_index(form, dist):
+    """Exact copies of prototypes (P_140 = P_3, P_64 = P_63 across a tile boundary) and of tokens (row 70 = row 2,
+    another token block and another torch chunk; row 3 = P_20, so prototype 20 is at distance 0 from both): the
+    lower index wins, as in nearest_pairs."""
+    z, P = tie_inputs()
+    z = torch.cat([z, z[:30]])  # 79 rows: rows 49..78 copy rows 0..29
+    z[70] = z[2]
+    z[3] = z[52] = P[20]
+    pt, tp = with_pairs(form, z, P, 8, dist)[2]
+    check_pairs(f"{form} {dist}", z, P, dist, (pt, tp))
+    assert int(tp[20]) == 3, "prototype 20's nearest tokens are rows 3 and 52 (distance 0): the lower wins"
+    assert pt[0] == 3 and pt[49] == 3, "tokens near P_3 (copied as P_140): the lower index wins"
+    if dist == "cosine":  # P_5 = 4 P_10 and P_100 = P_10 / 2 have P_10's cosines: the lowest of the three
+        assert (pt[4:8] == 5).all(), pt[4:8]
+    want_t, want_p = op.nearest_pairs(z, P, dist)
+    assert torch.equal(pt.cpu(), want_t.cpu()) and torch.equal(tp.cpu(), want_p.cpu())
+
+
+@pytest.mark.parametrize("form", ["torch", "triton"])
+def test_pairs_stay_in_range_on_non_finite_tokens(form):
+    """A diverged run (NaN or inf in z): the pairs are still valid indices (the losses, not a device-side index
+    error, report the NaN)."""
+    z, P = make_inputs(40, 30, 16)
+    z[3] = float("nan")
+    z[17, 2] = float("inf")
+    for dist in ("l2", "cosine"):
+        pt, tp = with_pairs(form, z, P, 4, dist)[2]
+        assert ((pt >= 0) & (pt < 30)).all() and ((tp >= 0) & (tp < 40)).all(), (dist, pt, tp)
+
+
+def test_pairs_refuse_a_bad_dist_and_no_tokens():
+    z, P = make_inputs(5, 10, 16)
+    with pytest.raises(ValueError, match="dist must be 'l2' or 'cosine', got 'cos'"):
+        op.proto_topk(z, P, 2, pairs="cos")
+    with pytest.raises(ValueError, match="no tokens"):
+        op.proto_topk(z[:0], P, 2, pairs="l2")
+
+
 def test_scoring_gemms_run_in_ieee_fp32_with_tf32_on():
     """setup_device turns TF32 on for training on CUDA; the torch forms' scoring GEMMs and nearest_pairs claim fp32
     (spec §7) and must turn it off around their matmuls (the Triton kernel's tl.dot is 3xTF32, near fp32), then
@@ -401,3 +514,16 @@ class TestOnCUDA:
         del scores, z64, P64, a_true
         idx_t, _ = op.proto_topk(z, P, k, backend="torch")
         assert (idx_t != idx).float().mean() < 1e-3
+
+    @pytest.mark.parametrize("dist", ["l2", "cosine"])
+    def test_pairs_at_realistic_size(self, dist):
+        """R1/R2's pairs from the kernel at the paper's training shape (16 × 1024 tokens, K = 8192, d = 768, bf16
+        z): nearest in float64 up to rounding and nearly all equal to nearest_pairs' (check_pairs), and the same
+        winners as without the pairs."""
+        torch.manual_seed(0)
+        N, K, d, k = 16384, 8192, 768, 16
+        z = (torch.randn(N, d, device="cuda") * torch.rand(N, 1, device="cuda") * 3).bfloat16()
+        P = torch.randn(K, d, device="cuda")
+        idx, _, near = op.proto_topk(z, P, k, backend="triton", pairs=dist)
+        check_pairs(f"cuda {dist}", z, P, dist, near)
+        assert torch.equal(idx, op.proto_topk(z, P, k, backend="triton")[0])
