@@ -47,10 +47,10 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     |r|²/d, the spec's |r|² per dimension, for the same reason as R1/R2. --dist defaults to l2 for every --act
     (the spec: L2 for the raw weights of relu_cos, cosine otherwise), so that --act changes one thing alone;
     type --dist cosine with relu_cos_znorm or relu_cos_sum1 for the spec's choice. The nearest pairs are read
-    off the top-k selection's own fp32 cosines (proto_topk(..., pairs=dist): |z - p|² = |z|² + |p|² - 2|z||p|cos),
-    not found by a second [N, K] GEMM; a different rounding of the same distances, so a near-tie may go the other
-    way, ties to the lower index (nearest_pairs remains the separate search, for evaluation's cosine coverage and
-    the push). Spec §9.4's all-gathered
+    off the top-k selection's own cosines (fp32; 3xTF32 dots in the kernel) (proto_topk(..., pairs=dist):
+    |z - p|² = |z|² + |p|² - 2|z||p|cos), not found by a second [N, K] GEMM; a different rounding of the same
+    distances, so a near-tie may go the other way, ties to the lower index (nearest_pairs remains the separate
+    search, for evaluation's cosine coverage and the push). Spec §9.4's all-gathered
     R1/R2 is not implemented (no switch): on one device the two are the same, and gathering every rank's
     hidden states each step would add a collective and world× the distance matrix for a DDP-only difference.
   * Initialisation: --init-steps of dense warm-up, then k-means++ (D² sampling) over one batch of hidden states,
@@ -127,13 +127,13 @@ Commands
     python prism.py --dataset fineweb-edu --max-tokens 2000000000  # the paper's data (online)
     torchrun --standalone --nproc_per_node=8 prism.py              # DDP
 
-Expected (CPU preset, 2 cores): `python prism.py` takes about 4 minutes on 2026-12-04's machine (4 min 05 s;
+Expected (CPU preset, 2 cores): `python prism.py` takes about 4 minutes on 2026-12-04's machine (3 min 56 s;
 about 7 on 2026-12-03's) for the twin, PRISM and every analysis, with the same figures in every run on one machine;
-at the present code (R1/R2's pairs from the selection) PRISM's val loss ends 1.8% above the twin's (6.82 vs 6.70
-nats, cl100k compacted to 19,447 ids, 410k training tokens each; +0.75% with --revive-dead), and a cached
-attribution query is 2.2 x 10^3 times faster than dense TracIn for one query alone (142x per query in a batch of
-16, 19x against dense TracIn from a gradient sketch of the cache's size); the cached ranking keeps 0.38/0.63 of
-the exact (empirical-Fisher) top-10/top-100. The README's PRISM table has every figure and the earlier code's.
+at the present code PRISM's val loss ends 1.55% above the twin's (6.80 vs 6.70 nats, cl100k compacted to 19,447
+ids, 410k training tokens each; +0.61% with --revive-dead), and a cached attribution query is 2.1 x 10^3 times
+faster than dense TracIn for one query alone (137x per query in a batch of 16, 21x against dense TracIn from a
+gradient sketch of the cache's size); the cached ranking keeps 0.41/0.65 of the exact (empirical-Fisher)
+top-10/top-100. The README's PRISM table has every figure, and the earlier code's.
 """
 from __future__ import annotations
 
@@ -323,7 +323,7 @@ GAP_KEYS = tuple(k for k in TWIN_KEYS if k != "eval_interval") + ("step",)
 #     ∂z̄_n = Σ_j g_{n,j} P̄_{idx_{n,j}}         g_{n,j} = ∂L/∂a_{n,j} · [z̄_n · P̄_{idx_{n,j}} > 0]  (ReLU)
 #     ∂P̄_i = Σ_{(n,j): idx_{n,j} = i} g_{n,j} z̄_n
 #
-# O((N + K)·d) memory: an embedding_bag for ∂z̄ and k index_add_ calls of [N, d] rows for ∂P̄. The selection holds at
+# O((N + K)·d) memory: an embedding_bag for ∂z̄ and one for ∂P̄ (bags by prototype). The selection holds at
 # most a [chunk, K] block of scores (torch, <= _TOPK_CHUNK_ELEMS) or a [BLOCK_N, BLOCK_K] tile (Triton), and
 # autograd saves nothing of size N×K or N×k×d. The normalisations stay outside, in plain autograd, so the
 # gradients reaching z and P are exact.
@@ -640,12 +640,16 @@ def _gathered_rows_sum(idx, Y, w):
 
 
 def _scatter_rows(idx, w, X, rows):
-    """out_i = Σ_{(n,j): idx_{n,j} = i} w_{n,j} X_n  [rows, d]: k index_adds of [N, d] rows, no [N, k, d] tensor
-    (and no sparse-matrix coalesce, which would sync the host on CUDA)."""
-    out = torch.zeros(rows, X.shape[1], dtype=X.dtype, device=X.device)
-    for j in range(idx.shape[1]):
-        out.index_add_(0, idx[:, j], w[:, j, None].to(X.dtype) * X)
-    return out
+    """out_i = Σ_{(n,j): idx_{n,j} = i} w_{n,j} X_n  [rows, d]: the (n, j) pairs sorted by i (stable, so each
+    row's terms add in token order), then one embedding_bag with a bag per output row: no [N, k, d] tensor, no
+    atomics (deterministic on CUDA too), and no sparse-matrix coalesce or bincount (either would sync the host on
+    CUDA: the bag offsets come from searchsorted). The form before, k index_add_ calls of [N, d] rows, made k
+    [N, d] temporaries and added them through atomics on CUDA."""
+    flat = idx.flatten()
+    order = torch.argsort(flat, stable=True)
+    offsets = torch.searchsorted(flat[order], torch.arange(rows, device=idx.device))  # bag i starts here
+    tokens = torch.div(order, idx.shape[1], rounding_mode="floor")
+    return F.embedding_bag(tokens, X, offsets, mode="sum", per_sample_weights=w.flatten()[order].to(X.dtype))
 
 
 class WinnerCosine(torch.autograd.Function):

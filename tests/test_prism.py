@@ -178,11 +178,15 @@ def test_losses_follow_their_definitions():
     assert torch.autograd.grad(md.aux_losses(zz, md.head(zz))["r1"], zz, allow_unused=True)[0] is None
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("dist", ["l2", "cosine"])
-def test_training_takes_the_nearest_pairs_from_the_selection(dist, monkeypatch):
+def test_training_takes_the_nearest_pairs_from_the_selection(dist, kernels, monkeypatch):
     """The training forward reads R1/R2's pairs off the top-k selection's cosines (head(z, pairs=dist)), with no
-    second search; the losses equal those of the separate nearest_pairs search."""
-    m = tiny_model(dist=dist)
+    second search; the losses equal those of the separate nearest_pairs search (the Triton kernel in fp32, under
+    the interpreter without a GPU; the torch form in float64)."""
+    m = tiny_model(dist=dist, kernels=kernels)
+    if kernels == "triton":
+        m = m.float()
     x, y = batch()
     z = m.hidden(x)
     want = m.aux_losses(z, m.head(z))
@@ -198,6 +202,22 @@ def test_training_takes_the_nearest_pairs_from_the_selection(dist, monkeypatch):
     _, stats = m(x, y)
     for k in ("r1", "r2"):
         torch.testing.assert_close(stats[k], want[k].detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_evaluation_takes_the_nearest_pairs_from_the_selection(monkeypatch):
+    """estimate_loss's R1/R2 come from the head's pairs too: the one separate search left is the cosine one of
+    the coverage figures, whatever --dist is."""
+    m = tiny_model(dist="l2", eval_iters=2)
+    calls = []
+    search = prism.nearest_pairs
+    monkeypatch.setattr(prism, "nearest_pairs", lambda z, P, dist="l2", **kw: calls.append(dist) or search(z, P, dist, **kw))
+
+    class Val:
+        def get_batch(self, split, batch_size, ctx):
+            assert split == "val"
+            return batch(batch_size, ctx)
+    res = prism.estimate_loss(m, Val(), m.cfg, contextlib.nullcontext(), 2)
+    assert calls == ["cosine", "cosine"] and {"r1", "r2", "cover_r1"} <= set(res)
 
 
 def test_training_loss_is_ce_plus_the_weighted_terms():

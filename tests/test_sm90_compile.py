@@ -173,6 +173,7 @@ def _op_shapes():
     # and k only), so K = 512 gives the same launch and the interpreter runs it in seconds less
     z, P = torch.randn(70, 768, dtype=bf16, requires_grad=True), torch.randn(512, 768, requires_grad=True)
     prism.proto_topk(z, P, 16, backend="triton")[1].sum().backward()
+    prism.proto_topk(z, P, 16, backend="triton", pairs="cosine")  # --dist cosine (training records the L2 launch)
     for d, k in ((256, 1), (1600, prism.PROTO_TOPK_MAX_K)):   # prism's extremes: k = 1 and 32, GPT-2 XL's width
         z, P = torch.randn(70, d, dtype=bf16, requires_grad=True), torch.randn(300, d, requires_grad=True)
         prism.proto_topk(z, P, k, backend="triton")[1].sum().backward()
