@@ -131,7 +131,7 @@ Expected (CPU preset, 2 cores): `python prism.py` takes about 4 minutes on 2026-
 about 7 on 2026-12-03's) for the twin, PRISM and every analysis, with the same figures in every run on one machine;
 at the present code PRISM's val loss ends 1.55% above the twin's (6.80 vs 6.70 nats, cl100k compacted to 19,447
 ids, 410k training tokens each; +0.61% with --revive-dead), and a cached attribution query is 2.1 x 10^3 times
-faster than dense TracIn for one query alone (137x per query in a batch of 16, 21x against dense TracIn from a
+faster than dense TracIn for one query alone (133x per query in a batch of 16, 21x against dense TracIn from a
 gradient sketch of the cache's size); the cached ranking keeps 0.41/0.65 of the exact (empirical-Fisher)
 top-10/top-100. The README's PRISM table has every figure, and the earlier code's.
 """
@@ -323,9 +323,10 @@ GAP_KEYS = tuple(k for k in TWIN_KEYS if k != "eval_interval") + ("step",)
 #     ∂z̄_n = Σ_j g_{n,j} P̄_{idx_{n,j}}         g_{n,j} = ∂L/∂a_{n,j} · [z̄_n · P̄_{idx_{n,j}} > 0]  (ReLU)
 #     ∂P̄_i = Σ_{(n,j): idx_{n,j} = i} g_{n,j} z̄_n
 #
-# O((N + K)·d) memory: an embedding_bag for ∂z̄ and one for ∂P̄ (bags by prototype). The selection holds at
-# most a [chunk, K] block of scores (torch, <= _TOPK_CHUNK_ELEMS) or a [BLOCK_N, BLOCK_K] tile (Triton), and
-# autograd saves nothing of size N×K or N×k×d. The normalisations stay outside, in plain autograd, so the
+# O((N + K)·d) memory: an embedding_bag for ∂z̄; for ∂P̄ k index_add_ calls of [N, d] rows on CUDA, elsewhere one
+# embedding_bag with a bag per prototype (_scatter_rows). The selection holds at most a [chunk, K] block of
+# scores (torch, <= _TOPK_CHUNK_ELEMS) or a [BLOCK_N, BLOCK_K] tile (Triton), and autograd saves nothing of size
+# N×K or N×k×d. The normalisations stay outside, in plain autograd, so the
 # gradients reaching z and P are exact.
 #
 # Dispatch (`backend` in PROTO_TOPK_BACKENDS): "auto" = Triton when the tensors are on CUDA and triton imports,
@@ -640,11 +641,26 @@ def _gathered_rows_sum(idx, Y, w):
 
 
 def _scatter_rows(idx, w, X, rows):
-    """out_i = Σ_{(n,j): idx_{n,j} = i} w_{n,j} X_n  [rows, d]: the (n, j) pairs sorted by i (stable, so each
-    row's terms add in token order), then one embedding_bag with a bag per output row: no [N, k, d] tensor, no
-    atomics (deterministic on CUDA too), and no sparse-matrix coalesce or bincount (either would sync the host on
-    CUDA: the bag offsets come from searchsorted). The form before, k index_add_ calls of [N, d] rows, made k
-    [N, d] temporaries and added them through atomics on CUDA."""
+    """out_i = Σ_{(n,j): idx_{n,j} = i} w_{n,j} X_n  [rows, d], with no [N, k, d] tensor (and no sparse-matrix
+    coalesce, which would sync the host on CUDA). On CUDA k index_add_ calls of [N, d] rows: atomics spread the
+    work over the N tokens whatever the prototype usage. Elsewhere one embedding_bag with a bag per output row
+    (_scatter_rows_bags): deterministic, and faster on the CPU. Not on CUDA, whose embedding_bag sums each bag
+    with one thread per feature: when the usage collapses onto a few prototypes, as it does in PRISM's early
+    steps, a handful of bags of ~N·k/live rows would each be walked serially."""
+    return (_scatter_rows_atomic if X.is_cuda else _scatter_rows_bags)(idx, w, X, rows)
+
+
+def _scatter_rows_atomic(idx, w, X, rows):
+    """_scatter_rows as k index_add_ calls, one [N, d] product per slot j."""
+    out = torch.zeros(rows, X.shape[1], dtype=X.dtype, device=X.device)
+    for j in range(idx.shape[1]):
+        out.index_add_(0, idx[:, j], w[:, j, None].to(X.dtype) * X)
+    return out
+
+
+def _scatter_rows_bags(idx, w, X, rows):
+    """_scatter_rows as one embedding_bag: the (n, j) pairs sorted by i (stable, so each row's terms add in token
+    order), bag i starting where searchsorted puts i (no bincount: no host sync), empty bags summing to 0."""
     flat = idx.flatten()
     order = torch.argsort(flat, stable=True)
     offsets = torch.searchsorted(flat[order], torch.arange(rows, device=idx.device))  # bag i starts here
