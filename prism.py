@@ -326,8 +326,7 @@ GAP_KEYS = tuple(k for k in TWIN_KEYS if k != "eval_interval") + ("step",)
 # O((N + K)·d) memory: an embedding_bag for ∂z̄; for ∂P̄ k index_add_ calls of [N, d] rows on CUDA, elsewhere one
 # embedding_bag with a bag per prototype (_scatter_rows). The selection holds at most a [chunk, K] block of
 # scores (torch, <= _TOPK_CHUNK_ELEMS) or a [BLOCK_N, BLOCK_K] tile (Triton), and autograd saves nothing of size
-# N×K or N×k×d. The normalisations stay outside, in plain autograd, so the
-# gradients reaching z and P are exact.
+# N×K or N×k×d. The normalisations stay outside, in plain autograd, so the gradients reaching z and P are exact.
 #
 # Dispatch (`backend` in PROTO_TOPK_BACKENDS): "auto" = Triton when the tensors are on CUDA and triton imports,
 # else the chunked torch form; "triton" = the kernel (on CPU only under TRITON_INTERPRET=1); "torch" = chunked.
