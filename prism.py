@@ -784,7 +784,8 @@ def nearest_pairs(z, P, dist="l2", chunk=4096):
     z, P = z.detach().float(), P.detach().float()
     if dist == "cosine":  # the cosines themselves (a zero row has cosine 0 with all, like F.cosine_similarity)
         z, P = F.normalize(z, dim=-1), F.normalize(P, dim=-1)
-    pp, zz = P.pow(2).sum(-1), z.pow(2).sum(-1)
+    else:
+        pp, zz = P.pow(2).sum(-1), z.pow(2).sum(-1)
     proto_of_token = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
     best = torch.full((P.shape[0],), float("-inf"), device=z.device)
     token_of_proto = torch.zeros(P.shape[0], dtype=torch.long, device=z.device)

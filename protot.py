@@ -792,7 +792,7 @@ def _prefix_mean_empty(shape, dtype, device):
 
 
 def _prefix_mean_blocks(R, dv):
-    """Padded sizes: RP (channels), BDV (a whole value row), BD (value block of the two scans)."""
+    """Padded sizes: RP (channels), BDV (a whole value row), BD (value block of the backward state scan)."""
     RP = max(16, 1 << (R - 1).bit_length())  # tl.dot needs every dimension >= 16
     BDV = max(16, 1 << (dv - 1).bit_length())
     return RP, BDV, min(BDV, 32)
@@ -816,7 +816,7 @@ def _carry_step(NC):
 
 
 def _prefix_mean_fits(R, dv):
-    # The state kernels hold [RP, 32] tiles whatever d_v: R 1024 × d_v 32 needs 324 KiB, R 512 × d_v 32 164 KiB.
+    # The backward state kernel holds [RP, 32] tiles whatever d_v: R 1024 × d_v 32 needs 324 KiB, R 512 × d_v 32 164 KiB.
     RP, BDV, _ = _prefix_mean_blocks(R, dv)
     return RP * BDV <= _PREFIX_MEAN_MAX_TILE and RP <= 512
 

@@ -86,23 +86,23 @@ def check_form(form, z, P, k, seed=1):
     return idx, a
 
 
-def torch_small_chunks(z, P, k):
+def torch_small_chunks(z, P, k, **kw):
     """The torch form with row chunks of 7 rows, so the chunk loop and its last partial chunk run."""
     with mock.patch.object(op, "_TOPK_CHUNK_ELEMS", 7 * P.shape[0]):
-        return op.proto_topk(z, P, k, backend="torch")
+        return op.proto_topk(z, P, k, backend="torch", **kw)
 
 
-def triton_small_blocks(z, P, k):
+def triton_small_blocks(z, P, k, **kw):
     """The kernel with 16-token, 16-prototype tiles and 32-column width chunks (the streamed-width path at any d)."""
     small = functools.partial(op._proto_topk_select_triton, BLOCK_N=16, BLOCK_K=16, BLOCK_D=32)
     with mock.patch.object(op, "_proto_topk_select_triton", small):
-        return op.proto_topk(z, P, k, backend="triton")
+        return op.proto_topk(z, P, k, backend="triton", **kw)
 
 
-FORMS = {
+FORMS = {  # the proto_topk forms take pairs= too (the reference does not)
     "ref": op.proto_topk_ref,
-    "torch": lambda z, P, k: op.proto_topk(z, P, k, backend="torch"),
-    "triton": lambda z, P, k: op.proto_topk(z, P, k, backend="triton"),
+    "torch": lambda z, P, k, **kw: op.proto_topk(z, P, k, backend="torch", **kw),
+    "triton": lambda z, P, k, **kw: op.proto_topk(z, P, k, backend="triton", **kw),
     "torch-chunk7": torch_small_chunks,
     "triton-small": triton_small_blocks,
 }
@@ -367,16 +367,7 @@ PAIR_FORMS = ("torch", "triton", "torch-chunk7", "triton-small")
 def with_pairs(form, z, P, k, dist):
     """proto_topk(z, P, k, pairs=dist) in one of the forms: (idx, a, (proto_of_token, token_of_proto)), or
     (idx, a) for dist None."""
-    fn = {"torch": lambda: op.proto_topk(z, P, k, backend="torch", pairs=dist),
-          "triton": lambda: op.proto_topk(z, P, k, backend="triton", pairs=dist)}
-    if form == "torch-chunk7":
-        with mock.patch.object(op, "_TOPK_CHUNK_ELEMS", 7 * P.shape[0]):
-            return fn["torch"]()
-    if form == "triton-small":
-        small = functools.partial(op._proto_topk_select_triton, BLOCK_N=16, BLOCK_K=16, BLOCK_D=32)
-        with mock.patch.object(op, "_proto_topk_select_triton", small):
-            return fn["triton"]()
-    return fn[form]()
+    return FORMS[form](z, P, k, pairs=dist)
 
 
 def true_distances(z, P, dist):
