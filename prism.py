@@ -974,16 +974,19 @@ class PRISM(nn.Module):
     def forward(self, idx, targets=None):
         """-> logits [B, T, V] without targets; with targets (loss, stats), stats holding detached parts."""
         z = self.hidden(idx)
+        if targets is not None:
+            return self.head_loss(z, targets)
+        return self.head(z)["logits"] if self.ready else F.linear(z, self.wte.weight)
+
+    def head_loss(self, z, targets):
+        """forward's output layer and losses from the final hidden states z [B, T, d] -> (loss, stats); apart from
+        the backbone so that --bench can time the head alone."""
         if not self.ready:  # the dense twin, and PRISM during its warm-up (P joins the graph at zero weight so
             logits = F.linear(z, self.wte.weight)  # that DDP sees every parameter used)
-            if targets is None:
-                return logits
             ce = cross_entropy(logits, targets, backend=self.cfg.kernels)
             loss = ce + 0.0 * self.P.sum() if self.cfg.head == "prism" else ce
             return loss, {"ce": ce.detach()}
-        out = self.head(z, pairs=None if targets is None else self.cfg.dist)
-        if targets is None:
-            return out["logits"]
+        out = self.head(z, pairs=self.cfg.dist)
         ce = cross_entropy(out["logits"], targets, backend=self.cfg.kernels)
         aux = self.aux_losses(z, out)
         cfg = self.cfg
@@ -3064,7 +3067,8 @@ def bench_time(fn, device, reps=3) -> float:
 
 def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
     """Training tokens/s of PRISM and of its dense twin (same backbone, same recipe, random tokens, steps
-    alternated so drift hits both alike), and the top-k kernel against the torch reference."""
+    alternated so drift hits both alike), their heads alone (bench_head), R1/R2's pairs read off the selection
+    against a separate search (bench_pairs), and the top-k kernel against the torch reference (bench_kernel)."""
     B, T = min(cfg.batch_size, 16), cfg.ctx
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "batch": B, "ctx": T}
     log(f"bench: {cfg.layers} layers, d={cfg.d_model}, K={cfg.n_protos}, k={cfg.topk}, vocab {vocab_size}, "
@@ -3100,9 +3104,47 @@ def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
     res["throughput_ratio"] = tok_s["prism"] / tok_s["dense"]
     log(f"training tokens/s: dense {tok_s['dense']:,.0f}, PRISM {tok_s['prism']:,.0f}: "
         f"PRISM / dense = {res['throughput_ratio']:.1%} (paper: 97.3% at XL)")
+    res["head"] = bench_head(runs, x, y, 1e3 * B * T * (1 / tok_s["prism"] - 1 / tok_s["dense"]), device, autocast, log)
     res["pairs"] = bench_pairs(device, log)
     res["kernel"] = bench_kernel(device, log)
     return res
+
+
+def bench_head(runs: dict, x, y, step_extra_ms: float, device, autocast, log=print) -> dict:
+    """Where PRISM's extra step time goes: each model's output layer and losses alone (head_loss, forward +
+    backward from fixed final hidden states of the bench batch), and within PRISM's the top-k selection with its
+    R1/R2 pairs (proto_topk, forward + backward through a), timed side by side. The head's extra time near the whole
+    step's says the head is the cost; a step's extra well above it, that something around the head is (a wait for
+    the GPU, say)."""
+    ms = {}
+    for h, (m, _) in runs.items():
+        with torch.no_grad(), autocast:
+            z = m.hidden(x).requires_grad_()
+
+        def head():
+            with autocast:
+                loss, _ = m.head_loss(z, y)
+            loss.backward()
+            m.zero_grad(set_to_none=True)
+            z.grad = None
+        ms[h] = 1e3 * bench_time(head, device)
+    m = runs["prism"][0]
+    with torch.no_grad(), autocast:
+        zf = m.hidden(x).flatten(0, 1).requires_grad_()
+
+    def topk():
+        with autocast:
+            _, a, _ = proto_topk(zf, m.P, m.cfg.topk, backend=m.cfg.kernels, pairs=m.cfg.dist)
+        a.sum().backward()
+        m.zero_grad(set_to_none=True)
+        zf.grad = None
+    ms["topk"] = 1e3 * bench_time(topk, device)
+    out = {"dense_ms": ms["dense"], "prism_ms": ms["prism"], "extra_ms": ms["prism"] - ms["dense"],
+           "topk_ms": ms["topk"], "step_extra_ms": step_extra_ms}
+    log(f"head alone, forward + backward from fixed hidden states: dense {ms['dense']:.2f} ms, PRISM "
+        f"{ms['prism']:.2f} ms (+{out['extra_ms']:.2f} ms; its top-k with the pairs {ms['topk']:.2f} ms); "
+        f"the whole step's extra {step_extra_ms:.2f} ms")
+    return out
 
 
 BENCH_PAIRS_SHAPE = {"cuda": (16384, 8192, 768), "cpu": (2048, 8192, 768)}  # (N, K, d), looked up per call: tests shrink

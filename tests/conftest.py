@@ -319,3 +319,36 @@ def check_cuda_run(script: str, args: list, out_dir, ckpts: list[str], steps: in
         ck = torch.load(Path(out_dir) / name, weights_only=True)
         assert ck["step"] == steps + 10 and isinstance(ck["rng"]["cuda"], torch.Tensor), name
     return r.stdout
+
+
+def check_step_never_waits(model, optimizer, x, y, grad_clip: float, on_stats=None, warmup: int = 2) -> bool:
+    """One training step as the scripts' train() runs it on CUDA (bf16 autocast, the NaN flag, on_stats(stats)
+    for a model that returns (loss, stats), clipping, AdamW), `warmup` times, then once under
+    torch.cuda.set_sync_debug_mode("error"), where any call that makes the host wait for the GPU (.item(), a
+    nonzero, a bincount without minlength, a device-to-host copy) raises, its traceback naming the op. A step that
+    waits drains the GPU's queue: the launches after it are paid for in full, no longer hidden behind the kernels
+    already queued, which the throughput benchmarks would show as a lower ratio to the dense model. The warm-up
+    steps compile the Triton kernels and create the optimizer's state outside the check. Returns whether every
+    loss was finite."""
+    bad = torch.zeros((), dtype=torch.bool, device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(x, y)
+        loss, stats = out if isinstance(out, tuple) else (out, {})
+        loss.backward()
+        bad.logical_or_(~torch.isfinite(loss.detach()))
+        if on_stats is not None:
+            on_stats(stats)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return not bool(bad)

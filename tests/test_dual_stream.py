@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import common
 import dual_stream as ds
 from conftest import (SMALL_CORPUS, call_main, check_bad_token_batches, check_close, check_cuda_run,
-                      check_ddp_weights, run_main, run_script, run_one_and_ddp)
+                      check_ddp_weights, check_step_never_waits, run_main, run_script, run_one_and_ddp)
 from dual_stream import Config, DualStream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1221,6 +1221,17 @@ def test_cuda_tiny_run_and_resume(tmp_path, cache_dir):
                          ds.peak_flops(torch.device("cuda")))
     assert "amplification," in out and "ablation," in out and "specialisation," in out
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["dense", "kronecker", "independent"])
+def test_cuda_training_step_never_waits_for_the_gpu(name):
+    """The training step of the mixings the throughput goal names, at the paper's widths (2 layers, batch 4 × 256,
+    the attention and CLN kernels): no wait for the GPU (check_step_never_waits)."""
+    cfg = replace(Config(), **ds.SWEEP[name], **dict.fromkeys(ds.POINT_KEYS, "same"), layers=2, dropout=0.0)
+    model = DualStream(cfg, ds.BENCH_VOCAB).cuda()
+    optimizer = ds.make_optimizer(model, cfg, "cuda")
+    x, y = torch.randint(0, ds.BENCH_VOCAB, (2, 4, cfg.ctx), device="cuda")
+    assert check_step_never_waits(model, optimizer, x, y, cfg.grad_clip)
 
 def test_chance_hub_ratio_is_a_stable_median():
     """At H = 2 the ratio is |X|/|Y| of two normals (no mean): the median settles, near 2.5, whatever the draws."""

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import common
 from conftest import (SMALL_CORPUS, call_main, check_bad_token_batches, check_close, check_cuda_run,
-                      check_ddp_weights, compiled_ops, run_main, run_one_and_ddp, run_script, save_envelope)
+                      check_ddp_weights, check_step_never_waits, compiled_ops, run_main, run_one_and_ddp, run_script,
+                      save_envelope)
 import prism
 from prism import Config, PRISM
 
@@ -936,6 +937,23 @@ def test_cuda_tiny_run_and_resume(tmp_path, cache_dir):
     assert "attribution PRISM cached (block)" in out and "suppression of 2 prototypes" in out
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("head", ["dense", "prism"])
+def test_cuda_training_step_never_waits_for_the_gpu(head):
+    """The training step with its prototype usage counter, at the paper's widths (2 layers, d = 768, K = 8192,
+    k = 16, batch 4 × 1024, the Triton kernels): no wait for the GPU (check_step_never_waits)."""
+    cfg = dataclasses.replace(Config(), layers=2, head=head, init="random", dropout=0.0)
+    model = PRISM(cfg, prism.BENCH_VOCAB).cuda()
+    optimizer = prism.make_optimizer(model, cfg, "cuda")
+    x, y = torch.randint(0, prism.BENCH_VOCAB, (2, 4, cfg.ctx), device="cuda")
+    usage = torch.zeros(cfg.n_protos, dtype=torch.int32, device="cuda")
+
+    def count_usage(stats):
+        if "idx" in stats:
+            usage.index_add_(0, stats["idx"].flatten(), (stats["a"] > 0).flatten().to(usage.dtype))
+    assert check_step_never_waits(model, optimizer, x, y, cfg.grad_clip, count_usage)
+    assert (usage.sum() > 0) == (head == "prism")
+
 def test_triton_k_limit_applies_to_the_checkpoints_k(tmp_path, cache_dir, capsys, monkeypatch):
     """--no-train takes k from the checkpoint, so the Triton kernel's k limit is checked against it (one line, not
     the op's traceback); under the interpreter, so that the CUDA check passes."""
@@ -1022,14 +1040,20 @@ def test_resume_note_counts_the_seeding_settings_only_before_the_seeding():
 
 
 def test_bench_on_cpu(capsys, monkeypatch):
-    """--bench without a GPU: PRISM's training rate against its dense twin, the pairs read off the selection
-    against a separate search (at a small shape here), and the kernel's line saying it needs CUDA."""
+    """--bench without a GPU: PRISM's training rate against its dense twin, the two heads alone, the pairs read off
+    the selection against a separate search (at a small shape here), and the kernel's line saying it needs CUDA."""
     monkeypatch.setitem(prism.BENCH_PAIRS_SHAPE, "cpu", (64, 96, 24))
     r = run_main(prism.main, ["--bench", "--layers", "1", "--d-model", "16", "--heads", "2", "--ctx", "8",
                               "--batch-size", "2", "--n-protos", "12", "--topk", "3"], capsys, monkeypatch)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "PRISM / dense = " in r.stdout and "kernel: the Triton top-k needs a CUDA GPU; skipped" in r.stdout
     assert "pairs: N = 64, K = 96, d = 24, k = 16, squared L2: top-k with R1/R2's pairs " in r.stdout
+    assert "head alone, forward + backward from fixed hidden states: dense " in r.stdout
     res = json.loads(r.stdout[r.stdout.index("\n{") + 1:])
     assert set(res["train_tok_s"]) == {"dense", "prism"} and res["throughput_ratio"] > 0
+    head = res["head"]
+    assert min(head["dense_ms"], head["prism_ms"], head["topk_ms"]) > 0
+    assert head["extra_ms"] == pytest.approx(head["prism_ms"] - head["dense_ms"])
+    step_ms = {h: 1e3 * 2 * 8 / v for h, v in res["train_tok_s"].items()}  # batch 2 × ctx 8
+    assert head["step_extra_ms"] == pytest.approx(step_ms["prism"] - step_ms["dense"])
     assert res["pairs"]["N"] == 64 and res["pairs"]["speedup"] > 0 and res["kernel"] == {}

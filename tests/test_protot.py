@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import common
-from conftest import (SMALL_CORPUS, call_main, check_bad_token_batches, check_cuda_run, check_ddp_weights, run_main,
-                      run_one_and_ddp, run_script, save_envelope)
+from conftest import (SMALL_CORPUS, call_main, check_bad_token_batches, check_cuda_run,
+                      check_ddp_weights, check_step_never_waits, run_main, run_one_and_ddp, run_script, save_envelope)
 import protot
 from protot import Config, ProtoT
 
@@ -852,6 +852,16 @@ def test_cuda_tiny_run_and_resume(tmp_path, cache_dir):
     check_cuda_run("protot.py", [*TINY, "--cache-dir", str(cache_dir)], tmp_path, ["ckpt-proto.pt"], 30,
                    protot.peak_flops(torch.device("cuda")))
 
+
+@pytest.mark.gpu
+def test_cuda_training_step_never_waits_for_the_gpu():
+    """The training step at the paper's widths (2 layers, batch 4, the Triton scan and RMSNorm): no wait for the
+    GPU (check_step_never_waits)."""
+    cfg = dataclasses.replace(Config(), layers=2, dropout=0.0)
+    model = ProtoT(cfg, protot.BENCH_VOCAB).cuda()
+    optimizer = protot.make_optimizer(model, cfg, "cuda")
+    x, y = torch.randint(0, protot.BENCH_VOCAB, (2, 4, cfg.ctx), device="cuda")
+    assert check_step_never_waits(model, optimizer, x, y, cfg.grad_clip)
 
 def test_each_prompt_gets_its_own_seed(data):
     """The same prompt twice gives two samples: prompt i draws with seed + i (one seed for all made the default
