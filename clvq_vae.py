@@ -128,6 +128,10 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     (r' = r - ((r - μ)·ê)ê, μ = the mean r of the scored sentences). MiniLM's [CLS] has a large shared mean, so
     the paper's projection of a random direction already moves every r far off the data and takes the probe to
     chance; the centred one removes only the variation along ê, so the random control says something.
+  * IG baseline: --ig-baseline pad (default: the words replaced by [PAD], [CLS] and [SEP] kept, Captum's BERT
+    recipe) | id0 (token id 0 at every position, the specials too: Captum's default, which the official encoder
+    script leaves in place; [PAD] for BERT, <s> for RoBERTa) | zeros (0 states; breaks completeness, see
+    integrated_gradients). The spec names a pad baseline for the LLMs only.
   * SAE baseline (§6.4): a top-k SAE (k = 32, no L1) by default; the official one is ReLU + 1e-4·L1, which
     `--sae-k 0 --sae-l1 1e-4` trains. Top-k sets the sparsity directly, where an L1 weight tuned for RoBERTa's
     layer 8 would give another sparsity on MiniLM's differently scaled activations. Only the cross-layer SAE
@@ -331,8 +335,9 @@ class Config:
                 "none (raw r, as the official code)"})
     ig_steps: int = field(default=50, metadata={
         "help": "Integrated-Gradients steps, Gauss-Legendre (paper: 500; CPU preset: 16)"})
-    ig_baseline: Literal["pad", "zeros"] = field(default="pad", metadata={
-        "help": "IG baseline at layer l: the sentence with its words replaced by [PAD] | zeros"})
+    ig_baseline: Literal["pad", "id0", "zeros"] = field(default="pad", metadata={
+        "help": "IG baseline at layer l: the sentence with its words replaced by [PAD], specials kept | every "
+                "token replaced by id 0 (Captum's default, the official encoder script's) | zeros"})
     ig_batch: int = field(default=25, metadata={"help": "IG interpolation points per forward pass"})
     cards: bool = field(default=True, metadata={
         "help": "concept cards and the coherence proxy (§7, §6.2); --no-cards skips them"})
@@ -2871,7 +2876,9 @@ def integrated_gradients(src: SourceModel, head: nn.Module, input_ids: list[int]
     above run unchanged: Captum's LayerIntegratedGradients without the dependency. The baseline b: `pad` = the
     layer-l states of the same sentence with every non-special token replaced by the pad token (Captum's BERT
     recipe: [CLS] [PAD] … [PAD] [SEP]; with a prompt the template's tokens are padded too, BOS kept: the official
-    decoder script pads every position, BOS included, §6.1's "pad baseline"); `zeros` = 0 (in a post-LN model
+    decoder script pads every position, BOS included, §6.1's "pad baseline"); `id0` = every token, the specials
+    too, replaced by token id 0 (Captum's default input baseline, which the official encoder script takes:
+    [PAD] … [PAD] for BERT, <s> … <s> for RoBERTa); `zeros` = 0 (in a post-LN model
     the blocks above are scale-invariant along the straight path from 0 except within ~LN-eps of α = 0, so f
     nearly jumps there, the quadrature misses it and completeness fails: measured on the tiny test BERT, Σa ≈ 0
     against a gap of 0.48; use pad).
@@ -2901,10 +2908,12 @@ def integrated_gradients(src: SourceModel, head: nn.Module, input_ids: list[int]
                 pad = src.tokenizer.pad_token_id
                 pad = pad if pad is not None else (src.tokenizer.unk_token_id or 0)
                 base = model(input_ids=torch.where(spec, ids, pad), output_hidden_states=True).hidden_states[layer][0]
+            elif baseline == "id0":
+                base = model(input_ids=torch.zeros_like(ids), output_hidden_states=True).hidden_states[layer][0]
             elif baseline == "zeros":
                 base = torch.zeros_like(x)
             else:
-                raise ValueError(f"unknown IG baseline '{baseline}'; choose pad or zeros")
+                raise ValueError(f"unknown IG baseline '{baseline}'; choose pad, id0 or zeros")
         nodes, weights = np.polynomial.legendre.leggauss(steps)
         alphas = torch.tensor((nodes + 1) / 2, dtype=torch.float32)
         wts = torch.tensor(weights / 2, dtype=torch.float32)

@@ -53,11 +53,11 @@ def _texts(n, seed=0):
 
 # ---- Integrated Gradients -------------------------------------------------------------------------------------
 
-def test_ig_is_complete(bert):
+@pytest.mark.parametrize("baseline", ["pad", "id0"])
+def test_ig_is_complete(bert, baseline):
     """Σ_t a_t = f(x) - f(baseline) (completeness), with enough Gauss-Legendre steps, through a real HF model.
-    (The pad baseline: from the zero baseline a post-LN block is scale-invariant along the path except within
+    (The token baselines: from the zero baseline a post-LN block is scale-invariant along the path except within
     ~LN-eps of α = 0, a near-jump no quadrature resolves; integrated_gradients' docstring says so.)"""
-    baseline = "pad"
     torch.manual_seed(1)
     head = torch.nn.Linear(32, 2).requires_grad_(False)
     enc = bert.tokenizer("the cats unbelievably sat on my mat !", return_special_tokens_mask=True)
@@ -70,6 +70,25 @@ def test_ig_is_complete(bert):
     # the target is the head's prediction on the unmodified sentence
     out = bert.model(input_ids=torch.tensor([enc["input_ids"]]), output_hidden_states=True)
     assert ig["target"] == int(head(out.hidden_states[-1][:, 0]).argmax())
+
+
+def test_token_baselines_replace_the_words_or_every_token(bert):
+    """f(baseline) is the head on the model run from the replaced tokens: pad keeps [CLS] and [SEP] (Captum's BERT
+    recipe), id0 puts token 0 everywhere, the specials too (Captum's default, the official encoder script's)."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(32, 2).requires_grad_(False)
+    enc = bert.tokenizer("the cats sat on my mat", return_special_tokens_mask=True)
+    ids, spec = torch.tensor([enc["input_ids"]]), torch.tensor([enc["special_tokens_mask"]]).bool()
+    f_base = {}
+    for baseline, replaced in (("pad", torch.where(spec, ids, bert.tokenizer.pad_token_id)),
+                               ("id0", torch.zeros_like(ids))):
+        ig = cv.integrated_gradients(bert, head, enc["input_ids"], enc["special_tokens_mask"], 1, steps=2,
+                                     baseline=baseline)
+        with torch.no_grad():
+            f = head(bert.model(input_ids=replaced, output_hidden_states=True).hidden_states[-1][:, 0])
+        f_base[baseline] = ig["f_base"]
+        assert ig["f_base"] == pytest.approx(f[0, ig["target"]].item(), rel=1e-5, abs=1e-6), baseline
+    assert abs(f_base["pad"] - f_base["id0"]) > 1e-4  # here [PAD] is id 0: they differ at [CLS] and [SEP] only
 
 
 def test_ig_too_few_steps_is_visibly_incomplete(bert):
