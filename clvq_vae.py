@@ -2168,8 +2168,13 @@ def ckpt_path(cfg: Config, variant: Optional[str] = None) -> Path:
     return Path(cfg.out_dir) / f"ckpt-{variant or variant_name(cfg)}.pt"
 
 
-def nan_message(step: int, path: Path) -> str:
-    keep = f"the last good checkpoint is {path}" if path.exists() else "no checkpoint was written"
+def nan_message(step: int, path: Path, saved: Optional[int]) -> str:
+    """saved: the step of this run's last checkpoint (written, or resumed from), None before its first; a file
+    already at path is then an earlier run's, which this one would have replaced at its first evaluation."""
+    if saved is not None:
+        keep = f"the last good checkpoint is {path}, step {saved}"
+    else:
+        keep = f"this run wrote no checkpoint; {path} is an earlier run's" if path.exists() else "no checkpoint was written"
     return f"non-finite loss before step {step} (or non-finite weights); stopping ({keep})"
 
 
@@ -2210,15 +2215,35 @@ def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, sched:
         tmp.unlink(missing_ok=True)  # no half-written file left beside it
 
 
+def history_ok(hist) -> bool:
+    """history holds the lists train() appends to, each of the kind it appends: step ints, train [step, loss]
+    pairs, and one number per evaluation in each other list."""
+    def num(v):
+        return type(v) in (int, float)
+    return (isinstance(hist, dict) and all(isinstance(hist.get(k), list) for k in HISTORY_KEYS)
+            and all(type(s) is int for s in hist["step"])
+            and all(isinstance(p, (list, tuple)) and len(p) == 2 and type(p[0]) is int and num(p[1])
+                    for p in hist["train"])
+            and all(len(hist[k]) == len(hist["step"]) and all(num(v) for v in hist[k])
+                    for k in HISTORY_KEYS if k not in ("step", "train")))
+
+
+def same_layout(state, like) -> bool:
+    """state is a state dict with like's keys and tensor shapes (the best weights against the last ones)."""
+    return (isinstance(state, dict) and state.keys() == like.keys()
+            and all(isinstance(v, torch.Tensor) and v.shape == like[k].shape for k, v in state.items()))
+
+
 def damaged_fields(ck: dict) -> list[str]:
     """The fields of a checkpoint that read but hold the wrong kind of value (a file edited or damaged by hand), so
     that loading it is one line rather than a traceback deep in train() or the analyses."""
     hist, sched, best = ck["history"], ck["schedule"], ck.get("best")
     ok = {"step": type(ck["step"]) is int and ck["step"] >= 0,
-          "history": isinstance(hist, dict) and all(isinstance(hist.get(k), list) for k in HISTORY_KEYS),
+          "history": history_ok(hist),
+          "model": isinstance(ck["model"], dict), "optimizer": isinstance(ck["optimizer"], dict),
           "schedule": isinstance(sched, dict) and all(type(sched.get(k)) in (int, float) for k in SCHEDULE_KEYS),
           "best": best is None or isinstance(best, dict) and type(best.get("step")) is int
-          and isinstance(best.get("model"), dict)}
+          and isinstance(ck["model"], dict) and same_layout(best.get("model"), ck["model"])}
     return [k for k, good in ok.items() if not good]
 
 
@@ -2319,7 +2344,7 @@ def load_weights(model: nn.Module, state: dict, path: Path) -> None:
     """load_state_dict, with one line for a checkpoint of another shape or one that holds NaN/inf weights."""
     try:
         model.load_state_dict(state)
-    except RuntimeError as e:
+    except (RuntimeError, TypeError, AttributeError) as e:  # a wrong shape or key; a value that is no tensor
         raise RunError(f"{path} does not fit this model ({str(e).splitlines()[-1].strip()})") from None
     if not all(t.isfinite().all() for t in model.state_dict().values() if t.is_floating_point()):
         raise RunError(f"{path} holds non-finite weights (a diverged or damaged run); delete it or retrain")
@@ -2401,7 +2426,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
             step, history, sched, best = ck["step"], ck["history"], dict(ck["schedule"]), ck.get("best")
             torch.set_rng_state(ck["rng"]["torch"])
             sampler.set_state(ck["rng"]["data"])
-        except (RuntimeError, ValueError, TypeError, KeyError) as e:
+        except (RuntimeError, ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
             raise RunError(f"{path} cannot be resumed ({type(e).__name__}: {str(e).splitlines()[0]})") from None
         cuda_rng = ck["rng"]["cuda"]  # this device's generator (before 2026-12-02: a list of every device's)
         if torch.cuda.is_available() and cuda_rng is not None and len(cuda_rng):
@@ -2420,6 +2445,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
     elif path.exists():  # a fresh run writes over an earlier run's checkpoint (another preset's sizes, say)
         log(f"note: {path} exists; this run trains from step 0 and replaces it (--resume continues it instead)")
     init_codebook(model, cfg, train_acts, device, log, sentences if val_sentences else None)
+    saved = step if cfg.resume else None  # the step of this run's last checkpoint (nan_message)
     raw = model
     if cfg.compile:
         model = torch.compile(model)
@@ -2455,12 +2481,12 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
     while not stopped:
         if step > start and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
             if any_rank(bad):
-                raise RunError(nan_message(step, path))
+                raise RunError(nan_message(step, path, saved))
             ev = evaluate(raw, val_acts, cfg, device, val_sentences)
             finite = all(torch.isfinite(t).all() for t in list(raw.parameters()) + list(raw.buffers())
                          if t.is_floating_point())
             if not math.isfinite(ev["loss"]) or not finite:
-                raise RunError(nan_message(step, path))  # never save non-finite weights
+                raise RunError(nan_message(step, path, saved))  # never save non-finite weights
             history["step"].append(step)
             history["val"].append(ev["loss"])
             for k in HISTORY_KEYS[3:]:  # mse ... dead_ema
@@ -2480,6 +2506,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
                         f"lr x {cfg.plateau_factor} -> {get_lr(cfg, step, sched['scale']):.2e}")
             if rank == 0:
                 save_checkpoint(path, raw, optimizer, cfg, step, sched, sampler_state, history, data, best)
+            saved = step  # rank 0 wrote it: every rank names it
             if cfg.early_stop and sched["since_best"] >= cfg.early_stop:
                 log(f"step {step}: no val improvement in {cfg.early_stop} evaluations; early stop")
                 break
@@ -2516,7 +2543,7 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
                 lossf /= world
             lossf = lossf.item()  # syncs the device, so the timing below is real
             if any_rank(bad):
-                raise RunError(nan_message(step, path))
+                raise RunError(nan_message(step, path, saved))
             dt = (time.time() - t0) / (step - t0_step)
             rows_s = float(rows_seen) / (time.time() - t0)
             if peak and step > 5 * cfg.log_interval:  # skip warm-up/compile steps, smooth like nanoGPT
@@ -3727,14 +3754,19 @@ def apply_preset(cfg: Config, explicit) -> str:
     return preset
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max  # every float flag must fit: AdamW steps in float32
+MAX_LAYERS = 1024  # the model is built block by block before any memory runs out: --layers 1e20 would never end
+
+
 def validate(cfg: Config, explicit=()) -> None:
     """Every bad flag value found before anything is loaded or trained, each as one line."""
     seeds = [f.name for f in fields(cfg) if f.name.endswith("seed") and not 0 <= getattr(cfg, f.name) < 2**32]
     if seeds:  # torch.manual_seed overflows past 64 bits with a traceback; numpy's legacy seeding past 32
         raise RunError(f"--{seeds[0].replace('_', '-')} must be in [0, 2**32)")
-    bad = [f.name for f in fields(cfg) if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
+    # finite and in float32's range: --lr inf or 1e39 passes "> 0", then trains to a NaN loss or overflows in AdamW
+    bad = [f.name for f in fields(cfg) if isinstance(v := getattr(cfg, f.name), float) and not abs(v) <= FLOAT32_MAX]
     if bad:
-        raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number")
+        raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number of at most {FLOAT32_MAX:.1e} (float32)")
     genres = names(cfg.genres)
     checks = [(cfg.codebook_size >= 1, "--codebook-size must be >= 1"),
               (1 <= cfg.top_k <= cfg.codebook_size, f"--top-k must be in [1, --codebook-size ({cfg.codebook_size})]"),
@@ -3746,7 +3778,7 @@ def validate(cfg: Config, explicit=()) -> None:
               # K typed here need not be the checkpoint's, so it is not checked against
               (not cfg.train or cfg.resume or cfg.init_rows is None or cfg.init_rows >= cfg.codebook_size,
                f"--init-rows must be at least --codebook-size ({cfg.codebook_size})"),
-              (cfg.dec_layers >= 1, "--dec-layers must be >= 1"), (cfg.dec_heads >= 1, "--dec-heads must be >= 1"),
+              (1 <= cfg.dec_layers <= MAX_LAYERS, f"--dec-layers must be in [1, {MAX_LAYERS}]"), (cfg.dec_heads >= 1, "--dec-heads must be >= 1"),
               (cfg.dec_ffn >= 1, "--dec-ffn must be >= 1"), (0 <= cfg.dropout < 1, "--dropout must be in [0, 1)"),
               (cfg.layer_l >= 0, "--layer-l must be >= 0 (0 = the embeddings)"),
               (cfg.fixed_alpha is None or 0 <= cfg.fixed_alpha <= 2,
@@ -3777,6 +3809,7 @@ def validate(cfg: Config, explicit=()) -> None:
               (0 < cfg.plateau_factor < 1, "--plateau-factor must be in (0, 1)"),
               (cfg.plateau_patience >= 0 and cfg.early_stop >= 0, "--plateau-patience and --early-stop must be >= 0"),
               (cfg.weight_decay >= 0, "--weight-decay must be >= 0"), (cfg.grad_clip >= 0, "--grad-clip must be >= 0"),
+              (cfg.out_dir.strip() != "", "--out-dir is empty (. names the current folder)"),
               (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file"),
               # the analyses' options
               (cfg.kmeans_iters >= 1 and cfg.kmeans_restarts >= 1, "--kmeans-iters and --kmeans-restarts must be >= 1"),

@@ -215,16 +215,27 @@ def _local_files(path: Path) -> list[Path]:
         return files
     if path.suffix not in (".txt", ".jsonl"):
         raise DataError(f"{path}: expected a .txt file, a folder of .txt files or a .jsonl file")
+    if not path.is_file():  # a named pipe would block the read forever
+        raise DataError(f"{path}: not a regular file (a pipe or a device?)")
     return [path]
+
+
+MAX_UNDECODABLE = 0.01  # the share of U+FFFD in a decoded text file above which it is refused as not UTF-8
 
 
 def _read_text(f: Path) -> str:
     """A local text file as UTF-8 (a stray invalid byte becomes U+FFFD). NUL bytes mean it is no UTF-8 text at all
-    (a binary file, or UTF-16), which would train on garbage: refused."""
+    (a binary file, or UTF-16), and so does more than MAX_UNDECODABLE of U+FFFD (random bytes, or Latin-1 text full
+    of accents): training on either would learn garbage, so both are refused."""
     data = f.read_bytes()
     if b"\x00" in data:
         raise DataError(f"{f} holds NUL bytes: a binary file, or text not in UTF-8 (UTF-16?); convert it to UTF-8")
-    return data.decode("utf-8", errors="replace")
+    text = data.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd")
+    if bad > MAX_UNDECODABLE * len(text):
+        raise DataError(f"{f}: {bad / len(text):.0%} of its characters are not UTF-8: a binary file, or text in "
+                        "another encoding (Latin-1?); convert it to UTF-8")
+    return text
 
 
 def load_local(path: str | Path) -> list[Document]:
@@ -485,7 +496,7 @@ def choose_kept(counts: np.ndarray, compact: str, always: int) -> np.ndarray | N
 
 def _check_compact(compact) -> str:
     compact = str(compact)
-    if compact in ("none", "train") or (compact.isdigit() and int(compact) >= 2):
+    if compact in ("none", "train") or (compact.isascii() and compact.isdigit() and int(compact) >= 2):
         return compact
     raise DataError(f"--compact must be none, train or an integer >= 2, not '{compact}'")
 

@@ -1331,8 +1331,13 @@ def ckpt_path(cfg: Config) -> Path:
     return Path(cfg.out_dir) / f"ckpt-{cfg.head}.pt"
 
 
-def nan_message(step: int, path: Path) -> str:
-    keep = f"the last good checkpoint is {path}" if path.exists() else "no checkpoint was written"
+def nan_message(step: int, path: Path, saved: Optional[int]) -> str:
+    """saved: the step of this run's last checkpoint (written, or resumed from), None before its first; a file
+    already at path is then an earlier run's, which this one would have replaced at its first evaluation."""
+    if saved is not None:
+        keep = f"the last good checkpoint is {path}, step {saved}"
+    else:
+        keep = f"this run wrote no checkpoint; {path} is an earlier run's" if path.exists() else "no checkpoint was written"
     return f"non-finite loss before step {step} (or non-finite weights); stopping ({keep})"
 
 
@@ -1360,13 +1365,27 @@ def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: 
         tmp.unlink(missing_ok=True)  # no half-written file left beside it
 
 
+def history_ok(hist) -> bool:
+    """history holds the lists train() appends to, each of the kind it appends: step ints, train [step, loss]
+    pairs, and one number per evaluation in each other list (evals: a dict per evaluation)."""
+    def num(v):
+        return type(v) in (int, float)
+    return (isinstance(hist, dict) and all(isinstance(hist.get(k), list) for k in HISTORY_KEYS)
+            and all(type(s) is int for s in hist["step"])
+            and all(isinstance(p, (list, tuple)) and len(p) == 2 and type(p[0]) is int and num(p[1])
+                    for p in hist["train"])
+            and all(len(hist[k]) == len(hist["step"]) and all((isinstance(v, dict) if k == "evals" else num(v)) for v in hist[k])
+                    for k in HISTORY_KEYS if k not in ("step", "train")))
+
+
 def damaged_fields(ck: dict) -> list[str]:
     """The fields of a checkpoint that read but hold the wrong kind of value (a file edited or damaged by hand), so
     that loading it is one line rather than a traceback deep in train() or the analyses."""
     tok, hist = ck["tokenizer"], ck["history"]
     ok = {"step": type(ck["step"]) is int and ck["step"] >= 0,
-          "best_val_loss": type(ck["best_val_loss"]) in (int, float),
-          "history": isinstance(hist, dict) and all(isinstance(hist.get(k), list) for k in HISTORY_KEYS),
+          "best_val_loss": type(ck["best_val_loss"]) in (int, float) and not math.isnan(ck["best_val_loss"]),
+          "history": history_ok(hist),
+          "model": isinstance(ck["model"], dict), "optimizer": isinstance(ck["optimizer"], dict),
           "tokenizer": isinstance(tok, dict) and isinstance(tok.get("name"), str)
           and type(tok.get("compacted")) is bool and isinstance(tok.get("kept"), torch.Tensor)}
     return [k for k, good in ok.items() if not good]
@@ -1554,7 +1573,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
             step, best, history = ck["step"], ck["best_val_loss"], ck["history"]
             torch.set_rng_state(ck["rng"]["torch"])
             data.set_rng_state(ck["rng"]["data"])
-        except (RuntimeError, ValueError, TypeError, KeyError) as e:
+        except (RuntimeError, ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
             raise RunError(f"{path} cannot be resumed ({type(e).__name__}: {str(e).splitlines()[0]})") from None
         cuda_rng = ck["rng"]["cuda"]  # this device's generator (before 2026-12-02: a list of every device's)
         if torch.cuda.is_available() and cuda_rng is not None and len(cuda_rng):
@@ -1571,6 +1590,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
             log(note)
     elif path.exists():  # a fresh run writes over an earlier run's checkpoint (another preset's sizes, say)
         log(f"note: {path} exists; this run trains from step 0 and replaces it (--resume continues it instead)")
+    saved = step if cfg.resume else None  # the step of this run's last checkpoint (nan_message)
     raw = model
     if cfg.compile:
         model = torch.compile(model)
@@ -1596,13 +1616,13 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
     while True:
         if step > start and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
             if any_rank(bad):
-                raise RunError(nan_message(step, path))
+                raise RunError(nan_message(step, path, saved))
             ev = estimate_loss(model, data, cfg, autocast, micro)  # reduced over the ranks
             if dist_ready():
                 torch.distributed.all_reduce(usage)
             val = ev["ce"]
             if not math.isfinite(val) or not all(torch.isfinite(p).all() for p in raw.parameters()):
-                raise RunError(nan_message(step, path))  # never save non-finite weights
+                raise RunError(nan_message(step, path, saved))  # never save non-finite weights
             used = int((usage > 0).sum()) if prism and raw.ready else None
             ev.update(step=step, used=used)
             if cfg.revive_dead and used is not None and step < cfg.max_iters:
@@ -1616,6 +1636,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
             if rank == 0:  # the train stream as it was before the prefetch, the val stream as it is now
                 rng = {**data_rng, "val": data.rng_state()["val"]}
                 save_checkpoint(path, raw, optimizer, cfg, step, best, rng, data, history)
+            saved = step  # rank 0 wrote it: every rank names it
             t0, t0_step = time.time(), step  # evaluation time is not training time
         if step >= cfg.max_iters:
             break
@@ -1653,7 +1674,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
                 lossf /= world
             lossf = lossf.item()  # syncs the device, so the timing below is real
             if any_rank(bad):
-                raise RunError(nan_message(step, path))
+                raise RunError(nan_message(step, path, saved))
             dt = (time.time() - t0) / (step - t0_step)
             tok_s = tokens_per_step / dt
             if peak and step > 5 * cfg.log_interval:  # skip warm-up/compile steps, smooth like nanoGPT
@@ -3405,12 +3426,16 @@ def apply_preset(cfg: Config, explicit) -> str:
     return preset
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max  # every float flag must fit: AdamW steps in float32
+MAX_LAYERS = 1024  # the model is built block by block before any memory runs out: --layers 1e20 would never end
+
+
 def validate(cfg: Config) -> None:
     """Every bad flag value found before anything is trained, each as one line."""
     seeds = [f.name for f in fields(cfg) if f.name.endswith("seed") and not 0 <= getattr(cfg, f.name) < 2**32]
     if seeds:  # torch.manual_seed overflows past 64 bits with a traceback; numpy's legacy seeding past 32
         raise RunError(f"--{seeds[0].replace('_', '-')} must be in [0, 2**32)")
-    checks = [(cfg.layers >= 1, "--layers must be >= 1"), (cfg.heads >= 1, "--heads must be >= 1"),
+    checks = [(1 <= cfg.layers <= MAX_LAYERS, f"--layers must be in [1, {MAX_LAYERS}]"), (cfg.heads >= 1, "--heads must be >= 1"),
               (cfg.d_model >= 1, "--d-model must be >= 1"),
               (cfg.heads < 1 or cfg.d_model % cfg.heads == 0,
                f"--d-model {cfg.d_model} must split into --heads {cfg.heads} heads"),
@@ -3434,6 +3459,7 @@ def validate(cfg: Config) -> None:
               (0 < cfg.attr_damping <= 1e6, "--attr-damping must be in (0, 1e6]"), (cfg.controller_l1 >= 0, "--controller-l1 must be >= 0"),
               (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"),
               (cfg.temperature >= 0, "--temperature must be >= 0 (0: greedy)"),
+              (cfg.out_dir.strip() != "", "--out-dir is empty (. names the current folder)"),
               (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file")]
     for ok, msg in checks:
         if not ok:
@@ -3444,9 +3470,10 @@ def validate(cfg: Config) -> None:
         parse_ids(cfg.suppress, cfg.n_protos)
     if cfg.suppress_keywords:
         keywords_of(cfg.suppress_keywords)
-    bad = [f.name for f in fields(cfg) if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
+    # finite and in float32's range: --lr inf or 1e39 passes "> 0", then trains to a NaN loss or overflows in AdamW
+    bad = [f.name for f in fields(cfg) if isinstance(v := getattr(cfg, f.name), float) and not abs(v) <= FLOAT32_MAX]
     if bad:
-        raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number")
+        raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number of at most {FLOAT32_MAX:.1e} (float32)")
 
 
 def check_seeding(cfg: Config) -> None:
@@ -3520,7 +3547,7 @@ def load_weights(model: nn.Module, state: dict, path: Path) -> None:
     """load_state_dict, with one line for a checkpoint of another shape or one that holds NaN/inf weights."""
     try:
         model.load_state_dict(state)
-    except RuntimeError as e:
+    except (RuntimeError, TypeError, AttributeError) as e:  # a wrong shape or key; a value that is no tensor
         raise RunError(f"{path} does not fit this model ({str(e).splitlines()[-1].strip()})") from None
     if not all(t.isfinite().all() for t in model.state_dict().values() if t.is_floating_point()):
         raise RunError(f"{path} holds non-finite weights (a diverged or damaged run); delete it or retrain")

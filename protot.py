@@ -1146,18 +1146,21 @@ def sampling_logits(logits, ids, temperature=0.8, top_k=40, top_p=0.95, repetiti
         top-p                -inf outside the fewest most likely tokens whose probability reaches p (the top one stays)
 
     1 (penalty, top-p) or 0 (top-k, n-gram) turns a step off; with all four off this is the plain
-    temperature sampler."""
+    temperature sampler. A logit pushed past float32's range (a penalty or a temperature near 0) is held at the
+    largest float32, so no step meets inf - inf."""
     logits, n, T = logits.float(), no_repeat_ngram_size, ids.shape[1]
+    big = torch.finfo(torch.float32).max
     if repetition_penalty != 1:
         seen = logits.gather(1, ids)
-        logits = logits.scatter(1, ids, torch.where(seen < 0, seen * repetition_penalty, seen / repetition_penalty))
+        seen = torch.where(seen < 0, seen * repetition_penalty, seen / repetition_penalty).clamp(-big, big)
+        logits = logits.scatter(1, ids, seen)
     if n and T >= n:  # n-gram s = ids[s : s+n], s = 0 .. T-n: its first n-1 tokens against the last n-1 of ids
         hit = (ids.unfold(1, n - 1, 1)[:, :T - n + 1] == ids[:, None, T - n + 1:]).all(-1)  # (B, T-n+1)
         # scatter_add, not scatter: a token can follow several (n-1)-grams, only some of them equal to the last
         banned = torch.zeros_like(logits).scatter_add_(1, ids[:, n - 1:], hit.float()) > 0
         banned &= ~banned.all(-1, keepdim=True)  # every token banned (small n, small vocabulary): no ban, not NaN
         logits = logits.masked_fill(banned, float("-inf"))
-    logits = logits / max(temperature, 1e-6)
+    logits = (logits / max(temperature, 1e-6)).clamp(max=big)  # -inf (banned) stays
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -1397,8 +1400,13 @@ def ckpt_path(cfg: Config) -> Path:
     return Path(cfg.out_dir) / f"ckpt-{cfg.mixer}.pt"
 
 
-def nan_message(step: int, path: Path) -> str:
-    keep = f"the last good checkpoint is {path}" if path.exists() else "no checkpoint was written"
+def nan_message(step: int, path: Path, saved: Optional[int]) -> str:
+    """saved: the step of this run's last checkpoint (written, or resumed from), None before its first; a file
+    already at path is then an earlier run's, which this one would have replaced at its first evaluation."""
+    if saved is not None:
+        keep = f"the last good checkpoint is {path}, step {saved}"
+    else:
+        keep = f"this run wrote no checkpoint; {path} is an earlier run's" if path.exists() else "no checkpoint was written"
     return f"non-finite loss before step {step} (or non-finite weights); stopping ({keep})"
 
 
@@ -1429,17 +1437,37 @@ def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: 
         tmp.unlink(missing_ok=True)  # no half-written file left beside it
 
 
+def history_ok(hist) -> bool:
+    """history holds the lists train() appends to, each of the kind it appends: step ints, train [step, loss]
+    pairs, and one number per evaluation in each other list."""
+    def num(v):
+        return type(v) in (int, float)
+    return (isinstance(hist, dict) and all(isinstance(hist.get(k), list) for k in HISTORY_KEYS)
+            and all(type(s) is int for s in hist["step"])
+            and all(isinstance(p, (list, tuple)) and len(p) == 2 and type(p[0]) is int and num(p[1])
+                    for p in hist["train"])
+            and all(len(hist[k]) == len(hist["step"]) and all(num(v) for v in hist[k])
+                    for k in HISTORY_KEYS if k not in ("step", "train")))
+
+
+def same_layout(state, like) -> bool:
+    """state is a state dict with like's keys and tensor shapes (the best weights against the last ones)."""
+    return (isinstance(state, dict) and state.keys() == like.keys()
+            and all(isinstance(v, torch.Tensor) and v.shape == like[k].shape for k, v in state.items()))
+
+
 def damaged_fields(ck: dict) -> list[str]:
     """The fields of a checkpoint that read but hold the wrong kind of value (a file edited or damaged by hand), so
     that loading it is one line rather than a traceback deep in train() or the analyses."""
     tok, hist = ck["tokenizer"], ck["history"]
     ok = {"step": type(ck["step"]) is int and ck["step"] >= 0,
-          "best_val_loss": type(ck["best_val_loss"]) in (int, float),
-          "history": isinstance(hist, dict) and all(isinstance(hist.get(k), list) for k in HISTORY_KEYS),
+          "best_val_loss": type(ck["best_val_loss"]) in (int, float) and not math.isnan(ck["best_val_loss"]),
+          "history": history_ok(hist),
+          "model": isinstance(ck["model"], dict), "optimizer": isinstance(ck["optimizer"], dict),
           "tokenizer": isinstance(tok, dict) and isinstance(tok.get("name"), str)
           and type(tok.get("compacted")) is bool and isinstance(tok.get("kept"), torch.Tensor),
           "best": ck.get("best") is None or isinstance(ck["best"], dict) and type(ck["best"].get("step")) is int
-          and isinstance(ck["best"].get("model"), dict)}
+          and isinstance(ck["model"], dict) and same_layout(ck["best"].get("model"), ck["model"])}
     return [k for k, good in ok.items() if not good]
 
 
@@ -1550,7 +1578,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
                 best = history["val"][-1]  # loss is the one to beat (not an earlier minimum whose weights are gone)
             torch.set_rng_state(ck["rng"]["torch"])
             data.set_rng_state(ck["rng"]["data"])
-        except (RuntimeError, ValueError, TypeError, KeyError) as e:
+        except (RuntimeError, ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
             raise RunError(f"{path} cannot be resumed ({type(e).__name__}: {str(e).splitlines()[0]})") from None
         cuda_rng = ck["rng"]["cuda"]  # this device's generator (before 2026-12-02: a list of every device's)
         if torch.cuda.is_available() and cuda_rng is not None and len(cuda_rng):
@@ -1568,6 +1596,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
             log(note)
     elif path.exists():  # a fresh run writes over an earlier run's checkpoint (another preset's sizes, say)
         log(f"note: {path} exists; this run trains from step 0 and replaces it (--resume continues it instead)")
+    saved = step if cfg.resume else None  # the step of this run's last checkpoint (nan_message)
     raw = model
     if cfg.compile:
         model = torch.compile(model)
@@ -1589,14 +1618,14 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
     while not stopped:
         if step > start and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
             if any_rank(bad):
-                raise RunError(nan_message(step, path))
+                raise RunError(nan_message(step, path, saved))
             val = estimate_loss(model, data, cfg, autocast, micro)
             if dist_ready():
                 t = torch.tensor([val], device=device)
                 torch.distributed.all_reduce(t)
                 val = t.item() / world
             if not math.isfinite(val) or not all(torch.isfinite(p).all() for p in raw.parameters()):
-                raise RunError(nan_message(step, path))  # never save non-finite weights
+                raise RunError(nan_message(step, path, saved))  # never save non-finite weights
             history["step"].append(step)
             history["val"].append(val)
             log(f"step {step}: val loss {val:.4f} (ppl {perplexity(val):.1f})")
@@ -1608,6 +1637,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
                 rng = {**data_rng, "val": data.rng_state()["val"]}
                 save_checkpoint(path, raw, optimizer, cfg, step, best, rng, data, history,
                                 best_weights if best_weights["step"] != step else None)
+            saved = step  # rank 0 wrote it: every rank names it
             # val is all-reduced above, the same float on every rank, so every rank stops at this evaluation
             if cfg.early_stop and evals_since_best(history, best_weights["step"]) >= cfg.early_stop:
                 log(f"step {step}: no val improvement in {cfg.early_stop} evaluations; early stop")
@@ -1636,7 +1666,7 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
                 lossf /= world
             lossf = lossf.item()  # syncs the device, so the timing below is real
             if any_rank(bad):
-                raise RunError(nan_message(step, path))
+                raise RunError(nan_message(step, path, saved))
             dt = (time.time() - t0) / (step - t0_step)
             tok_s = tokens_per_step / dt
             if peak and step > 5 * cfg.log_interval:  # skip warm-up/compile steps, smooth like nanoGPT
@@ -2416,12 +2446,16 @@ def apply_preset(cfg: Config, explicit) -> str:
     return preset
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max  # every float flag must fit: AdamW steps in float32
+MAX_LAYERS = 1024  # the model is built block by block before any memory runs out: --layers 1e20 would never end
+
+
 def validate(cfg: Config) -> None:
     """Every bad flag value found before anything is trained, each as one line."""
     seeds = [f.name for f in fields(cfg) if f.name.endswith("seed") and not 0 <= getattr(cfg, f.name) < 2**32]
     if seeds:  # torch.manual_seed overflows past 64 bits with a traceback; numpy's legacy seeding past 32
         raise RunError(f"--{seeds[0].replace('_', '-')} must be in [0, 2**32)")
-    checks = [(cfg.layers >= 1, "--layers must be >= 1"), (cfg.d_model % 2 == 0, "--d-model must be even"),
+    checks = [(1 <= cfg.layers <= MAX_LAYERS, f"--layers must be in [1, {MAX_LAYERS}]"), (cfg.d_model % 2 == 0, "--d-model must be even"),
               (cfg.d_model >= 6, "--d-model must be >= 6 (below, the SwiGLU width floor(2.7·d/16)·16 is 0)"),
               (cfg.n_protos >= 1, "--n-protos must be >= 1"), (cfg.ctx >= 1, "--ctx must be >= 1"),
               (cfg.batch_size >= 1, "--batch-size must be >= 1"), (cfg.max_iters >= 1, "--max-iters must be >= 1"),
@@ -2432,13 +2466,14 @@ def validate(cfg: Config) -> None:
               (0 <= cfg.warmup_frac <= 1, "--warmup-frac must be in [0, 1]"),
               (cfg.weight_decay >= 0, "--weight-decay must be >= 0"), (cfg.grad_clip >= 0, "--grad-clip must be >= 0"),
               (cfg.early_stop >= 0, "--early-stop must be >= 0 (0: off)"),
-              (cfg.conv_layers >= 0, "--conv-layers must be >= 0"), (cfg.label_windows >= 1, "--label-windows must be >= 1"),
+              (0 <= cfg.conv_layers <= MAX_LAYERS, f"--conv-layers must be in [0, {MAX_LAYERS}]"), (cfg.label_windows >= 1, "--label-windows must be >= 1"),
               (cfg.sample_tokens >= 0, "--sample-tokens must be >= 0"), (cfg.heads >= 1, "--heads must be >= 1"),
               (cfg.temperature >= 0, "--temperature must be >= 0 (0: greedy)"),
               (cfg.top_k >= 0, "--top-k must be >= 0 (0: off)"),
               (0 < cfg.top_p <= 1, "--top-p must be in (0, 1] (1: off)"),
               (0 < cfg.repetition_penalty < math.inf, "--repetition-penalty must be > 0 and finite (1: off)"),
               (cfg.no_repeat_ngram_size >= 0, "--no-repeat-ngram-size must be >= 0 (0: off)"),
+              (cfg.out_dir.strip() != "", "--out-dir is empty (. names the current folder)"),
               (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file")]
     if cfg.mixer == "attention" or cfg.compare or cfg.bench:  # --bench times the attention baseline too
         checks.append((cfg.d_model % cfg.heads == 0 and (cfg.d_model // cfg.heads) % 2 == 0,
@@ -2446,9 +2481,10 @@ def validate(cfg: Config) -> None:
     for ok, msg in checks:
         if not ok:
             raise RunError(msg)
-    bad = [f.name for f in fields(cfg) if isinstance(v := getattr(cfg, f.name), float) and not math.isfinite(v)]
-    if bad:  # --lr inf passes "> 0" and would train to a NaN loss
-        raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number")
+    # finite and in float32's range: --lr inf or 1e39 passes "> 0", then trains to a NaN loss or overflows in AdamW
+    bad = [f.name for f in fields(cfg) if isinstance(v := getattr(cfg, f.name), float) and not abs(v) <= FLOAT32_MAX]
+    if bad:
+        raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number of at most {FLOAT32_MAX:.1e} (float32)")
     if (cfg.intervene or cfg.find_prototype not in ("auto", "off")) and cfg.mixer != "proto" and not cfg.compare:
         raise RunError("--intervene and --find-prototype need --mixer proto")
     if cfg.intervene:
@@ -2514,7 +2550,7 @@ def load_weights(model: nn.Module, state: dict, path: Path) -> None:
     """load_state_dict, with one line for a checkpoint of another shape or one that holds NaN/inf weights."""
     try:
         model.load_state_dict(state)
-    except RuntimeError as e:
+    except (RuntimeError, TypeError, AttributeError) as e:  # a wrong shape or key; a value that is no tensor
         raise RunError(f"{path} does not fit this model ({str(e).splitlines()[-1].strip()})") from None
     if not all(t.isfinite().all() for t in model.state_dict().values() if t.is_floating_point()):
         raise RunError(f"{path} holds non-finite weights (a diverged or damaged run); delete it or retrain")

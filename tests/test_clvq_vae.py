@@ -433,7 +433,9 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     # the codebook was initialised at step 0 and the run goes on from the checkpoint's random state
     rc, err = call_main(cv.main, ["--resume", "--max-iters", "12", "--init-seed", "3", *named], capsys, monkeypatch)
     assert rc == 1 and err.count("\n") == 1 and "was trained with init_seed=42 (asked 3), which --resume cannot" in err
-    for field, value in [("step", "nine"), ("history", {}), ("schedule", {"scale": 1.0}), ("best", {"x": 1})]:
+    for field, value in [("step", "nine"), ("history", {}), ("history", {**ck["history"], "train": [None]}),
+                         ("schedule", {"scale": 1.0}), ("best", {"x": 1}), ("best", {"step": 1, "model": {}}),
+                         ("model", "x"), ("optimizer", "x")]:
         torch.save({**ck, field: value}, tmp_path / "ckpt-clvq-l1-h2.pt")  # each once a traceback in train()
         rc, err = call_main(cv.main, ["--resume", "--max-iters", "12", *named], capsys, monkeypatch)
         assert rc == 1 and err.count("\n") == 1 and f"is a damaged checkpoint ({field}: not what" in err, err
@@ -471,6 +473,11 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     (["--genres", "comedies,comedies"], 1, "--genres comedies,comedies: each genre once"),
     (["--baselines", "kmeans,sae,kmeans"], 1, "--baselines kmeans,sae,kmeans: each baseline once"),
     (["--lr", "nan"], 1, "--lr must be a finite number"),
+    (["--lr", "1e39"], 1, "--lr must be a finite number of at most 3.4e+38 (float32)"),
+    (["--sae-lr", "1e39"], 1, "--sae-lr must be a finite number of at most 3.4e+38"),
+    (["--weight-decay", "1e300"], 1, "--weight-decay must be a finite number of at most 3.4e+38"),
+    (["--dec-layers", "100000000000000000000"], 1, "--dec-layers must be in [1, 1024]"),
+    (["--out-dir", ""], 1, "--out-dir is empty (. names the current folder)"),
     (["--init-rows", "4"], 1, "--init-rows must be at least --codebook-size"),
     (["--baselines", "kmeans,pca"], 1, "--baselines: unknown pca; a comma list of kmeans, vq, sae"),
     (["--baselines", "kmeans,,vq"], 1, "--baselines 'kmeans,,vq': an empty item in the comma list"),

@@ -448,8 +448,24 @@ def test_local_path_errors(tmp_path, monkeypatch):
     for bad, name in ((tmp_path / "model.txt", "model.txt"), (tmp_path / "utf16", "a.txt")):
         with pytest.raises(DataError, match=rf"{name} holds NUL bytes: a binary file, or text not in UTF-8"):
             common.prepare(str(bad), cache_dir=tmp_path / "cache")
+    # random bytes without NULs, or Latin-1 text: mostly U+FFFD once decoded, refused; a stray bad byte is kept
+    (tmp_path / "noise.txt").write_bytes(bytes(range(1, 256)) * 40)
+    (tmp_path / "latin1.txt").write_bytes("été à Orléans, où ça déçoit\n".encode("latin-1") * 50)
+    for name in ("noise.txt", "latin1.txt"):
+        with pytest.raises(DataError, match=rf"{name}: \d+% of its characters are not UTF-8"):
+            common.prepare(str(tmp_path / name), cache_dir=tmp_path / "cache")
     assert not any((tmp_path / "cache").glob("*/meta.json"))
+    assert common._read_text(_write(tmp_path / "stray.txt", b"words " * 100 + b"\xff")).endswith("\ufffd")
+    if hasattr(os, "mkfifo"):  # a named pipe would block the read forever
+        os.mkfifo(tmp_path / "pipe.txt")
+        with pytest.raises(DataError, match="pipe.txt: not a regular file"):
+            common.prepare(str(tmp_path / "pipe.txt"), cache_dir=tmp_path / "cache")
 
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
 
 # ---------------------------------------------------------------- hub corpora (simulated)
 
@@ -661,6 +677,8 @@ def test_cli_prints_statistics(tmp_path):
     (["--dataset", "no/such/path"], 1, "error: dataset 'no/such/path' is neither"),
     (["--tokenizer", "sentencepiece"], 2, "invalid choice: 'sentencepiece'"),
     (["--compact", "-3"], 1, "error: --compact must be none, train or an integer >= 2"),
+    (["--compact", "²"], 1, "error: --compact must be none, train or an integer >= 2, not '²'"),  # isdigit() is true
+    (["--compact", "٣"], 1, "error: --compact must be none, train or an integer >= 2, not '٣'"),  # int() reads it
     (["--frobnicate"], 2, "unrecognized arguments: --frobnicate"),
     (["--cache-dir", "README.md"], 1, "error: building the token cache in README.md: File exists"),
     (["--cache-dir", "README.md/sub"], 1, "error: building the token cache in README.md/sub: Not a directory"),

@@ -360,11 +360,21 @@ def test_damaged_checkpoints_are_one_line_errors(name, tmp_path, cache_dir):
         mod.load_checkpoint(damaged(lambda ck: ck.pop("rng")), cfg)
     with pytest.raises(mod.RunError, match=r"incomplete checkpoint \(no rng.data\)"):
         mod.load_checkpoint(damaged(lambda ck: ck["rng"].pop("data")), cfg)
+    def history(**kw):
+        return lambda ck: ck["history"].update(kw)
     wrong = [("step", lambda ck: ck.update(step="ten")), ("best_val_loss", lambda ck: ck.update(best_val_loss=None)),
-             ("history", lambda ck: ck.update(history={})), ("history", lambda ck: ck["history"].update(train=None)),
+             ("best_val_loss", lambda ck: ck.update(best_val_loss=float("nan"))),  # would never improve
+             ("history", lambda ck: ck.update(history={})), ("history", history(train=None)),
+             # each once a traceback in early stopping, the loss figure or the report's tables
+             ("history", history(step=["10"], val=[4.0])), ("history", history(train=[None])),
+             ("history", history(train=[[1, "x"]])), ("history", history(step=[10, 20], val=[4.0])),
+             ("model", lambda ck: ck.update(model="x")), ("optimizer", lambda ck: ck.update(optimizer="x")),
              ("tokenizer", lambda ck: ck.update(tokenizer={"bogus": 1}))]
+    if name == "prism":
+        wrong.append(("history", history(step=[10, 20], val=[4.0, 3.0], evals=["x", 1])))
     if name == "protot":  # the best evaluation's weights, which the analyses load
-        wrong.append(("best", lambda ck: ck.update(best={"x": 1})))
+        wrong += [("best", lambda ck: ck.update(best={"x": 1})),
+                  ("best", lambda ck: ck.update(best={"step": 1, "model": {}}))]  # once a traceback in train()'s end
     for field, edit in wrong:  # each once a traceback in resume_note, train() or check_tokenizer
         with pytest.raises(mod.RunError, match=rf"bad.pt is a damaged checkpoint \({field}: not what "):
             mod.load_checkpoint(damaged(edit), cfg)

@@ -629,7 +629,7 @@ def test_gap_needs_a_twin_trained_with_the_same_recipe(tmp_path):
     """--no-twin reads the twin's history from its checkpoint; a twin of another recipe gives no gap (and says
     why) rather than a gap at equal step numbers between two different schedules."""
     cfg = prism.Config(out_dir=str(tmp_path), head="prism")
-    hist = {**{k: [] for k in prism.HISTORY_KEYS}, "step": [5], "val": [6.0]}
+    hist = {**{k: [] for k in prism.HISTORY_KEYS}, "step": [5], "val": [6.0], "evals": [{"ce": 6.0}]}
 
     def twin(**kw):
         save_envelope(tmp_path / "ckpt-dense.pt", "prism",
@@ -832,7 +832,11 @@ def test_resume_checks_the_seeding_of_a_prism_that_starts_from_step_0(tmp_path, 
     (["--head", "sparse"], 2, "invalid choice: 'sparse'"),
     (["--resid-grad", "none"], 2, "invalid choice: 'none'"),
     (["--layerz", "6"], 2, "unrecognized arguments: --layerz"),
-    (["--layers", "0"], 1, "error: --layers must be >= 1"),
+    (["--layers", "0"], 1, "error: --layers must be in [1, 1024]"),
+    (["--layers", "100000000000000000000"], 1, "error: --layers must be in [1, 1024]"),
+    (["--lr", "1e39"], 1, "--lr must be a finite number of at most 3.4e+38 (float32)"),
+    (["--weight-decay", "1e300"], 1, "--weight-decay must be a finite number of at most 3.4e+38"),
+    (["--out-dir", ""], 1, "--out-dir is empty (. names the current folder)"),
     (["--d-model", "30", "--heads", "4"], 1, "must split into --heads 4 heads"),
     (["--topk", "0"], 1, "--topk must be in [1, --n-protos]"),
     (["--n-protos", "100000"], 1, "k-means++ seeding draws K=100000 prototypes from one batch"),

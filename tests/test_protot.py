@@ -102,6 +102,17 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     assert out.tolist() == [[1.0, -2.0, 0.5, 3.0], [2.0, -1.0, 0.5, 1.5]]
 
 
+def test_a_penalty_or_temperature_past_float32_stays_finite():
+    """A penalty near 0 sends a seen positive logit past float32 (2 / 1e-300), a temperature near 0 any large logit:
+    held at the largest float32, the draw still works (inf - inf was a NaN softmax and multinomial's error)."""
+    logits, ids = torch.tensor([[2.0, -1.0, 0.5, 1e38]]), torch.tensor([[0, 1]])
+    out = protot.sampling_logits(logits, ids, **{**OFF, "repetition_penalty": 1e-300, "top_p": 0.9})
+    assert out[0, 0] == torch.finfo(torch.float32).max and out[0, 1] <= 0  # -1 · 1e-300 underflows to -0
+    assert out.softmax(-1).isfinite().all() and int(torch.multinomial(out.softmax(-1), 1)) == 0
+    hot = protot.sampling_logits(logits, ids, **{**OFF, "temperature": 1e-9, "top_k": 2})  # 1e38 / 1e-6
+    assert hot.isfinite().tolist() == [[True, False, False, True]] and hot.softmax(-1).isfinite().all()
+
+
 def test_no_repeat_ngram_bans_the_token_that_would_repeat_an_ngram():
     def banned(ids, n, vocab=10):
         out = protot.sampling_logits(torch.zeros(1, vocab), torch.tensor([ids]), **{**OFF, "no_repeat_ngram_size": n})
@@ -357,11 +368,16 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache_dir, 
         return out
     monkeypatch.setattr(ProtoT, "forward", forward)
     cfg = tiny_cfg(tmp_path, cache_dir)
-    with pytest.raises(protot.RunError, match="non-finite loss before step 15 \\(or non-finite weights\\); stopping \\(the last good checkpoint is"):
+    with pytest.raises(protot.RunError, match="non-finite loss before step 15 \\(or non-finite weights\\); stopping \\(the last good checkpoint is .*ckpt-proto.pt, step 10\\)"):
         protot.train(cfg, common.load_data(cache_dir=cache_dir), torch.device("cpu"), torch.autocast("cpu", enabled=False),
                      dict(ddp=False, rank=0, local_rank=0, world=1), log=lambda m: None)
     ck = torch.load(protot.ckpt_path(cfg), weights_only=True)
     assert ck["step"] == 10 and all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
+    # a fresh run that fails before its first evaluation: the file there is the earlier run's, and says so
+    calls[:] = [1] * 12
+    with pytest.raises(protot.RunError, match="before step 5 .*\\(this run wrote no checkpoint; .*ckpt-proto.pt is an earlier run's\\)"):
+        protot.train(cfg, common.load_data(cache_dir=cache_dir), torch.device("cpu"), torch.autocast("cpu", enabled=False),
+                     dict(ddp=False, rank=0, local_rank=0, world=1), log=lambda m: None)
 
 
 def test_gate_lag_finds_the_read_one_token_ahead():
@@ -437,7 +453,11 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
 @pytest.mark.parametrize("args,code,needle", [
     (["--mixer", "mamba"], 2, "invalid choice: 'mamba'"),
     (["--layerz", "6"], 2, "unrecognized arguments: --layerz"),
-    (["--layers", "0"], 1, "error: --layers must be >= 1"),
+    (["--layers", "0"], 1, "error: --layers must be in [1, 1024]"),
+    (["--layers", "100000000000000000000"], 1, "error: --layers must be in [1, 1024]"),
+    (["--lr", "1e39"], 1, "--lr must be a finite number of at most 3.4e+38 (float32)"),
+    (["--weight-decay", "1e300"], 1, "--weight-decay must be a finite number of at most 3.4e+38"),
+    (["--out-dir", ""], 1, "--out-dir is empty (. names the current folder)"),
     (["--mixer", "attention", "--d-model", "30", "--heads", "4"], 1, "must split into --heads 4 heads"),
     (["--no-train", "--intervene", "0:1"], 1, "error: no checkpoint at"),
     (["--no-train", "--resume"], 1, "--resume continues training and --no-train trains nothing; give one"),
