@@ -3163,8 +3163,8 @@ def bench_head(runs: dict, x, y, step_extra_ms: float, device, autocast, log=pri
     out = {"dense_ms": ms["dense"], "prism_ms": ms["prism"], "extra_ms": ms["prism"] - ms["dense"],
            "topk_ms": ms["topk"], "step_extra_ms": step_extra_ms}
     log(f"head alone, forward + backward from fixed hidden states: dense {ms['dense']:.2f} ms, PRISM "
-        f"{ms['prism']:.2f} ms (+{out['extra_ms']:.2f} ms; its top-k with the pairs {ms['topk']:.2f} ms); "
-        f"the whole step's extra {step_extra_ms:.2f} ms")
+        f"{ms['prism']:.2f} ms ({out['extra_ms']:+.2f} ms; its top-k with the pairs {ms['topk']:.2f} ms); "
+        f"the whole step's extra {step_extra_ms:+.2f} ms")
     return out
 
 
