@@ -2231,7 +2231,8 @@ def history_ok(hist) -> bool:
 def same_layout(state, like) -> bool:
     """state is a state dict with like's keys and tensor shapes (the best weights against the last ones)."""
     return (isinstance(state, dict) and state.keys() == like.keys()
-            and all(isinstance(v, torch.Tensor) and v.shape == like[k].shape for k, v in state.items()))
+            and all(isinstance(v, torch.Tensor) and isinstance(like[k], torch.Tensor) and v.shape == like[k].shape
+                    for k, v in state.items()))
 
 
 def damaged_fields(ck: dict) -> list[str]:

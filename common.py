@@ -220,19 +220,21 @@ def _local_files(path: Path) -> list[Path]:
     return [path]
 
 
-MAX_UNDECODABLE = 0.01  # the share of U+FFFD in a decoded text file above which it is refused as not UTF-8
+MAX_UNDECODABLE = (0.01, 8)  # a text file with more invalid UTF-8 than this share of its characters and count is refused
 
 
 def _read_text(f: Path) -> str:
     """A local text file as UTF-8 (a stray invalid byte becomes U+FFFD). NUL bytes mean it is no UTF-8 text at all
-    (a binary file, or UTF-16), and so does more than MAX_UNDECODABLE of U+FFFD (random bytes, or Latin-1 text full
-    of accents): training on either would learn garbage, so both are refused."""
+    (a binary file, or UTF-16), and so do more than MAX_UNDECODABLE of invalid sequences (random bytes, or Latin-1
+    text full of accents): training on either would learn garbage, so both are refused. A U+FFFD that the file
+    itself holds (valid UTF-8, EF BF BD) is text, not an error."""
     data = f.read_bytes()
     if b"\x00" in data:
         raise DataError(f"{f} holds NUL bytes: a binary file, or text not in UTF-8 (UTF-16?); convert it to UTF-8")
     text = data.decode("utf-8", errors="replace")
-    bad = text.count("\ufffd")
-    if bad > MAX_UNDECODABLE * len(text):
+    bad = text.count("\ufffd") - data.count("\ufffd".encode())
+    share, count = MAX_UNDECODABLE
+    if bad > max(share * len(text), count):
         raise DataError(f"{f}: {bad / len(text):.0%} of its characters are not UTF-8: a binary file, or text in "
                         "another encoding (Latin-1?); convert it to UTF-8")
     return text

@@ -1147,7 +1147,8 @@ def sampling_logits(logits, ids, temperature=0.8, top_k=40, top_p=0.95, repetiti
 
     1 (penalty, top-p) or 0 (top-k, n-gram) turns a step off; with all four off this is the plain
     temperature sampler. A logit pushed past float32's range (a penalty or a temperature near 0) is held at the
-    largest float32, so no step meets inf - inf."""
+    largest float32 of its sign, so no step meets inf - inf (validate keeps the penalty above float32's smallest
+    normal number: below, it would round to 0 and 0 / 0 is NaN)."""
     logits, n, T = logits.float(), no_repeat_ngram_size, ids.shape[1]
     big = torch.finfo(torch.float32).max
     if repetition_penalty != 1:
@@ -1160,7 +1161,8 @@ def sampling_logits(logits, ids, temperature=0.8, top_k=40, top_p=0.95, repetiti
         banned = torch.zeros_like(logits).scatter_add_(1, ids[:, n - 1:], hit.float()) > 0
         banned &= ~banned.all(-1, keepdim=True)  # every token banned (small n, small vocabulary): no ban, not NaN
         logits = logits.masked_fill(banned, float("-inf"))
-    logits = (logits / max(temperature, 1e-6)).clamp(max=big)  # -inf (banned) stays
+    banned = logits == float("-inf")
+    logits = (logits / max(temperature, 1e-6)).clamp(-big, big).masked_fill(banned, float("-inf"))
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -1453,7 +1455,8 @@ def history_ok(hist) -> bool:
 def same_layout(state, like) -> bool:
     """state is a state dict with like's keys and tensor shapes (the best weights against the last ones)."""
     return (isinstance(state, dict) and state.keys() == like.keys()
-            and all(isinstance(v, torch.Tensor) and v.shape == like[k].shape for k, v in state.items()))
+            and all(isinstance(v, torch.Tensor) and isinstance(like[k], torch.Tensor) and v.shape == like[k].shape
+                    for k, v in state.items()))
 
 
 def damaged_fields(ck: dict) -> list[str]:
@@ -2447,6 +2450,7 @@ def apply_preset(cfg: Config, explicit) -> str:
 
 
 FLOAT32_MAX = torch.finfo(torch.float32).max  # every float flag must fit: AdamW steps in float32
+FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest repetition penalty that float32 does not round to 0
 MAX_LAYERS = 1024  # the model is built block by block before any memory runs out: --layers 1e20 would never end
 
 
@@ -2471,7 +2475,7 @@ def validate(cfg: Config) -> None:
               (cfg.temperature >= 0, "--temperature must be >= 0 (0: greedy)"),
               (cfg.top_k >= 0, "--top-k must be >= 0 (0: off)"),
               (0 < cfg.top_p <= 1, "--top-p must be in (0, 1] (1: off)"),
-              (0 < cfg.repetition_penalty < math.inf, "--repetition-penalty must be > 0 and finite (1: off)"),
+              (FLOAT32_TINY <= cfg.repetition_penalty, f"--repetition-penalty must be >= {FLOAT32_TINY:.1e} (1: off)"),
               (cfg.no_repeat_ngram_size >= 0, "--no-repeat-ngram-size must be >= 0 (0: off)"),
               (cfg.out_dir.strip() != "", "--out-dir is empty (. names the current folder)"),
               (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file")]

@@ -323,7 +323,7 @@ def check_cuda_run(script: str, args: list, out_dir, ckpts: list[str], steps: in
 
 def check_step_never_waits(model, optimizer, x, y, grad_clip: float, on_stats=None, warmup: int = 2) -> bool:
     """One training step as the scripts' train() runs it on CUDA (bf16 autocast, the NaN flag, on_stats(stats)
-    for a model that returns (loss, stats), clipping, AdamW), `warmup` times, then once under
+    for a model that returns (loss, stats), clipping when grad_clip > 0, AdamW), `warmup` times, then once under
     torch.cuda.set_sync_debug_mode("error"), where any call that makes the host wait for the GPU (.item(), a
     nonzero, a bincount without minlength, a device-to-host copy) raises, its traceback naming the op. A step that
     waits drains the GPU's queue: the launches after it are paid for in full, no longer hidden behind the kernels
@@ -340,7 +340,8 @@ def check_step_never_waits(model, optimizer, x, y, grad_clip: float, on_stats=No
         bad.logical_or_(~torch.isfinite(loss.detach()))
         if on_stats is not None:
             on_stats(stats)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     for _ in range(warmup):

@@ -456,6 +456,9 @@ def test_local_path_errors(tmp_path, monkeypatch):
             common.prepare(str(tmp_path / name), cache_dir=tmp_path / "cache")
     assert not any((tmp_path / "cache").glob("*/meta.json"))
     assert common._read_text(_write(tmp_path / "stray.txt", b"words " * 100 + b"\xff")).endswith("\ufffd")
+    assert common._read_text(_write(tmp_path / "short.txt", "3 \u20ac".encode()[:-1])) == "3 \ufffd"  # a cut euro sign
+    held = "a replacement character \ufffd here\n" * 40  # valid UTF-8 that holds U+FFFD itself: 3 % of it
+    assert common._read_text(_write(tmp_path / "held.txt", held.encode())) == held
     if hasattr(os, "mkfifo"):  # a named pipe would block the read forever
         os.mkfifo(tmp_path / "pipe.txt")
         with pytest.raises(DataError, match="pipe.txt: not a regular file"):

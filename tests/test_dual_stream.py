@@ -137,11 +137,34 @@ def test_head_mix_equals_its_matrix(kind):
     structured ones)."""
     torch.manual_seed(0)
     mix = ds.HeadMix(kind, 4, 32, 0.3).double()
-    x = torch.randn(3, 5, 32, dtype=torch.float64)
-    torch.testing.assert_close(mix(x), x @ mix.matrix().double().T)
+    x = torch.randn(3, 5, 32, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 5, 32, dtype=torch.float64)
+    y = mix(x)
+    torch.testing.assert_close(y, x @ mix.matrix().double().T)
     n = {"identity": 0, "independent": 4 * 8 * 8, "kronecker": 16, "dense": 32 * 32}[kind]
     assert sum(p.numel() for p in mix.parameters()) == n
+    if kind == "identity":
+        return
+    # the gradients too: into x, and into the weight through the matrix it stands for
+    gx, gw = torch.autograd.grad((y * g).sum(), (x, mix.weight))
+    w = mix.weight.detach().clone().requires_grad_()
+    full = {"independent": lambda: torch.block_diag(*w), "kronecker": lambda: torch.kron(w, torch.eye(8).double()),
+            "dense": lambda: w}[kind]()
+    rx, rw = torch.autograd.grad(((x @ full.T) * g).sum(), (x, w))
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gw, rw)
 
+
+@pytest.mark.parametrize("kind", ["independent", "kronecker", "dense"])
+def test_head_mix_under_autocast_computes_in_bf16(kind):
+    """Under bf16 autocast each structured mixing runs in bf16 like the dense one, and stays close to fp32."""
+    torch.manual_seed(0)
+    mix = ds.HeadMix(kind, 4, 32, 0.3)
+    x = torch.randn(3, 5, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mix(x)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    check_close(f"{kind} bf16", mix(x), y.float(), ratio=2e-2)
 
 def test_cln_is_layernorm_per_head_slice():
     torch.manual_seed(0)

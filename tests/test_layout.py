@@ -374,7 +374,9 @@ def test_damaged_checkpoints_are_one_line_errors(name, tmp_path, cache_dir):
         wrong.append(("history", history(step=[10, 20], val=[4.0, 3.0], evals=["x", 1])))
     if name == "protot":  # the best evaluation's weights, which the analyses load
         wrong += [("best", lambda ck: ck.update(best={"x": 1})),
-                  ("best", lambda ck: ck.update(best={"step": 1, "model": {}}))]  # once a traceback in train()'s end
+                  ("best", lambda ck: ck.update(best={"step": 1, "model": {}})),  # once a traceback in train()'s end
+                  ("best", lambda ck: ck.update(best={"step": 1, "model": dict(ck["model"])},  # the last weights
+                                                model={**ck["model"], next(iter(ck["model"])): "x"}))]  # damaged
     for field, edit in wrong:  # each once a traceback in resume_note, train() or check_tokenizer
         with pytest.raises(mod.RunError, match=rf"bad.pt is a damaged checkpoint \({field}: not what "):
             mod.load_checkpoint(damaged(edit), cfg)

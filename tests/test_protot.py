@@ -103,14 +103,19 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
 
 
 def test_a_penalty_or_temperature_past_float32_stays_finite():
-    """A penalty near 0 sends a seen positive logit past float32 (2 / 1e-300), a temperature near 0 any large logit:
-    held at the largest float32, the draw still works (inf - inf was a NaN softmax and multinomial's error)."""
-    logits, ids = torch.tensor([[2.0, -1.0, 0.5, 1e38]]), torch.tensor([[0, 1]])
-    out = protot.sampling_logits(logits, ids, **{**OFF, "repetition_penalty": 1e-300, "top_p": 0.9})
-    assert out[0, 0] == torch.finfo(torch.float32).max and out[0, 1] <= 0  # -1 · 1e-300 underflows to -0
+    """A penalty near 0 sends a seen positive logit past float32 (10 / 1.2e-38, the smallest penalty validate
+    allows), a temperature near 0 any large logit: held at the largest float32 of its sign, the draw still works
+    (inf - inf was a NaN softmax and multinomial's error)."""
+    logits, ids = torch.tensor([[10.0, -1.0, 0.5, 1e38]]), torch.tensor([[0, 1]])
+    out = protot.sampling_logits(logits, ids, **{**OFF, "repetition_penalty": 1.2e-38, "top_p": 0.9})
+    assert out[0, 0] == torch.finfo(torch.float32).max and out[0, 1] < 0  # -1 · 1.2e-38: negative ones are multiplied
     assert out.softmax(-1).isfinite().all() and int(torch.multinomial(out.softmax(-1), 1)) == 0
     hot = protot.sampling_logits(logits, ids, **{**OFF, "temperature": 1e-9, "top_k": 2})  # 1e38 / 1e-6
     assert hot.isfinite().tolist() == [[True, False, False, True]] and hot.softmax(-1).isfinite().all()
+    cold = protot.sampling_logits(torch.tensor([[-1e38, -2e38, -3e38]]), ids[:, :1], **{**OFF, "temperature": 1e-9})
+    assert cold.softmax(-1).isfinite().all()  # every logit past -float32 max: held there, not -inf - -inf
+    zero = protot.sampling_logits(torch.tensor([[0.0, 1.0, -1.0, 2.0]]), ids, **{**OFF, "repetition_penalty": 1.2e-38})
+    assert zero[0, 0] == 0 and zero.softmax(-1).isfinite().all()  # 0 / the smallest penalty validate allows
 
 
 def test_no_repeat_ngram_bans_the_token_that_would_repeat_an_ngram():
@@ -487,8 +492,9 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     (["--seed", "-1"], 1, "--seed must be in [0, 2**32)"),
     (["--top-p", "0"], 1, "--top-p must be in (0, 1]"), (["--top-p", "1.5"], 1, "--top-p must be in (0, 1]"),
     (["--top-p", "nan"], 1, "--top-p must be in (0, 1]"),
-    (["--repetition-penalty", "0"], 1, "--repetition-penalty must be > 0 and finite"),
-    (["--repetition-penalty", "inf"], 1, "--repetition-penalty must be > 0 and finite"),
+    (["--repetition-penalty", "0"], 1, "--repetition-penalty must be >= 1.2e-38 (1: off)"),
+    (["--repetition-penalty", "1e-300"], 1, "--repetition-penalty must be >= 1.2e-38"),  # float32 rounds it to 0
+    (["--repetition-penalty", "inf"], 1, "--repetition-penalty must be a finite number of at most 3.4e+38"),
     (["--no-repeat-ngram-size", "-1"], 1, "--no-repeat-ngram-size must be >= 0"),
     (["--lr", "inf"], 1, "--lr must be a finite number"), (["--weight-decay", "inf"], 1, "--weight-decay must be a"),
     (["--temperature", "-1"], 1, "--temperature must be >= 0 (0: greedy)"),
