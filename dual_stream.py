@@ -820,11 +820,11 @@ class HeadMix(nn.Module):
         return torch.einsum("...hd,gh->...gd", xs, self.weight).flatten(-2)   # kronecker: y_g = Σ_h A[g,h] x_h
 
     def matrix(self) -> torch.Tensor:
-        """The full d×d matrix (tests only), on the weight's device (identity: the CPU)."""
+        """The full d×d matrix (tests only), on the weight's device (identity: the CPU), differentiable in the weight."""
         d = self.H * self.dh
         if self.kind == "identity":
             return torch.eye(d)
-        w = self.weight.detach()
+        w = self.weight
         if self.kind == "dense":
             return w
         if self.kind == "independent":

@@ -386,6 +386,29 @@ def proto_topk_ref(z, P, k):
 # ----------------------------------------------------------------------------------------------------------
 # 2. The chunked torch selection (no autograd: it runs on detached z̄, P̄)
 
+class _NearestPairs:
+    """R1/R2's nearest pairs gathered over row chunks of scores to maximise (g2 over the prototypes, g1 over the
+    tokens; _pair_scores): each token's best prototype (argmax: the lowest index on ties), and each prototype's
+    best token so far, an earlier chunk (the lower token index) keeping it on equal scores. The torch selection
+    and nearest_pairs both fold their chunks here."""
+
+    def __init__(self, N: int, K: int, device):
+        self.proto_of_token = torch.empty(N, dtype=torch.long, device=device)
+        self.best = torch.full((K,), float("-inf"), device=device)
+        self.token_of_proto = torch.zeros(K, dtype=torch.long, device=device)
+
+    def add(self, r0: int, g2, g1) -> None:
+        self.proto_of_token[r0:r0 + g2.shape[0]] = g2.argmax(1)
+        col, arg = g1.max(0)
+        better = col > self.best  # strict: on equal scores the earlier chunk keeps it
+        self.best = torch.where(better, col, self.best)
+        self.token_of_proto = torch.where(better, arg + r0, self.token_of_proto)
+
+    def result(self):
+        """-> (proto_of_token [N], token_of_proto [K])"""
+        return self.proto_of_token, self.token_of_proto
+
+
 # Selection only (no autograd), with a data-dependent nonzero and a Python loop over chunks: kept out of
 # torch.compile graphs too, so dynamo neither unrolls the loop nor breaks the graph inside it.
 @torch.compiler.disable
@@ -400,21 +423,13 @@ def _proto_topk_select_torch(zn, Pn, k, pairs=None, zr=None, pr=None):
     N, K = zn.shape[0], Pn.shape[0]
     idx = torch.empty(N, k, dtype=torch.long, device=zn.device)
     act = torch.empty(N, k, dtype=zn.dtype, device=zn.device)
-    if pairs is not None:
-        proto_of_token = torch.empty(N, dtype=torch.long, device=zn.device)
-        best = torch.full((K,), float("-inf"), device=zn.device)
-        token_of_proto = torch.zeros(K, dtype=torch.long, device=zn.device)
+    near = None if pairs is None else _NearestPairs(N, K, zn.device)
     rows = max(1, _TOPK_CHUNK_ELEMS // K)
     for r0 in range(0, N, rows):
         with full_fp32():  # fp32 like the Triton kernel's 3xTF32 tl.dot: TF32 would reorder near-equal cosines (§7)
             s = zn[r0:r0 + rows] @ Pn.T  # [C, K]
-        if pairs is not None:  # before the ReLU: a nearest pair may have a negative cosine
-            g2, g1 = _pair_scores(s, pairs, None if zr is None else zr[r0:r0 + rows], pr)
-            proto_of_token[r0:r0 + rows] = g2.argmax(1)
-            col, arg = g1.max(0)
-            better = col > best  # strict: on equal scores the earlier chunk (the lower token index) keeps it
-            best = torch.where(better, col, best)
-            token_of_proto = torch.where(better, arg + r0, token_of_proto)
+        if near is not None:  # before the ReLU: a nearest pair may have a negative cosine
+            near.add(r0, *_pair_scores(s, pairs, None if zr is None else zr[r0:r0 + rows], pr))
         s = s.relu_()
         C = s.shape[0]
         kth = s.topk(k, dim=1, sorted=False).values.amin(1, keepdim=True)  # [C, 1]: t_n
@@ -427,7 +442,7 @@ def _proto_topk_select_torch(zn, Pn, k, pairs=None, zr=None, pr=None):
         order = torch.sort(vals, dim=1, descending=True, stable=True).indices  # stable: index order kept on ties
         idx[r0:r0 + rows] = chosen.gather(1, order)
         act[r0:r0 + rows] = vals.gather(1, order)
-    return idx, act, None if pairs is None else (proto_of_token, token_of_proto)
+    return idx, act, None if near is None else near.result()
 
 
 def _pair_scores(s, pairs, zr, pr):
@@ -786,22 +801,15 @@ def nearest_pairs(z, P, dist="l2", chunk=4096):
         z, P = F.normalize(z, dim=-1), F.normalize(P, dim=-1)
     else:
         pp, zz = P.pow(2).sum(-1), z.pow(2).sum(-1)
-    proto_of_token = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
-    best = torch.full((P.shape[0],), float("-inf"), device=z.device)
-    token_of_proto = torch.zeros(P.shape[0], dtype=torch.long, device=z.device)
+    near = _NearestPairs(z.shape[0], P.shape[0], z.device)
     for s in range(0, z.shape[0], chunk):
         with full_fp32():  # IEEE fp32 (TF32 is on for the backbone on CUDA): this GEMM runs at the fp32 rate
             dot = z[s:s + chunk] @ P.T  # -|z-p|² = 2 z·p - |z|² - |p|²
         if dist == "cosine":
-            g2 = g1 = dot
+            near.add(s, dot, dot)
         else:
-            g2, g1 = 2 * dot - pp, 2 * dot - zz[s:s + chunk, None]
-        proto_of_token[s:s + chunk] = g2.argmax(1)
-        col, arg = g1.max(0)
-        better = col > best
-        best = torch.where(better, col, best)
-        token_of_proto = torch.where(better, arg + s, token_of_proto)
-    return proto_of_token, token_of_proto
+            near.add(s, 2 * dot - pp, 2 * dot - zz[s:s + chunk, None])
+    return near.result()
 
 
 def pair_distance(a, b, dist="l2"):
@@ -3137,10 +3145,10 @@ def bench_head(runs: dict, x, y, step_extra_ms: float, device, autocast, log=pri
     R1/R2 pairs (proto_topk, forward + backward through a), timed side by side. The head's extra time near the whole
     step's says the head is the cost; a step's extra well above it, that something around the head is (a wait for
     the GPU, say)."""
-    ms = {}
+    ms, hidden = {}, {}
     for h, (m, _) in runs.items():
         with torch.no_grad(), autocast:
-            z = m.hidden(x).requires_grad_()
+            z = hidden[h] = m.hidden(x).requires_grad_()
 
         def head():
             with autocast:
@@ -3150,8 +3158,7 @@ def bench_head(runs: dict, x, y, step_extra_ms: float, device, autocast, log=pri
             z.grad = None
         ms[h] = 1e3 * bench_time(head, device)
     m = runs["prism"][0]
-    with torch.no_grad(), autocast:
-        zf = m.hidden(x).flatten(0, 1).requires_grad_()
+    zf = hidden["prism"].detach().flatten(0, 1).requires_grad_()
 
     def topk():
         with autocast:
