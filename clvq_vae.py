@@ -64,6 +64,11 @@ Choices where the spec is open (spec §10), each a Config switch where results c
     query may always attend to itself, so a padded query row is never empty (no NaN; pads carry no loss);
     --dec-memory unquantised (default, as the code) | quantised (ablation: no continuous bypass) (§3, §10.2, §10.4).
   * Distances, top-k, EMA and the codebook stay fp32 with autocast off; only the decoder may run in bf16 (§10.12).
+    --dot-precision fp32 (default; the kernel's dots 3xTF32, near fp32) | bf16: every nearest-code search (the
+    quantiser's draws, nearest codes and k-means init, the k-means baseline) computes (2) on the rows and codes
+    rounded to bf16, accumulated in fp32: one tensor-core product instead of three and half the bytes, so the
+    search's speed depends on it (`--bench` times both); codes within bf16's rounding of each other may swap.
+    The EMA and the codebook stay fp32 either way.
   * The EMA sums are all-reduced under torch.distributed, so every rank keeps the same codebook.
   * Padding: rows with |x| <= 1e-6 (the official rule) unless the caller passes a mask.
   * Concept -> token map (§7, §10.8): only the deterministic one, each word's nearest code (argmin) under the
@@ -142,7 +147,8 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     python clvq_vae.py                       # train CLVQ-VAE, baselines, fidelity, cards -> out/clvq_vae/report.html
     python clvq_vae.py --no-train            # the analyses on the saved checkpoints
     python clvq_vae.py --layer-l 3 --layer-h 6 --codebook-size 256
-    python clvq_vae.py --bench               # the search: kernel vs the reference vs cdist + topk
+    python clvq_vae.py --bench               # the search: kernel vs the reference vs cdist + topk (and with bf16 dots)
+    python clvq_vae.py --dot-precision bf16  # every nearest-code search on bf16-rounded rows and codes
     torchrun --standalone --nproc_per_node=8 clvq_vae.py   # DDP; --batch-size is the global batch (sentences)
 
 Expected (CPU preset, 2 cores): `python clvq_vae.py` takes about 4 minutes (4 min 15 s on 2026-12-01's machine,
@@ -235,6 +241,9 @@ class Config:
         default="unquantised", metadata={"help": "decoder cross-attends to z (default) or to the codes (ablation, §10.4)"})
     kernels: Literal["auto", "triton", "torch"] = field(
         default="auto", metadata={"help": "vq_search backend: Triton on CUDA (auto), torch otherwise"})
+    dot_precision: Literal["fp32", "bf16"] = field(default="fp32", metadata={
+        "help": "every nearest-code search's distances: fp32 (§10.12), or of the rows and codes rounded to bf16, "
+                "with fp32 accumulation (faster on tensor cores; near-equal codes may swap)"})
     # data (the data section; spec §5)
     model: str = field(default="all-MiniLM-L6-v2", metadata={
         "help": "source LM: all-MiniLM-L6-v2 (packaged, offline), a local model folder, or a hub id"})
@@ -415,6 +424,12 @@ def names(spec: str) -> list[str]:
 #
 # Dispatch (`backend` in VQ_SEARCH_BACKENDS): "auto" = Triton when the tensors are on CUDA and triton imports,
 # else the chunked torch form; "triton" = the kernel (on CPU only under TRITON_INTERPRET=1); "torch" = chunked.
+#
+# Precision (`precision`, --dot-precision): "fp32" is (2) on x and e as they are (fp32 after the upcast; the kernel's
+# tl.dot runs 3xTF32, VQ_DOT_PRECISION). "bf16" is (2) on x and e rounded to bf16: the squared norms and the products
+# of the rounded values are exact in fp32 and only the accumulation rounds, so every form computes the same
+# distances as the fp32 path would on the rounded inputs; the kernel feeds them to the tensor cores as bf16 (one
+# product instead of three, half the bytes). Codes closer than the rounding (bf16 keeps 8 bits) may swap.
 
 VQ_SEARCH_BACKENDS = ("auto", "triton", "torch")
 VQ_MAX_K = 32  # the longest running list the kernel keeps in registers (compiled for sm_90 in the tests); "auto"
@@ -424,6 +439,7 @@ VQ_MAX_K = 32  # the longest running list the kernel keeps in registers (compile
 # the search took 11.6 ms with 3xTF32 and 128-row blocks, against 60.7 with "ieee" (FMA units) and 64-row blocks,
 # drawing the same codes as the IEEE reference. Plain TF32 would reorder near-equal distances. "ieee" stays a choice.
 VQ_DOT_PRECISION = "tf32x3"
+VQ_PRECISIONS = ("fp32", "bf16")  # the distances' operands (below); accumulation is fp32 in both
 _VQ_CHUNK_ELEMS = 1 << 22  # distance entries per row chunk of the torch form (16 MiB of fp32)
 
 
@@ -443,6 +459,14 @@ def full_fp32():
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _rounded(t, precision):
+    """The distance operands of `precision` (section header): t itself for "fp32", else t rounded to bf16 (through
+    fp32, as the forms round) and held in t's dtype."""
+    if precision not in VQ_PRECISIONS:
+        raise ValueError(f"precision must be one of {VQ_PRECISIONS}, got {precision!r}")
+    return t if precision == "fp32" else t.float().to(torch.bfloat16).to(t.dtype)
 
 
 def _distances(x, e):
@@ -493,20 +517,22 @@ def _uniforms(x, temperature, generator, uniforms):
     return uniforms.float()
 
 
-def vq_search_reference(x, codebook, k, temperature, generator=None, uniforms=None):
+def vq_search_reference(x, codebook, k, temperature, generator=None, uniforms=None, precision="fp32"):
     """The readable truth of (2)+(3): the whole [N, K] distance matrix, a stable sort, softmax, cumsum, inverse CDF.
     -> (idx [N] int64, dist [N]), dist in fp32 (fp64 for fp64 inputs)."""
     _check_args(x, codebook, k, temperature, uniforms)
+    x, codebook = _rounded(x.detach(), precision), _rounded(codebook.detach(), precision)
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         u = _uniforms(x, temperature, generator, uniforms)
-        return _select_rows(x.detach(), codebook.detach(), k, temperature, u)[2:]
+        return _select_rows(x, codebook, k, temperature, u)[2:]
 
 
-def vq_topk_reference(x, codebook, k):
+def vq_topk_reference(x, codebook, k, precision="fp32"):
     """The k nearest codes of every row, (distance asc, index asc): (top [N, k] int64, top_d [N, k])."""
     _check_args(x, codebook, k, 0.0, None)
+    x, codebook = _rounded(x.detach(), precision), _rounded(codebook.detach(), precision)
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-        return _select_rows(x.detach(), codebook.detach(), k, 0.0, None)[:2]
+        return _select_rows(x, codebook, k, 0.0, None)[:2]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -551,7 +577,8 @@ def _vq_select_torch(x, e, k, temperature, u):
 # unique, slots j >= k are padding (+inf, -1), never the worst and never output.
 #
 # Order: (s, c) beats (s', c') iff s > s' or (s == s' and c < c'). Per tile:
-#   distances  D = (|x|²[:, None] + |e|²[None, :]) - 2 x_blk · e_tileᵀ [BLOCK_N, BLOCK_K] by tl.dot (fp32, 3xTF32),
+#   distances  D = (|x|²[:, None] + |e|²[None, :]) - 2 x_blk · e_tileᵀ [BLOCK_N, BLOCK_K] by tl.dot (fp32, 3xTF32;
+#              bf16 operands into the fp32 accumulator when x and e come as bf16: _vq_dot_t),
 #              over d chunks when d > 64; the squared norms are summed from the same loaded chunks, so the
 #              only extra memory is the O(N·k) output; x is read in its own dtype and upcast after the load,
 #              non-finite entries count as 0; padded d columns load as 0, padded codes (c >= K) are masked
@@ -590,7 +617,7 @@ def _vq_finite(v):
 @triton.jit
 def _vq_search_fwd(
     X,  # pointer to the rows x [N, D] (fp32, bf16 or fp16: upcast after the load)
-    E,  # pointer to the codebook e [K, D] (fp32)
+    E,  # pointer to the codebook e [K, D] (fp32; bf16 with bf16 x for precision="bf16")
     U,  # pointer to the uniforms u [N] (fp32; read only when SAMPLE)
     Top,  # pointer to the k nearest codes [N, KTOP] (int64)
     TopD,  # pointer to their distances [N, KTOP] (fp32)
@@ -607,7 +634,8 @@ def _vq_search_fwd(
     KP: tl.constexpr,  # slots of the running list: a power of two >= k
     ONE_D: tl.constexpr,  # BLOCK_D >= D: load the rows once, one tl.dot per tile
     SAMPLE: tl.constexpr,  # draw among the k (T > 0); else the nearest
-    DOT_PREC: tl.constexpr,  # tl.dot's input_precision: VQ_DOT_PRECISION
+    DOT_PREC: tl.constexpr,  # tl.dot's input_precision for fp32 operands: VQ_DOT_PRECISION
+    DOT_T: tl.constexpr,  # tl.dot's operand type: bf16 when x and e are bf16 on CUDA, else fp32 (_vq_dot_t)
 ):
     BIG: tl.constexpr = 2147483647  # an index above every real and placeholder index
     pid = tl.program_id(0)
@@ -629,7 +657,7 @@ def _vq_search_fwd(
         e_ptrs = E + codes.to(tl.int64)[:, None] * D + cols[None, :]
         if ONE_D:
             e = _vq_finite(tl.load(e_ptrs, mask=code_ok[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32))
-            dot = tl.dot(x, tl.trans(e), input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_K]
+            dot = tl.dot(x.to(DOT_T), tl.trans(e.to(DOT_T)), input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_K]
             ee = tl.sum(e * e, axis=1)
         else:  # the squared norms ride along the width chunks (an extra 1/BLOCK_K of the tile's work)
             dot = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -639,7 +667,7 @@ def _vq_search_fwd(
                 col_ok = (d0 + cols) < D
                 xc = _vq_finite(tl.load(x_ptrs + d0, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32))
                 ec = _vq_finite(tl.load(e_ptrs + d0, mask=code_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32))
-                dot += tl.dot(xc, tl.trans(ec), input_precision=DOT_PREC)
+                dot += tl.dot(xc.to(DOT_T), tl.trans(ec.to(DOT_T)), input_precision=DOT_PREC)
                 xx += tl.sum(xc * xc, axis=1)
                 ee += tl.sum(ec * ec, axis=1)
         s = -((xx[:, None] + ee[None, :]) - 2.0 * dot)  # score = -d, same association as the reference
@@ -699,18 +727,29 @@ def _vq_blocks(d, k):
     return KP, BLOCK_D, BLOCK_D >= d
 
 
+def _vq_dot_t(x, e, cuda=None):
+    """tl.dot's operand type: bf16 x and e (precision="bf16") go to the tensor cores as bf16 on CUDA; Triton's
+    interpreter has no bf16 arithmetic (numpy stores it as uint16: a bf16 tl.dot multiplies the bit patterns), so
+    there, and whenever e is fp32, the operands are fp32, which holds bf16 values exactly: the same products,
+    accumulated in fp32 either way. `cuda` overrides x.is_cuda (tests/test_sm90_compile.py records the CUDA choice)."""
+    native = (x.is_cuda if cuda is None else cuda) and x.dtype == e.dtype == torch.bfloat16
+    return tl.bfloat16 if native else tl.float32
+
+
 # Triton launches stay out of torch.compile graphs: torch.compiler.disable makes dynamo graph-break here.
 @torch.compiler.disable
 def _vq_select_triton(x, e, k, temperature, u, BLOCK_N=128, BLOCK_K=64, BLOCK_D=None):
-    """Launch _vq_search_fwd on x [N, d] (fp32, bf16 or fp16, upcast in the kernel) and fp32 e [K, d]:
-    (top [N, k], top_d [N, k], idx [N], dist [N]).
+    """Launch _vq_search_fwd on x [N, d] (fp32, bf16 or fp16, upcast in the kernel) and e [K, d] (fp32, or bf16
+    with bf16 x: bf16 dots): (top [N, k], top_d [N, k], idx [N], dist [N]).
     BLOCK_D forces the width chunking (tests); the default is _vq_blocks'."""
     N, d = x.shape
     K = e.shape[0]
     KP, block_d, one_d = _vq_blocks(d, k)
     if BLOCK_D is not None:
         block_d, one_d = BLOCK_D, BLOCK_D >= d
-    x, e = x.contiguous(), e.float().contiguous()  # x in its own dtype: no O(N·d) fp32 copy of a bf16 batch
+    if not x.dtype == e.dtype == torch.bfloat16:  # bf16 rows with bf16 codes stay bf16 (precision="bf16")
+        e = e.float()
+    x, e = x.contiguous(), e.contiguous()  # x in its own dtype: no O(N·d) fp32 copy of a bf16 batch
     top = _vq_empty((N, k), torch.long, x.device)
     top_d = _vq_empty((N, k), torch.float32, x.device)
     idx = _vq_empty((N,), torch.long, x.device)
@@ -718,14 +757,17 @@ def _vq_select_triton(x, e, k, temperature, u, BLOCK_N=128, BLOCK_K=64, BLOCK_D=
     _vq_search_fwd[(triton.cdiv(N, BLOCK_N),)](
         x, e, u.float().contiguous(), top, top_d, idx, dist, N, K, d, k, float(max(temperature, 1e-30)),
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_D=block_d, KP=KP, ONE_D=one_d, SAMPLE=temperature > 0,
-        DOT_PREC=VQ_DOT_PRECISION, num_warps=8)  # sm_90 (tests/test_sm90_compile.py): fp32 rows spill 40-136 B
+        DOT_PREC=VQ_DOT_PRECISION, DOT_T=_vq_dot_t(x, e),
+        num_warps=8)  # sm_90 (tests/test_sm90_compile.py): fp32 rows spill 40-136 B
     return top, top_d, idx, dist
 
 
-def _vq_select(x, codebook, k, temperature, generator, uniforms, backend):
+def _vq_select(x, codebook, k, temperature, generator, uniforms, backend, precision="fp32"):
     """Validate, dispatch, run in fp32 outside autocast on detached inputs: (top, top_d, idx, dist)."""
     if backend not in VQ_SEARCH_BACKENDS:
         raise ValueError(f"backend must be one of {VQ_SEARCH_BACKENDS}, got {backend!r}")
+    if precision not in VQ_PRECISIONS:
+        raise ValueError(f"precision must be one of {VQ_PRECISIONS}, got {precision!r}")
     _check_args(x, codebook, k, temperature, uniforms)
     if backend == "triton" and k > VQ_MAX_K:
         raise ValueError(f"backend='triton' takes k <= {VQ_MAX_K}, got k = {k} (backend='auto' uses torch)")
@@ -738,23 +780,27 @@ def _vq_select(x, codebook, k, temperature, generator, uniforms, backend):
         u = _uniforms(x, temperature, generator, uniforms)
         # non-finite entries (a diverged run) count as 0, so the loss, not the index maths, reports them; the
         # kernel does it in registers, the torch form on a copy
-        if use_triton:
-            return _vq_select_triton(x.detach(), codebook.detach(), k, float(temperature), u)
-        xf = x.detach().float().nan_to_num(0.0, 0.0, 0.0)
-        ef = codebook.detach().float().nan_to_num(0.0, 0.0, 0.0)
+        if use_triton:  # bf16: rows and codes rounded here (a bf16 copy of fp32 rows: N·d·2 bytes; bf16 rows as
+            x, codebook = x.detach(), codebook.detach()  # they are), the kernel's dots take them as they are
+            if precision == "bf16":
+                x, codebook = (t if t.dtype == torch.bfloat16 else t.float().to(torch.bfloat16) for t in (x, codebook))
+            return _vq_select_triton(x, codebook, k, float(temperature), u)
+        xf = _rounded(x.detach().float().nan_to_num(0.0, 0.0, 0.0), precision)
+        ef = _rounded(codebook.detach().float().nan_to_num(0.0, 0.0, 0.0), precision)
         return _vq_select_torch(xf, ef, k, float(temperature), u)
 
 
-def vq_search(x, codebook, k, temperature, generator=None, uniforms=None, backend="auto"):
+def vq_search(x, codebook, k, temperature, generator=None, uniforms=None, backend="auto", precision="fp32"):
     """One code per row (section header): the nearest when temperature == 0, else a draw from softmax(-d/T) over
     the k nearest, driven by `uniforms` [N] in [0, 1) if given, else by one torch.rand per row from `generator`.
-    x [N, d], codebook [K, d]; distances in fp32 whatever the dtype. -> (idx [N] int64, dist [N] fp32)."""
-    return _vq_select(x, codebook, k, temperature, generator, uniforms, backend)[2:]
+    x [N, d], codebook [K, d]; distances in fp32 whatever the dtype, of x and the codebook rounded to bf16 first
+    with precision="bf16". -> (idx [N] int64, dist [N] fp32)."""
+    return _vq_select(x, codebook, k, temperature, generator, uniforms, backend, precision)[2:]
 
 
-def vq_topk(x, codebook, k, backend="auto"):
+def vq_topk(x, codebook, k, backend="auto", precision="fp32"):
     """The k nearest codes per row, (distance asc, index asc): (top [N, k] int64, top_d [N, k] fp32)."""
-    return _vq_select(x, codebook, k, 0.0, None, None, backend)[:2]
+    return _vq_select(x, codebook, k, 0.0, None, None, backend, precision)[:2]
 
 
 # -----------------------------------------------------------------------------
@@ -812,7 +858,7 @@ class VectorQuantizer(nn.Module):
         self.register_buffer("ema_count", torch.ones(K))
         self.register_buffer("ema_sum", self.embed.clone())
         self.register_buffer("initialised", torch.zeros((), dtype=torch.uint8))
-        self.backend = cfg.kernels
+        self.backend, self.precision = cfg.kernels, cfg.dot_precision
 
     def _apply(self, fn, recurse=True):
         """model.to(dtype), .double(), .bfloat16() move the codebook but leave it fp32: the EMA and the distances
@@ -844,12 +890,12 @@ class VectorQuantizer(nn.Module):
             else:
                 C = x[torch.randperm(len(x), generator=g)[:K].to(x.device)]
             for _ in range(cfg.init_iters):
-                assign = vq_search(x, C, 1, 0.0, backend=self.backend)[0]
+                assign = vq_search(x, C, 1, 0.0, backend=self.backend, precision=self.precision)[0]
                 sums = torch.zeros_like(C).index_add_(0, assign, x)
                 counts = torch.bincount(assign, minlength=K).to(x.dtype)
                 # an empty cluster keeps its previous centroid
                 C = torch.where(counts[:, None] > 0, sums / counts.clamp_min(1)[:, None], C)
-            assign, dist = vq_search(x, C, 1, 0.0, backend=self.backend)
+            assign, dist = vq_search(x, C, 1, 0.0, backend=self.backend, precision=self.precision)
             obj = dist.sum().item()
             if obj < best[0]:
                 best = (obj, C, assign)
@@ -932,9 +978,9 @@ class VectorQuantizer(nn.Module):
             zf = z.float()
             if self.training and cfg.sampling and cfg.temperature > 0:
                 idx = vq_search(zf, self.embed, cfg.top_k, cfg.temperature,
-                                backend=self.backend)[0]
+                                backend=self.backend, precision=self.precision)[0]
             else:
-                idx = vq_search(zf, self.embed, 1, 0.0, backend=self.backend)[0]
+                idx = vq_search(zf, self.embed, 1, 0.0, backend=self.backend, precision=self.precision)[0]
             if self.training:
                 self._ema_update(zf.detach(), idx)
             e = self.embed[idx]  # a gather of the (just updated) buffer: no gradient into the codebook
@@ -1053,7 +1099,8 @@ class CLVQVAE(nn.Module):
         mask = self.default_mask(x_l) if mask is None else mask.bool()
         z = self.encoder(x_l, mask)
         idx = torch.full(mask.shape, -1, dtype=torch.long, device=z.device)
-        return idx.index_put((mask,), vq_search(z[mask], self.vq.embed, 1, 0.0, backend=self.vq.backend)[0])
+        return idx.index_put((mask,), vq_search(z[mask], self.vq.embed, 1, 0.0, backend=self.vq.backend,
+                                                precision=self.vq.precision)[0])
 
 
 # -----------------------------------------------------------------------------
@@ -1955,7 +2002,7 @@ def restore_optimizer(optimizer, state: dict) -> None:
 # is no longer that of one uninterrupted run.
 RESUME_KEYS = ("max_iters", "lr", "schedule", "min_lr_ratio", "warmup_frac", "plateau_factor", "plateau_patience",
                "early_stop", "batch_size", "optimizer", "weight_decay", "grad_clip", "dropout", "temperature",
-               "sampling", "ema_decay", "ema_eps", "beta", "dead_code", "dead_threshold")
+               "sampling", "ema_decay", "ema_eps", "beta", "dead_code", "dead_threshold", "dot_precision")
 # What only training reads: typed with --no-train, each keeps the checkpoint's value (a note says so), so that the
 # config and the report describe the run that trained the model, not flags that changed nothing
 TRAINING_KEYS = RESUME_KEYS + ("eval_interval", "log_interval")
@@ -2673,10 +2720,12 @@ def kmeans_method(cfg, x_train: torch.Tensor, device, log=print) -> ConceptMetho
     secs = time.time() - t0
     log(f"baseline k-means: K={K}, {len(x_train):,} rows, {c.init_iters} iterations x {c.init_restarts} restarts, "
         f"{secs:.1f}s")
-    return ConceptMethod("k-means", K, lambda x: _chunked(lambda xb: vq_search(xb.float(), C, 1, 0.0,
-                                                                               backend=cfg.kernels)[0], x, device),
-                         _codebook_ablation(C), dict(K=K, iters=c.init_iters, restarts=c.init_restarts,
-                                                     seeding=c.init_seeding), secs)
+
+    def assign(x):  # the nearest centroid, searched as the quantiser searches (--dot-precision)
+        return _chunked(lambda xb: vq_search(xb.float(), C, 1, 0.0, backend=cfg.kernels,
+                                             precision=cfg.dot_precision)[0], x, device)
+    return ConceptMethod("k-means", K, assign, _codebook_ablation(C),
+                         dict(K=K, iters=c.init_iters, restarts=c.init_restarts, seeding=c.init_seeding), secs)
 
 
 class TranscoderSAE(nn.Module):
@@ -3524,8 +3573,9 @@ def bench(cfg, device, log=print, sizes=None) -> dict:
     vq_search (the Triton kernel on CUDA, the chunked torch form on CPU), vq_search_reference (the [N, K] matrix
     and a full sort) and torch.cdist + topk (the k nearest only, no sampling: what one would write in torch).
     All three compute fp32 distances: IEEE in the torch ones (full_fp32: no TF32 GEMM), 3xTF32 in the kernel.
-    Median time and, on CUDA, peak extra memory. Sizes: N = 64k, K ∈ {400, 1024, 4096}, d ∈ {384, 768} on CUDA;
-    N = 8k on CPU (time only). The GPU goal: kernel >= 3x cdist + topk at N = 64k, K = 4096, d = 768 with O(N·k)
+    Beside them vq_search with precision="bf16" (--dot-precision bf16: bf16 dots on CUDA), its codes compared
+    with the same fp32 reference. Median time and, on CUDA, peak extra memory. Sizes: N = 64k,
+    K ∈ {400, 1024, 4096}, d ∈ {384, 768} on CUDA; N = 8k on CPU (time only). The GPU goal: kernel >= 3x cdist + topk at N = 64k, K = 4096, d = 768 with O(N·k)
     extra memory."""
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -3537,26 +3587,32 @@ def bench(cfg, device, log=print, sizes=None) -> dict:
     log(f"bench: vq_search ({kernel}) vs reference vs torch.cdist+topk, k={k}, T={T}, "
         f"{'CUDA' if cuda else 'CPU (time only)'}")
     res = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", kernel=kernel, k=k, T=T, rows=[],
-               precision=f"fp32 distances: kernel tl.dot {VQ_DOT_PRECISION}, torch IEEE (TF32 off)")
+               precision=f"fp32 distances: kernel tl.dot {VQ_DOT_PRECISION}, torch IEEE (TF32 off); "
+                         "kernel_bf16: rows and codes rounded to bf16, fp32 accumulation")
     for n, K, d in sizes:
         x = torch.randn(n, d, generator=g).to(device)
         e = (x[torch.randperm(n, generator=g)[:K].to(device)] + 0.1 * torch.randn(K, d, generator=g).to(device))
         u = torch.rand(n, generator=g).to(device)
         fns = {"kernel": lambda: vq_search(x, e, k, T, uniforms=u, backend="auto"),
+               "kernel_bf16": lambda: vq_search(x, e, k, T, uniforms=u, backend="auto", precision="bf16"),
                "reference": lambda: vq_search_reference(x, e, k, T, uniforms=u),
                "cdist+topk": lambda: _cdist_topk(x, e, k)}
         row = dict(N=n, K=K, d=d)
         for name, fn in fns.items():
             row[f"{name}_ms"] = 1e3 * bench_time(fn, device)
             row[f"{name}_peak_mb"] = _peak_mb(fn, device)
-        row["agree"] = (fns["kernel"]()[0] == fns["reference"]()[0]).float().mean().item()
+        codes = fns["reference"]()[0]
+        row["agree"] = (fns["kernel"]()[0] == codes).float().mean().item()
+        row["agree_bf16"] = (fns["kernel_bf16"]()[0] == codes).float().mean().item()
         row["vs_cdist"] = row["cdist+topk_ms"] / row["kernel_ms"]
+        row["vs_cdist_bf16"] = row["cdist+topk_ms"] / row["kernel_bf16_ms"]
         row["vs_reference"] = row["reference_ms"] / row["kernel_ms"]
         mem = (f", peak {row['kernel_peak_mb']:.0f} / {row['reference_peak_mb']:.0f} / "
                f"{row['cdist+topk_peak_mb']:.0f} MB" if cuda else "")
         log(f"N={n:,} K={K:>4} d={d}: kernel {row['kernel_ms']:8.2f} ms | reference {row['reference_ms']:8.2f} ms "
             f"({row['vs_reference']:.1f}x) | cdist+topk {row['cdist+topk_ms']:8.2f} ms ({row['vs_cdist']:.2f}x)"
-            f"{mem} | same codes {row['agree']:.1%}")
+            f"{mem} | same codes {row['agree']:.1%} | bf16 dots {row['kernel_bf16_ms']:8.2f} ms "
+            f"({row['vs_cdist_bf16']:.2f}x cdist+topk), same codes {row['agree_bf16']:.1%}")
         res["rows"].append(row)
     goal = [r for r in res["rows"] if (r["N"], r["K"], r["d"]) == (65536, 4096, 768)]
     if cuda and goal:
@@ -3565,7 +3621,8 @@ def bench(cfg, device, log=print, sizes=None) -> dict:
         log(f"goal (kernel >= 3x cdist+topk at N=64k, K=4096, d=768): {r['vs_cdist']:.2f}x, "
             f"{'met' if res['goal_met'] else 'NOT met'}; kernel extra memory {r['kernel_peak_mb']:.0f} MB "
             f"(O(N·k): the outputs, top-k ids and distances and the drawn id and its distance, "
-            f"{65536 * (k + 1) * 12 / 2**20:.1f} MB)")
+            f"{65536 * (k + 1) * 12 / 2**20:.1f} MB); with bf16 dots {r['vs_cdist_bf16']:.2f}x, "
+            f"{r['kernel_bf16_peak_mb']:.0f} MB, the fp32 reference's codes in {r['agree_bf16']:.1%} of rows")
     return res
 
 

@@ -41,6 +41,12 @@ Choices where the paper is silent (spec §9), each a switch where results depend
   * --act relu_cos (raw ReLU-cosine weights on unnormalised prototypes); relu_cos_znorm, relu_cos_sum1.
   * k = 16, K = 8192 on the GPT-2-small default (the spec's parameter arithmetic for "130M"). Top-k before or
     after the ReLU selects the same non-zero set, so there is no switch for it.
+  * --dot-precision fp32: the selection's cosines in fp32 (spec §7: bf16 ties among near-equal cosines make the
+    top-k noisy; the kernel's dots run 3xTF32, near fp32). bf16 rounds the unit vectors z̄, P̄ to bf16 and keeps the
+    accumulation in fp32, spec §7's sketch ("bf16 GEMM with fp32 accumulation") and its stated minimum: one
+    tensor-core product instead of three and half the bytes, which the paper's 97.3% throughput may rest on (it does
+    not say). a and the pairs are then the rounded vectors' cosines, gradients pass the rounding straight through,
+    and near-equal cosines may swap. A switch because the throughput depends on it; `--bench` times both.
   * REC relative (--rec); R1/R2 squared L2 *per dimension* (|a-b|²/d, so λ does not scale with d; --dist cosine),
     batch-local (under DDP R1's minimum is over each rank's tokens; the gradient all-reduce then averages per-rank
     minima), gradient into both sides unless --r1-detach-z; λ_rec = 1, λ_1 = λ_2 = 0.1. --rec absolute is
@@ -120,9 +126,11 @@ Commands
     python prism.py --no-train --suppress 3,17 --suppress-factor -1 --no-attribution --no-controller
                                            # push those prototypes away
     python prism.py --no-train --attr-curvature kfac --ekfac        # attribution with co-usage, EK-FAC
-    python prism.py --bench                # training tok/s PRISM / dense, R1/R2's pairs from the selection vs
-                                           # a separate search, top-k kernel vs torch at K = 4k..16k
-                                           # (fp32 scores: kernel 3xTF32, torch IEEE)
+    python prism.py --bench                # training tok/s PRISM / dense (fp32 and bf16 dots), each head alone,
+                                           # R1/R2's pairs from the selection vs a separate search, top-k kernel
+                                           # vs torch at K = 4k..16k (fp32 scores: kernel 3xTF32, torch IEEE;
+                                           # and the kernel with bf16 dots)
+    python prism.py --dot-precision bf16   # the selection's dots on bf16 operands (fp32 accumulation)
     python prism.py --push-interval 100    # also push the prototypes onto their nearest tokens every 100 steps
     python prism.py --dataset fineweb-edu --max-tokens 2000000000  # the paper's data (online)
     torchrun --standalone --nproc_per_node=8 prism.py              # DDP
@@ -203,6 +211,9 @@ class Config:
     dropout: float = field(default=0.0, metadata={"help": "dropout (embedding, attention, residual branches)"})
     n_protos: int = field(default=8192, metadata={"help": "prototypes K"})
     topk: int = field(default=16, metadata={"help": "active prototypes k per token"})
+    dot_precision: Literal["fp32", "bf16"] = field(default="fp32", metadata={
+        "help": "the top-k selection's cosines: fp32 (spec §7), or bf16 operands with fp32 accumulation (faster on "
+                "tensor cores; near-equal cosines may swap)"})
     act: Literal["relu_cos", "relu_cos_znorm", "relu_cos_sum1"] = field(
         default="relu_cos", metadata={"help": "activation a: ReLU(cos), times |z|, or renormalised to sum 1"})
     resid_grad: Literal["full", "detach-zhat", "detach-r"] = field(
@@ -331,6 +342,15 @@ GAP_KEYS = tuple(k for k in TWIN_KEYS if k != "eval_interval") + ("step",)
 # Dispatch (`backend` in PROTO_TOPK_BACKENDS): "auto" = Triton when the tensors are on CUDA and triton imports,
 # else the chunked torch form; "triton" = the kernel (on CPU only under TRITON_INTERPRET=1); "torch" = chunked.
 #
+# Precision (`precision`, --dot-precision): "fp32" computes every score above in fp32 (spec §7: bf16 ties among
+# thousands of near-equal cosines make the top-k noisy; the kernel's tl.dot runs 3xTF32, PROTO_TOPK_DOT_PRECISION).
+# "bf16" rounds z̄ and P̄ to bf16 and accumulates their products in fp32 (spec §7's sketch: "bf16 GEMM with fp32
+# accumulation", its fallback "at least keep the GEMM accumulators in fp32"): one tensor-core product instead of
+# three, half the bytes loaded. The scores, a and the pairs are then the exact cosines of the rounded vectors up to
+# fp32 summation (bf16 x bf16 products are exact in fp32), so the torch forms compute them from the rounded values in
+# fp32 and agree with the kernel as the fp32 forms do; near-equal cosines (closer than bf16's 2^-8 relative rounding
+# of the vectors moves them) may swap against "fp32". The backward is WinnerCosine's fp32 formula either way.
+#
 # R1/R2's nearest pairs ride along (pairs="l2" or "cosine", what training asks for): the same cosines, before the
 # ReLU, give each token's nearest prototype and each prototype's nearest token, with |z - p|² = |z|² + |p|² -
 # 2|z||p|cos for squared L2 (_pair_scores). A separate nearest_pairs would run a second [N, K] GEMM in IEEE fp32
@@ -345,6 +365,7 @@ PROTO_TOPK_MAX_K = 32  # the longest running list the kernel keeps in registers 
 # (2026-12-04, `--bench`) the top-k's fwd+bwd at N = K = 16384, d = 768, k = 16 took 11.2 ms, against 36.4 with
 # "ieee" (FMA units). Plain TF32 would reorder near-equal cosines. "ieee" stays a choice.
 PROTO_TOPK_DOT_PRECISION = "tf32x3"
+PROTO_TOPK_PRECISIONS = ("fp32", "bf16")  # the scores' operands (section header); accumulation is fp32 in both
 _PAIRS_CODE = {"l2": 1, "cosine": 2}  # the kernel's PAIRS switch
 _TOPK_CHUNK_ELEMS = 1 << 22  # score entries per row chunk of the torch form (16 MiB of fp32 scores)
 
@@ -371,14 +392,28 @@ def full_fp32():
 # ----------------------------------------------------------------------------------------------------------
 # 1. The reference (materialises the [N, K] scores; the ground truth for the other forms)
 
-def proto_topk_ref(z, P, k):
+def _rounded(t, precision):
+    """The score operands of `precision` (section header): t itself for "fp32", else t rounded to bf16 (through
+    fp32, as the op rounds) and held in t's dtype, so that the products are exact and only the accumulation rounds."""
+    if precision not in PROTO_TOPK_PRECISIONS:
+        raise ValueError(f"precision must be one of {PROTO_TOPK_PRECISIONS}, got {precision!r}")
+    return t if precision == "fp32" else t.float().to(torch.bfloat16).to(t.dtype)
+
+
+def proto_topk_ref(z, P, k, precision="fp32"):
     """normalise, GEMM, ReLU, stable sort, first k. Scores in fp32, or fp64 when z or P is fp64 (tests build a
-    float64 truth). A stable descending sort keeps equal scores in index order: lower index first on ties.
-    Returns (idx [N, k] int64, a [N, k]); a is differentiable in z and P through plain autograd."""
+    float64 truth), of the normalised vectors rounded to bf16 first under precision="bf16". A stable descending
+    sort keeps equal scores in index order: lower index first on ties.
+    Returns (idx [N, k] int64, a [N, k]); a is differentiable in z and P through plain autograd (under "bf16" the
+    rounding passes the gradient straight through, as WinnerCosine does)."""
     dt = torch.float64 if torch.float64 in (z.dtype, P.dtype) else torch.float32
+
+    def operand(t):  # the rounding's gradient is the identity (straight through)
+        t = F.normalize(t.to(dt), dim=-1)
+        return t + (_rounded(t.detach(), precision) - t.detach())
     # the spec's fp32 scores (§7), even inside an autocast region and with TF32 on (full_fp32)
     with torch.autocast(z.device.type, enabled=False), full_fp32():
-        scores = (F.normalize(z.to(dt), dim=-1) @ F.normalize(P.to(dt), dim=-1).T).relu()  # [N, K]
+        scores = (operand(z) @ operand(P).T).relu()  # [N, K]
     idx = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
     return idx, scores.gather(1, idx)
 
@@ -465,7 +500,8 @@ def _pair_scores(s, pairs, zr, pr):
 # so "the worst slot" is always one slot; slots j >= k are padding, (+inf, -1), never the worst and never output.
 #
 # Order: (s, i) beats (s', i') iff s > s' or (s == s' and i < i'). Per tile:
-#   scores   S = relu(z̄_blk · P̄_tileᵀ) [BLOCK_N, BLOCK_K] by tl.dot (fp32, 3xTF32: PROTO_TOPK_DOT_PRECISION),
+#   scores   S = relu(z̄_blk · P̄_tileᵀ) [BLOCK_N, BLOCK_K] by tl.dot (fp32, 3xTF32: PROTO_TOPK_DOT_PRECISION; or
+#            bf16 operands into the fp32 accumulator: _proto_topk_dot_t),
 #            over d chunks when d is large;
 #            padded d columns load as 0 and add nothing, padded prototypes (i >= K) are masked out of `alive`
 #            (their score would be 0 with an index above every real one, so they could never win anyway);
@@ -496,8 +532,8 @@ def _topk_worst(run_s, run_i):
 
 @triton.jit
 def _proto_topk_fwd(
-    Z,  # pointer to the normalised tokens z̄ [N, D] (fp32)
-    P,  # pointer to the normalised prototypes P̄ [K, D] (fp32)
+    Z,  # pointer to the normalised tokens z̄ [N, D] (fp32, or bf16 for precision="bf16"; P the same)
+    P,  # pointer to the normalised prototypes P̄ [K, D]
     Idx,  # pointer to the winners' indices [N, KTOP] (int64)
     A,  # pointer to the winners' scores a [N, KTOP] (fp32)
     N,  # tokens
@@ -509,7 +545,8 @@ def _proto_topk_fwd(
     BLOCK_D: tl.constexpr,  # width per chunk (the whole padded row when ONE_D)
     KP: tl.constexpr,  # slots of the running list: a power of two >= k
     ONE_D: tl.constexpr,  # BLOCK_D >= D: load the token rows once, one tl.dot per tile
-    DOT_PREC: tl.constexpr,  # tl.dot's input_precision: PROTO_TOPK_DOT_PRECISION
+    DOT_PREC: tl.constexpr,  # tl.dot's input_precision for fp32 operands: PROTO_TOPK_DOT_PRECISION
+    DOT_T: tl.constexpr,  # tl.dot's operand type: bf16 for bf16 inputs on CUDA, else fp32 (_proto_topk_dot_t)
     Zr=None,  # PAIRS == 1: pointer to the tokens' norms |z| [N] (fp32)
     Pr=None,  # PAIRS == 1: pointer to the prototypes' norms |p| [K] (fp32)
     R2Idx=None,  # PAIRS: pointer to each token's nearest prototype [N] (int64)
@@ -529,7 +566,7 @@ def _proto_topk_fwd(
     cols = tl.arange(0, BLOCK_D)
     z_ptrs = Z + rows.to(tl.int64)[:, None] * D + cols[None, :]
     if ONE_D:
-        z = tl.load(z_ptrs, mask=row_ok[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
+        z = tl.load(z_ptrs, mask=row_ok[:, None] & (cols < D)[None, :], other=0.0).to(DOT_T)
     slot = tl.arange(0, KP)
     real = slot < KTOP
     run_s = tl.broadcast_to(tl.where(real, float("-inf"), float("inf"))[None, :], (BLOCK_N, KP))
@@ -540,14 +577,14 @@ def _proto_topk_fwd(
         proto_ok = protos < K
         p_ptrs = P + protos.to(tl.int64)[:, None] * D + cols[None, :]
         if ONE_D:
-            p = tl.load(p_ptrs, mask=proto_ok[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
+            p = tl.load(p_ptrs, mask=proto_ok[:, None] & (cols < D)[None, :], other=0.0).to(DOT_T)
             s = tl.dot(z, tl.trans(p), input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_K]
         else:
             s = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for d0 in range(0, D, BLOCK_D):
                 col_ok = (d0 + cols) < D
-                zc = tl.load(z_ptrs + d0, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-                pc = tl.load(p_ptrs + d0, mask=proto_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                zc = tl.load(z_ptrs + d0, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(DOT_T)
+                pc = tl.load(p_ptrs + d0, mask=proto_ok[:, None] & col_ok[None, :], other=0.0).to(DOT_T)
                 s += tl.dot(zc, tl.trans(pc), input_precision=DOT_PREC)
         ids = protos[None, :]  # [1, BLOCK_K]
         if PAIRS != 0:  # _pair_scores on this tile, before the ReLU; NaN and padding score -inf
@@ -614,10 +651,20 @@ def _proto_topk_blocks(d, k):
     return KP, BLOCK_D, BLOCK_D >= d
 
 
+def _proto_topk_dot_t(zn, cuda=None):
+    """tl.dot's operand type: bf16 inputs go to the tensor cores as bf16 on CUDA; Triton's interpreter has no bf16
+    arithmetic (numpy stores it as uint16: a bf16 tl.dot multiplies the bit patterns), so there, and for fp32
+    inputs, the operands are fp32, which holds bf16 values exactly: the same products, accumulated in fp32 either
+    way. `cuda` overrides zn.is_cuda (tests/test_sm90_compile.py records the CUDA choice on the CPU)."""
+    native = (zn.is_cuda if cuda is None else cuda) and zn.dtype == torch.bfloat16
+    return tl.bfloat16 if native else tl.float32
+
+
 # Triton launches stay out of torch.compile graphs: torch.compiler.disable makes dynamo graph-break here.
 @torch.compiler.disable
 def _proto_topk_select_triton(zn, Pn, k, pairs=None, zr=None, pr=None, BLOCK_N=64, BLOCK_K=64, BLOCK_D=None):
-    """Launch _proto_topk_fwd on fp32 z̄ [N, d], P̄ [K, d]: (idx [N, k] int64, a [N, k] fp32, pairs or None), as
+    """Launch _proto_topk_fwd on z̄ [N, d], P̄ [K, d], both fp32 or both bf16 (bf16 dots, fp32 accumulation; other
+    dtypes are cast to fp32): (idx [N, k] int64, a [N, k] fp32, pairs or None), as
     _proto_topk_select_torch. R1's per-block bests [cdiv(N, BLOCK_N), K] are reduced here, the first block on
     equal scores. BLOCK_D forces the width chunking (tests); the default is _proto_topk_blocks'."""
     N, d = zn.shape
@@ -625,7 +672,9 @@ def _proto_topk_select_triton(zn, Pn, k, pairs=None, zr=None, pr=None, BLOCK_N=6
     KP, block_d, one_d = _proto_topk_blocks(d, k)
     if BLOCK_D is not None:
         block_d, one_d = BLOCK_D, BLOCK_D >= d
-    zn, Pn = zn.float().contiguous(), Pn.float().contiguous()
+    if not zn.dtype == Pn.dtype == torch.bfloat16:  # bf16 operands stay bf16 (precision="bf16")
+        zn, Pn = zn.float(), Pn.float()
+    zn, Pn = zn.contiguous(), Pn.contiguous()
     idx = _proto_topk_empty((N, k), torch.long, zn.device)
     act = _proto_topk_empty((N, k), torch.float32, zn.device)
     grid = (triton.cdiv(N, BLOCK_N),)
@@ -639,7 +688,7 @@ def _proto_topk_select_triton(zn, Pn, k, pairs=None, zr=None, pr=None, BLOCK_N=6
     _proto_topk_fwd[grid](
         zn, Pn, idx, act, N, K, d, k,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_D=block_d, KP=KP, ONE_D=one_d, DOT_PREC=PROTO_TOPK_DOT_PRECISION,
-        num_warps=4, **extra)
+        DOT_T=_proto_topk_dot_t(zn), num_warps=4, **extra)
     if pairs is None:
         return idx, act, None
     block = extra["R1Val"].argmax(0, keepdim=True)  # the first maximal block (torch.argmax's documented tie rule)
@@ -684,11 +733,13 @@ def _scatter_rows_bags(idx, w, X, rows):
 
 class WinnerCosine(torch.autograd.Function):
     """a = relu(z̄_n · P̄_{idx_{n,j}}) for the k winners, with the selection's scores passed in (no recomputation).
-    Saves z̄ [N, d], P̄ [K, d], idx and a [N, k]; the backward is the formula in the section header."""
+    zs, Ps are the operands the scores were computed from (z̄, P̄ themselves, or rounded to bf16: the rounding
+    passes the gradient straight through). Saves zs [N, d], Ps [K, d], idx and a [N, k]; the backward is the
+    formula in the section header, with zs and Ps in place of z̄ and P̄."""
 
     @staticmethod
-    def forward(ctx, zn, Pn, idx, act):
-        ctx.save_for_backward(zn, Pn, idx, act)
+    def forward(ctx, zn, Pn, idx, act, zs, Ps):
+        ctx.save_for_backward(zs, Ps, idx, act)
         return act.clone()  # a new tensor: returning an input would re-parent the caller's buffer
 
     @staticmethod
@@ -697,18 +748,21 @@ class WinnerCosine(torch.autograd.Function):
         g = torch.where(act > 0, grad_a, 0.0)  # the ReLU: no gradient where cos <= 0
         grad_zn = _gathered_rows_sum(idx, Pn, g) if ctx.needs_input_grad[0] else None
         grad_Pn = _scatter_rows(idx, g, zn, Pn.shape[0]) if ctx.needs_input_grad[1] else None
-        return grad_zn, grad_Pn, None, None
+        return grad_zn, grad_Pn, None, None, None, None
 
 
-def proto_topk(z, P, k, backend="auto", pairs=None):
+def proto_topk(z, P, k, backend="auto", pairs=None, precision="fp32"):
     """The k most similar prototypes per token (section header): z [N, d], P [K, d], 1 <= k <= K.
     Returns idx [N, k] int64, sorted by (score desc, index asc), and a [N, k] fp32 = relu(cos), differentiable
     in z and P with every backend. Scores are fp32 whatever the inputs' dtype (bf16 z is cast).
     pairs="l2" or "cosine" also returns, as a third item, what nearest_pairs(z, P, pairs) returns (R1/R2's
     nearest neighbours), read off the same cosines, so training runs one N×K GEMM, not two (the two agree up
-    to fp32 rounding: near-equal distances may pick the other neighbour)."""
+    to fp32 rounding: near-equal distances may pick the other neighbour).
+    precision="bf16" computes the scores from z̄ and P̄ rounded to bf16, with fp32 accumulation (section header)."""
     if backend not in PROTO_TOPK_BACKENDS:
         raise ValueError(f"backend must be one of {PROTO_TOPK_BACKENDS}, got {backend!r}")
+    if precision not in PROTO_TOPK_PRECISIONS:
+        raise ValueError(f"precision must be one of {PROTO_TOPK_PRECISIONS}, got {precision!r}")
     if pairs is not None:
         _check_dist(pairs)
         if z.shape[0] == 0:
@@ -727,6 +781,7 @@ def proto_topk(z, P, k, backend="auto", pairs=None):
     with torch.autocast(z.device.type, enabled=False):
         zn = F.normalize(z.float(), dim=-1)  # plain autograd: exact gradients into z and P
         Pn = F.normalize(P.float(), dim=-1)
+        zs, Ps = _rounded(zn.detach(), precision), _rounded(Pn.detach(), precision)  # the scores' operands
         with torch.no_grad():
             select = _proto_topk_select_triton if use_triton else _proto_topk_select_torch
             # non-finite rows (a diverged run) select like zero vectors, so the loss, not the index maths, reports them
@@ -734,8 +789,11 @@ def proto_topk(z, P, k, backend="auto", pairs=None):
                 return t.nan_to_num(0.0, 0.0, 0.0)
             norms = ({"zr": clean(z.detach().float().norm(dim=-1)), "pr": clean(P.detach().float().norm(dim=-1))}
                      if pairs == "l2" else {})
-            idx, act, near = select(clean(zn.detach()), clean(Pn.detach()), k, pairs=pairs, **norms)
-        a = WinnerCosine.apply(zn, Pn, idx, act)
+            zc, Pc = clean(zs), clean(Ps)
+            if use_triton and precision == "bf16":  # the kernel loads bf16 and runs bf16 tl.dots (exact casts)
+                zc, Pc = zc.to(torch.bfloat16), Pc.to(torch.bfloat16)
+            idx, act, near = select(zc, Pc, k, pairs=pairs, **norms)
+        a = WinnerCosine.apply(zn, Pn, idx, act, zs, Ps)
         return (idx, a) if pairs is None else (idx, a, near)
 
 
@@ -919,7 +977,8 @@ class PRISM(nn.Module):
         pairs over the flattened tokens (proto_topk's third item)."""
         shape = z.shape[:-1]
         zf = z.reshape(-1, z.shape[-1])
-        idx, a, *near = proto_topk(zf, self.P, self.cfg.topk, backend=self.cfg.kernels, pairs=pairs)
+        idx, a, *near = proto_topk(zf, self.P, self.cfg.topk, backend=self.cfg.kernels, pairs=pairs,
+                                   precision=self.cfg.dot_precision)
         if self.cfg.act == "relu_cos_znorm":
             a = a * zf.float().norm(dim=-1, keepdim=True)
         elif self.cfg.act == "relu_cos_sum1":
@@ -1139,7 +1198,8 @@ def restore_optimizer(optimizer, state: dict) -> None:
 # What shapes the weights a resumed run continues to (not the eval and log cadence): a value typed with --resume
 # that differs from the checkpoint's means the result is no longer that of one uninterrupted run.
 RESUME_KEYS = ("max_iters", "lr", "min_lr_ratio", "warmup_frac", "batch_size", "weight_decay", "grad_clip", "dropout",
-               "lambda_rec", "lambda_r1", "lambda_r2", "rec", "dist", "r1_detach_z", "revive_dead", "push_interval")
+               "lambda_rec", "lambda_r1", "lambda_r2", "rec", "dist", "r1_detach_z", "revive_dead", "push_interval",
+               "dot_precision")
 # What only training reads: typed with --no-train, each keeps the checkpoint's value (a note says so), so that the
 # config and the report describe the run that trained the model, not flags that changed nothing
 TRAINING_KEYS = RESUME_KEYS + ("eval_interval", "eval_iters", "log_interval")  # (ctx is architecture here)
@@ -3094,17 +3154,23 @@ def bench_time(fn, device, reps=3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+# bench's models: (--head, --dot-precision) per run name
+BENCH_RUNS = {"dense": ("dense", "fp32"), "prism": ("prism", "fp32"), "prism_bf16": ("prism", "bf16")}
+BENCH_PRISMS = ("prism", "prism_bf16")
+
+
 def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
-    """Training tokens/s of PRISM and of its dense twin (same backbone, same recipe, random tokens, steps
-    alternated so drift hits both alike), their heads alone (bench_head), R1/R2's pairs read off the selection
-    against a separate search (bench_pairs), and the top-k kernel against the torch reference (bench_kernel)."""
+    """Training tokens/s of PRISM, with fp32 and with bf16 dots in the top-k selection (whatever --dot-precision
+    says: both are timed), and of its dense twin (same backbone, same recipe, random tokens, steps alternated so
+    drift hits all alike), their heads alone (bench_head), R1/R2's pairs read off the selection against a separate
+    search (bench_pairs), and the top-k kernel against the torch reference (bench_kernel)."""
     B, T = min(cfg.batch_size, 16), cfg.ctx
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "batch": B, "ctx": T}
     log(f"bench: {cfg.layers} layers, d={cfg.d_model}, K={cfg.n_protos}, k={cfg.topk}, vocab {vocab_size}, "
         f"batch {B}x{T}")
     runs = {}
-    for h in ("dense", "prism"):
-        c = replace(cfg, head=h, init="random", dropout=0.0)
+    for h, (head, precision) in BENCH_RUNS.items():
+        c = replace(cfg, head=head, init="random", dropout=0.0, dot_precision=precision)
         torch.manual_seed(cfg.seed)
         m = PRISM(c, vocab_size).to(device)
         runs[h] = (m, make_optimizer(m, c, device.type))
@@ -3131,20 +3197,23 @@ def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
     tok_s = {h: B * T / sorted(v)[len(v) // 2] for h, v in times.items()}
     res["train_tok_s"] = tok_s
     res["throughput_ratio"] = tok_s["prism"] / tok_s["dense"]
+    res["throughput_ratio_bf16"] = tok_s["prism_bf16"] / tok_s["dense"]
     log(f"training tokens/s: dense {tok_s['dense']:,.0f}, PRISM {tok_s['prism']:,.0f}: "
-        f"PRISM / dense = {res['throughput_ratio']:.1%} (paper: 97.3% at XL)")
-    res["head"] = bench_head(runs, x, y, 1e3 * B * T * (1 / tok_s["prism"] - 1 / tok_s["dense"]), device, autocast, log)
+        f"PRISM / dense = {res['throughput_ratio']:.1%} (paper: 97.3% at XL); with bf16 dots "
+        f"{tok_s['prism_bf16']:,.0f}: {res['throughput_ratio_bf16']:.1%}")
+    step_extra = {h: 1e3 * B * T * (1 / tok_s[h] - 1 / tok_s["dense"]) for h in BENCH_PRISMS}
+    res["head"] = bench_head(runs, x, y, step_extra, device, autocast, log)
     res["pairs"] = bench_pairs(device, log)
     res["kernel"] = bench_kernel(device, log)
     return res
 
 
-def bench_head(runs: dict, x, y, step_extra_ms: float, device, autocast, log=print) -> dict:
+def bench_head(runs: dict, x, y, step_extra_ms: dict, device, autocast, log=print) -> dict:
     """Where PRISM's extra step time goes: each model's output layer and losses alone (head_loss, forward +
-    backward from fixed final hidden states of the bench batch), and within PRISM's the top-k selection with its
-    R1/R2 pairs (proto_topk, forward + backward through a), timed side by side. The head's extra time near the whole
-    step's says the head is the cost; a step's extra well above it, that something around the head is (a wait for
-    the GPU, say)."""
+    backward from fixed final hidden states of the bench batch), and within each PRISM's the top-k selection with
+    its R1/R2 pairs (proto_topk, forward + backward through a), timed side by side. The head's extra time near the
+    whole step's (step_extra_ms, per PRISM run) says the head is the cost; a step's extra well above it, that
+    something around the head is (a wait for the GPU, say)."""
     ms, hidden = {}, {}
     for h, (m, _) in runs.items():
         with torch.no_grad(), autocast:
@@ -3157,21 +3226,24 @@ def bench_head(runs: dict, x, y, step_extra_ms: float, device, autocast, log=pri
             m.zero_grad(set_to_none=True)
             z.grad = None
         ms[h] = 1e3 * bench_time(head, device)
-    m = runs["prism"][0]
-    zf = hidden["prism"].detach().flatten(0, 1).requires_grad_()
+    out = {"dense_ms": ms["dense"]}
+    for h in BENCH_PRISMS:
+        m = runs[h][0]
+        zf = hidden[h].detach().flatten(0, 1).requires_grad_()
 
-    def topk():
-        with autocast:
-            _, a, _ = proto_topk(zf, m.P, m.cfg.topk, backend=m.cfg.kernels, pairs=m.cfg.dist)
-        a.sum().backward()
-        m.zero_grad(set_to_none=True)
-        zf.grad = None
-    ms["topk"] = 1e3 * bench_time(topk, device)
-    out = {"dense_ms": ms["dense"], "prism_ms": ms["prism"], "extra_ms": ms["prism"] - ms["dense"],
-           "topk_ms": ms["topk"], "step_extra_ms": step_extra_ms}
-    log(f"head alone, forward + backward from fixed hidden states: dense {ms['dense']:.2f} ms, PRISM "
-        f"{ms['prism']:.2f} ms ({out['extra_ms']:+.2f} ms; its top-k with the pairs {ms['topk']:.2f} ms); "
-        f"the whole step's extra {step_extra_ms:+.2f} ms")
+        def topk():
+            with autocast:
+                _, a, _ = proto_topk(zf, m.P, m.cfg.topk, backend=m.cfg.kernels, pairs=m.cfg.dist,
+                                     precision=m.cfg.dot_precision)
+            a.sum().backward()
+            m.zero_grad(set_to_none=True)
+            zf.grad = None
+        sfx = h[len("prism"):]  # "" or "_bf16"
+        out.update({f"prism{sfx}_ms": ms[h], f"extra{sfx}_ms": ms[h] - ms["dense"],
+                    f"topk{sfx}_ms": 1e3 * bench_time(topk, device), f"step_extra{sfx}_ms": step_extra_ms[h]})
+        log(f"head alone, forward + backward from fixed hidden states: dense {ms['dense']:.2f} ms, PRISM"
+            f"{' (bf16 dots)' if sfx else ''} {ms[h]:.2f} ms ({out[f'extra{sfx}_ms']:+.2f} ms; its top-k with the "
+            f"pairs {out[f'topk{sfx}_ms']:.2f} ms); the whole step's extra {step_extra_ms[h]:+.2f} ms")
     return out
 
 
@@ -3203,11 +3275,13 @@ def bench_kernel(device, log=print) -> dict:
     """proto_topk: the Triton kernel (running top-k, no N×K scores) against the torch reference (normalise,
     GEMM, ReLU, torch.topk), forward + backward, N = 16,384 tokens, d = 768, k = 16, bf16 z; time and peak memory.
     Like precision: the kernel's tl.dot is 3xTF32 (near-fp32), so the reference runs under full_fp32 (IEEE; run() turns
-    TF32 on for training), not as a TF32 GEMM, which would time a cheaper and less precise reference."""
+    TF32 on for training), not as a TF32 GEMM, which would time a cheaper and less precise reference. The kernel
+    with bf16 dots (--dot-precision bf16) is timed beside them, against the same fp32 reference."""
     if device.type != "cuda" or not HAS_TRITON:
         log("kernel: the Triton top-k needs a CUDA GPU; skipped")
         return {}
-    out = {"precision": f"fp32 scores: kernel tl.dot {PROTO_TOPK_DOT_PRECISION}, torch IEEE GEMMs (TF32 off)"}
+    out = {"precision": f"fp32 scores: kernel tl.dot {PROTO_TOPK_DOT_PRECISION}, torch IEEE GEMMs (TF32 off); "
+                        "triton_bf16: bf16 dots, fp32 accumulation"}
     N, d, k = 16384, 768, 16
     log(f"kernel: proto_topk forward + backward, N = {N:,}, d = {d}, k = {k}, bf16 z; {out['precision']}")
 
@@ -3220,7 +3294,8 @@ def bench_kernel(device, log=print) -> dict:
         P = torch.randn(K, d, device=device, requires_grad=True)
         ga = torch.randn(N, k, device=device)
         row = {}
-        for name, fn in (("torch", reference), ("triton", lambda z, P: proto_topk(z, P, k, backend="triton"))):
+        for name, fn in (("torch", reference), ("triton", lambda z, P: proto_topk(z, P, k, backend="triton")),
+                         ("triton_bf16", lambda z, P: proto_topk(z, P, k, backend="triton", precision="bf16"))):
             def fb():
                 with full_fp32():  # forward and backward: the torch reference's GEMMs in IEEE fp32
                     _, a = fn(z, P)
@@ -3234,9 +3309,12 @@ def bench_kernel(device, log=print) -> dict:
             peak = torch.cuda.max_memory_allocated(device) - base
             row[name] = {"ms": 1e3 * bench_time(fb, device), "peak_mb": peak / 2**20}
         row["speedup"] = row["torch"]["ms"] / row["triton"]["ms"]
+        row["speedup_bf16"] = row["torch"]["ms"] / row["triton_bf16"]["ms"]
         out[f"K{K}"] = row
         log(f"kernel K={K}: triton {row['triton']['ms']:.2f} ms ({row['speedup']:.2f}x faster than torch), peak "
-            f"{row['triton']['peak_mb']:.0f} MB vs {row['torch']['peak_mb']:.0f} MB")
+            f"{row['triton']['peak_mb']:.0f} MB vs {row['torch']['peak_mb']:.0f} MB; with bf16 dots "
+            f"{row['triton_bf16']['ms']:.2f} ms ({row['speedup_bf16']:.2f}x), "
+            f"peak {row['triton_bf16']['peak_mb']:.0f} MB")
     return out
 
 

@@ -29,8 +29,11 @@ CDF_TOL = 1e-5
 CHI2_DF4_P1E4 = 23.513  # chi-square critical value, 4 degrees of freedom, p = 1e-4
 
 
-def true_distances(x, e):
-    """float64 d_{n,c} = |x_n - e_c|² [N, K] of the (possibly bf16-rounded) inputs, and each row's tie scale."""
+def true_distances(x, e, precision="fp32"):
+    """float64 d_{n,c} = |x_n - e_c|² [N, K] of the (possibly bf16-rounded) inputs, and each row's tie scale; with
+    precision="bf16" of x and e rounded to bf16 as the op rounds them (through fp32)."""
+    if precision == "bf16":
+        x, e = (t.detach().float().to(torch.bfloat16) for t in (x, e))
     x64, e64 = x.detach().double(), e.detach().double()
     d = (x64[:, None, :] - e64[None, :, :]).pow(2).sum(-1)
     return d, NEAR_TIE * (x64.pow(2).sum(-1) + e64.pow(2).sum(-1).max())
@@ -63,20 +66,20 @@ def make_inputs(N, K, d, seed=0, dtype=torch.float32):
     return x, e
 
 
-def triton_small_blocks(*args):
+def triton_small_blocks(*args, **kw):
     """The kernel with 16-row, 16-code tiles and 32-column width chunks (several programs, code tiles with a partial
     last tile, the streamed-width path at any d)."""
     small = functools.partial(cv._vq_select_triton, BLOCK_N=16, BLOCK_K=16, BLOCK_D=32)
     with mock.patch.object(cv, "_vq_select_triton", small):
-        return cv._vq_select(*args, backend="triton")
+        return cv._vq_select(*args, backend="triton", **kw)
 
 
-def reference(x, e, k, T, generator, u):
-    top, top_d = cv.vq_topk_reference(x, e, k)
-    return (top, top_d) + tuple(cv.vq_search_reference(x, e, k, T, generator, u))
+def reference(x, e, k, T, generator, u, precision="fp32"):
+    top, top_d = cv.vq_topk_reference(x, e, k, precision=precision)
+    return (top, top_d) + tuple(cv.vq_search_reference(x, e, k, T, generator, u, precision=precision))
 
 
-# each form: (x, e, k, T, generator, uniforms) -> (top [N, k], top_d [N, k], idx [N], dist [N])
+# each form: (x, e, k, T, generator, uniforms, precision="fp32") -> (top [N, k], top_d [N, k], idx [N], dist [N])
 FORMS = {
     "ref": reference,
     "torch": functools.partial(cv._vq_select, backend="torch"),
@@ -105,6 +108,49 @@ def test_k_nearest_match_reference(N, K, k, d, form):
     check_close(f"{form} top_d", d64.gather(1, top.cpu()), top_d)
     assert (top_d.diff(dim=1) >= 0).all(), "list not sorted nearest first"
     assert torch.equal(idx, top[:, 0]) and torch.equal(dist, top_d[:, 0]), "T = 0 must take the nearest"
+
+
+BF16_SHAPES = [(1, 1, 1, 16), (37, 5, 5, 40), (200, 257, 8, 384), (37, 257, 5, 100), (5, 40, 8, 768)]
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("N,K,k,d", [pytest.param(*s, id="N{}-K{}-k{}-d{}".format(*s)) for s in BF16_SHAPES])
+def test_bf16_dots_match_the_rounded_reference(N, K, k, d, form):
+    """precision="bf16" (--dot-precision bf16): every form's k nearest, their distances and its draws from the same
+    uniforms are those of x and e rounded to bf16, and the distances are not the unrounded ones, so a form that
+    skipped the rounding would fail."""
+    if form == "triton-small" and d > 100:
+        pytest.skip("the streamed path is covered at d = 100")
+    x, e, T, u = sampling_inputs(N, K, k, d)
+    top, top_d, idx, dist = FORMS[form](x, e, k, 0.0, None, None, precision="bf16")
+    d64, scale = true_distances(x, e, "bf16")
+    check_nearest(form, d64, scale, top)
+    check_close(f"{form} top_d", d64.gather(1, top.cpu()), top_d)
+    assert torch.equal(idx, top[:, 0]) and torch.equal(dist, top_d[:, 0])
+    unrounded = true_distances(x, e)[0].gather(1, top.cpu())
+    assert (top_d.cpu().double() - unrounded).abs().max() > 1e-4 * unrounded.abs().max()
+    if T > 0:
+        _, _, idx, _ = FORMS[form](x, e, k, T, None, u, precision="bf16")
+        r_top, _, r_idx, _ = reference(x, e, k, T, None, u, precision="bf16")
+        assert (idx != r_idx).sum() <= 2 and ((r_top == idx[:, None]).sum(1) == 1).float().mean() >= 0.9
+
+
+def test_bf16_dots_reach_the_kernel_as_bf16_on_cuda_only():
+    """The kernel's tl.dot operand type: bf16 when the rows and codes are both bf16 on CUDA (the tensor cores); fp32
+    in Triton's interpreter, whose bf16 tl.dot multiplies bit patterns, and whenever the codes are fp32 (bf16 rows
+    with the fp32 codebook are precision="fp32")."""
+    import triton.language as tl
+    bf, f32 = torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(2, 16)
+    assert cv._vq_dot_t(bf, bf, cuda=True) == tl.bfloat16
+    assert cv._vq_dot_t(bf, f32, cuda=True) == cv._vq_dot_t(bf, bf, cuda=False) == tl.float32
+
+
+def test_a_bad_precision_is_refused():
+    x, e = make_inputs(3, 5, 16)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        cv.vq_search(x, e, 2, 0.0, precision="fp16")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        cv.vq_topk_reference(x, e, 2, precision="tf32")
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -264,7 +310,7 @@ def test_nan_poisoning_catches_a_skipped_block():
                                                        ((40,), torch.long), ((40,), torch.float32))]
     u = torch.rand(40, device=DEVICE)
     cv._vq_search_fwd[(2,)](x, e, u, *bufs, 40, 30, 16, k, 1.0, BLOCK_N=16, BLOCK_K=16, BLOCK_D=BLOCK_D, KP=KP,
-                            ONE_D=ONE_D, SAMPLE=True, DOT_PREC=cv.VQ_DOT_PRECISION)
+                            ONE_D=ONE_D, SAMPLE=True, DOT_PREC=cv.VQ_DOT_PRECISION, DOT_T=cv._vq_dot_t(x, e))
     top, top_d, idx, dist = bufs
     assert not top_d[:32].isnan().any() and top_d[32:].isnan().all() and (top[32:] == -1).all()
     assert dist[32:].isnan().all() and (idx[32:] == -1).all()
@@ -505,6 +551,34 @@ def test_nearest_at_eval_and_without_sampling_sampled_in_training():
         assert (top == idx[:, None]).any(1).all(), (cfg, train)
 
 
+def test_dot_precision_reaches_every_search(monkeypatch):
+    """--dot-precision: every search of the quantiser (its k-means init, the training draws, eval's nearest code,
+    CLVQVAE.concepts) and of the k-means baseline runs at the configured precision; with bf16 the concepts are the
+    nearest codes of the bf16-rounded rows and codes."""
+    seen, search = [], cv.vq_search
+
+    def spy(*a, **kw):
+        seen.append(kw.get("precision", "fp32"))
+        return search(*a, **kw)
+    monkeypatch.setattr(cv, "vq_search", spy)
+    torch.manual_seed(0)
+    x, mask = torch.randn(3, 7, 16), torch.ones(3, 7, dtype=torch.bool)
+    for precision in ("fp32", "bf16"):
+        seen.clear()
+        model = cv.CLVQVAE(small_config(dot_precision=precision, temperature=1.0))
+        model.vq.init_codebook(x.flatten(0, 1))
+        model.train()
+        model(x, x, mask)
+        model.eval()
+        model(x, x, mask)
+        concepts = model.concepts(x, mask)
+        cv.kmeans_method(small_config(dot_precision=precision, kmeans_iters=2, kmeans_restarts=1),
+                         x.flatten(0, 1), "cpu", log=lambda s: None).assign(x.flatten(0, 1))
+        assert len(seen) >= 6 and set(seen) == {precision}, seen
+        z = model.encoder(x, mask)[mask]
+        assert torch.equal(concepts[mask], cv.vq_topk_reference(z, model.vq.embed, 1, precision=precision)[0][:, 0])
+
+
 @pytest.mark.parametrize("dead_code", ["off", "restart"])
 def test_dead_code_switch(dead_code):
     """A code far from every row is never chosen. Off (faithful): its EMA count decays below the threshold and it
@@ -629,6 +703,27 @@ class TestOnCUDA:
         assert (at.sum(1) == 1).all()
         check_close("cuda dist", top_d[at], dist)
         assert (idx != r_idx).float().mean() < 1e-3 and (idx != top[:, 0]).float().mean() > 0.01
+
+    def test_bf16_dots_at_realistic_size_and_memory(self):
+        """--dot-precision bf16 at the same size: bf16 rows are used in place, so the extra memory is the O(N·k)
+        outputs and the bf16 codebook; the lists and draws match the torch form's on the rounded inputs (up to
+        near-tie swaps and boundary cases)."""
+        torch.manual_seed(0)
+        N, K, d, k = 65536, 4096, 768, 5
+        x = torch.randn(N, d, device="cuda").bfloat16()
+        e = torch.randn(K, d, device="cuda")
+        u = torch.rand(N, device="cuda")
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        top, top_d, idx, dist = cv._vq_select(x, e, k, 30.0, None, u, "triton", "bf16")
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        assert extra <= N * (12 * k + 24) + K * d * 2 + (4 << 20), f"extra memory {extra / 2**20:.1f} MiB"
+        r_top, r_top_d, r_idx, _ = cv._vq_select(x, e, k, 30.0, None, u, "torch", "bf16")
+        assert (top != r_top).float().mean() < 1e-3
+        check_close("cuda bf16 top_d", r_top_d, top_d)
+        assert (idx != r_idx).float().mean() < 1e-3
 
 
 def test_torch_compile_graph_breaks_around_triton():

@@ -52,15 +52,15 @@ def test_logits_equal_the_dense_head_in_every_routing(mode):
     assert (out["a"] >= 0).all() and out["idx"].shape == (2, 8, 3)
 
 
-@pytest.mark.parametrize("mode", ["full", "detach-r"])
-def test_triton_model_matches_the_torch_model(mode):
+@pytest.mark.parametrize("mode,precision", [("full", "fp32"), ("detach-r", "fp32"), ("detach-zhat", "bf16")])
+def test_triton_model_matches_the_torch_model(mode, precision):
     """--kernels triton (the top-k selection and the gathered-dot kernels, the LayerNorms, the cross-entropy) and
     --kernels torch on the same weights: the training loss with its R1/R2 terms, every statistic and every
-    parameter's gradient."""
+    parameter's gradient (with --dot-precision bf16 too)."""
     out = {}
     x, y = batch(3, 8)
     for backend in ("torch", "triton"):
-        m = tiny_model(resid_grad=mode, kernels=backend, lambda_r1=0.1, lambda_r2=0.1).float()
+        m = tiny_model(resid_grad=mode, kernels=backend, lambda_r1=0.1, lambda_r2=0.1, dot_precision=precision).float()
         loss, stats = m(x, y)
         loss.backward()
         out[backend] = loss.detach(), stats, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
@@ -76,6 +76,26 @@ def test_triton_model_matches_the_torch_model(mode):
     assert set(grads_t) == set(grads_k) and "P" in grads_t
     for n, g in grads_t.items():
         check_close(n, g, grads_k[n])
+
+
+def test_dot_precision_reaches_the_selection():
+    """--dot-precision: the model's winners and activations are proto_topk_ref's at that precision (bf16: the
+    cosines of the bf16-rounded unit vectors), and the two precisions give different activations; a resumed run
+    that changes it says the result will differ."""
+    x, _ = batch()
+    acts = {}
+    for precision in ("fp32", "bf16"):
+        m = tiny_model(dot_precision=precision).float()
+        z = m.hidden(x).flatten(0, 1)
+        idx, a = m.prototypes(z)
+        ref_idx, ref_a = prism.proto_topk_ref(z, m.P, m.cfg.topk, precision=precision)
+        assert torch.equal(idx, ref_idx)
+        check_close(precision, ref_a, a)
+        acts[precision] = a
+    assert (acts["fp32"] - acts["bf16"]).abs().max() > 1e-5
+    saved = dataclasses.asdict(Config())
+    note = prism.resume_note(saved, dataclasses.replace(Config(), dot_precision="bf16"), 10)
+    assert note and "dot_precision fp32 -> bf16" in note
 
 
 def ce_grads(m, x, y, ce_of_z):
@@ -942,11 +962,11 @@ def test_cuda_tiny_run_and_resume(tmp_path, cache_dir):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head", ["dense", "prism"])
-def test_cuda_training_step_never_waits_for_the_gpu(head):
+@pytest.mark.parametrize("head,precision", [("dense", "fp32"), ("prism", "fp32"), ("prism", "bf16")])
+def test_cuda_training_step_never_waits_for_the_gpu(head, precision):
     """The training step with its prototype usage counter, at the paper's widths (2 layers, d = 768, K = 8192,
-    k = 16, batch 4 × 1024, the Triton kernels): no wait for the GPU (check_step_never_waits)."""
-    cfg = dataclasses.replace(Config(), layers=2, head=head, init="random", dropout=0.0)
+    k = 16, batch 4 × 1024, the Triton kernels, each --dot-precision): no wait for the GPU (check_step_never_waits)."""
+    cfg = dataclasses.replace(Config(), layers=2, head=head, init="random", dropout=0.0, dot_precision=precision)
     model = PRISM(cfg, prism.BENCH_VOCAB).cuda()
     optimizer = prism.make_optimizer(model, cfg, "cuda")
     x, y = torch.randint(0, prism.BENCH_VOCAB, (2, 4, cfg.ctx), device="cuda")
@@ -1053,11 +1073,14 @@ def test_bench_on_cpu(capsys, monkeypatch):
     assert "PRISM / dense = " in r.stdout and "kernel: the Triton top-k needs a CUDA GPU; skipped" in r.stdout
     assert "pairs: N = 64, K = 96, d = 24, k = 16, squared L2: top-k with R1/R2's pairs " in r.stdout
     assert "head alone, forward + backward from fixed hidden states: dense " in r.stdout
+    assert "PRISM (bf16 dots) " in r.stdout and "; with bf16 dots " in r.stdout
     res = json.loads(r.stdout[r.stdout.index("\n{") + 1:])
-    assert set(res["train_tok_s"]) == {"dense", "prism"} and res["throughput_ratio"] > 0
+    assert set(res["train_tok_s"]) == {"dense", "prism", "prism_bf16"} and res["throughput_ratio"] > 0
+    assert res["throughput_ratio_bf16"] == pytest.approx(res["train_tok_s"]["prism_bf16"] / res["train_tok_s"]["dense"])
     head = res["head"]
-    assert min(head["dense_ms"], head["prism_ms"], head["topk_ms"]) > 0
-    assert head["extra_ms"] == pytest.approx(head["prism_ms"] - head["dense_ms"])
     step_ms = {h: 1e3 * 2 * 8 / v for h, v in res["train_tok_s"].items()}  # batch 2 × ctx 8
-    assert head["step_extra_ms"] == pytest.approx(step_ms["prism"] - step_ms["dense"])
+    for run, sfx in (("prism", ""), ("prism_bf16", "_bf16")):
+        assert min(head["dense_ms"], head[f"prism{sfx}_ms"], head[f"topk{sfx}_ms"]) > 0
+        assert head[f"extra{sfx}_ms"] == pytest.approx(head[f"prism{sfx}_ms"] - head["dense_ms"])
+        assert head[f"step_extra{sfx}_ms"] == pytest.approx(step_ms[run] - step_ms["dense"])
     assert res["pairs"]["N"] == 64 and res["pairs"]["speedup"] > 0 and res["kernel"] == {}

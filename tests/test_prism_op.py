@@ -26,11 +26,20 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TIE_TOL = 1e-6
 
 
-def true_scores(z, P):
-    """The float64 scores relu(ẑ · P̂ᵀ) [N, K] of the (possibly bf16-rounded) inputs, and the leaves z, P."""
+def true_scores(z, P, precision="fp32"):
+    """The float64 scores relu(ẑ · P̂ᵀ) [N, K] of the (possibly bf16-rounded) inputs, and the leaves z, P. With
+    precision="bf16", of the unit vectors rounded to bf16 as the op rounds them (normalised in fp32 first), the
+    rounding passing the gradient straight through: exact products, accumulated in float64."""
     z64 = z.detach().double().requires_grad_()
     P64 = P.detach().double().requires_grad_()
-    return (F.normalize(z64, dim=-1) @ F.normalize(P64, dim=-1).T).relu(), z64, P64
+
+    def operand(t64, t):
+        unit = F.normalize(t64, dim=-1)
+        if precision == "bf16":
+            rounded = F.normalize(t.detach().float(), dim=-1).to(torch.bfloat16).double()
+            unit = unit + (rounded - unit.detach())
+        return unit
+    return (operand(z64, z) @ operand(P64, P).T).relu(), z64, P64
 
 
 def check_winners(name, scores, idx, max_mismatch_frac=1e-3):
@@ -60,22 +69,22 @@ def make_inputs(N, K, d, seed=0, dtype=torch.float32):
     return z, P
 
 
-def run(form, z, P, k, ga):
+def run(form, z, P, k, ga, precision="fp32"):
     """(idx, a, ∂z, ∂P) of (a · ga).sum() for one form."""
     z = z.detach().clone().requires_grad_()
     P = P.detach().clone().requires_grad_()
-    idx, a = FORMS[form](z, P, k)
+    idx, a = FORMS[form](z, P, k, precision=precision)
     (a * ga).sum().backward()
     return idx, a, z.grad, P.grad
 
 
-def check_form(form, z, P, k, seed=1):
+def check_form(form, z, P, k, seed=1, precision="fp32"):
     """Winners against the float64 order; a and the gradients against the float64 truth at the form's own winners
     (identical to the reference's winners except at near-ties)."""
     torch.manual_seed(seed)
     ga = torch.randn(z.shape[0], k, device=DEVICE)
-    idx, a, gz, gP = run(form, z, P, k, ga)
-    scores, z64, P64 = true_scores(z, P)
+    idx, a, gz, gP = run(form, z, P, k, ga, precision)
+    scores, z64, P64 = true_scores(z, P, precision)
     check_winners(form, scores.detach(), idx)
     a_true = scores.gather(1, idx)
     (a_true * ga.double()).sum().backward()
@@ -99,7 +108,7 @@ def triton_small_blocks(z, P, k, **kw):
         return op.proto_topk(z, P, k, backend="triton", **kw)
 
 
-FORMS = {  # the proto_topk forms take pairs= too (the reference does not)
+FORMS = {  # each takes precision=; the proto_topk forms take pairs= too (the reference does not)
     "ref": op.proto_topk_ref,
     "torch": lambda z, P, k, **kw: op.proto_topk(z, P, k, backend="torch", **kw),
     "triton": lambda z, P, k, **kw: op.proto_topk(z, P, k, backend="triton", **kw),
@@ -130,6 +139,38 @@ def test_chunked_paths(N, K, k, d, form):
     check_form(form, z, P, k)
 
 
+BF16_SHAPES = [(1, 1, 1, 16), (37, 5, 5, 40), (200, 257, 32, 100), (37, 257, 8, 384), (5, 40, 8, 768)]
+
+
+@pytest.mark.parametrize("form", ["ref", "torch", "triton", "torch-chunk7", "triton-small"])
+@pytest.mark.parametrize("N,K,k,d", [pytest.param(*s, id="N{}-K{}-k{}-d{}".format(*s)) for s in BF16_SHAPES])
+def test_bf16_dots_agree(N, K, k, d, form):
+    """precision="bf16" (--dot-precision bf16): the winners, a and both gradients of every form are those of the
+    bf16-rounded unit vectors' exact cosines (straight-through gradients), and a is not the fp32 cosine, so a form
+    that skipped the rounding would fail."""
+    z, P = make_inputs(N, K, d)
+    idx, a = check_form(form, z, P, k, precision="bf16")
+    fp32 = true_scores(z, P)[0].detach().gather(1, idx)
+    assert (a.double() - fp32).abs().max() > 1e-5 or N * d < 100, "a equals the fp32 cosines: no rounding"
+
+
+def test_bf16_dots_reach_the_kernel_as_bf16_on_cuda_only():
+    """The kernel's tl.dot operand type: bf16 for bf16 inputs on CUDA (the tensor cores); fp32 in Triton's
+    interpreter, whose bf16 tl.dot multiplies bit patterns, and for fp32 inputs."""
+    import triton.language as tl
+    bf, f32 = torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(2, 16)
+    assert op._proto_topk_dot_t(bf, cuda=True) == tl.bfloat16
+    assert op._proto_topk_dot_t(bf, cuda=False) == op._proto_topk_dot_t(f32, cuda=True) == tl.float32
+    assert op._proto_topk_dot_t(bf) == (tl.bfloat16 if bf.is_cuda else tl.float32)
+
+
+def test_a_bad_precision_is_refused():
+    z, P = make_inputs(3, 5, 16)
+    for form in ("ref", "torch"):
+        with pytest.raises(ValueError, match="precision must be one of"):
+            FORMS[form](z, P, 2, precision="fp16")
+
+
 def tie_inputs():
     """Prototypes with exact copies (some across the 64-prototype tile boundary, some earlier than the original)
     and copies scaled by powers of two (the same normalised row, bit for bit, in fp32 and fp64; other scales can
@@ -149,17 +190,18 @@ def tie_inputs():
     return z.to(DEVICE), P.to(DEVICE)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("form", ["ref", "torch", "triton", "torch-chunk7", "triton-small"])
-def test_ties_go_to_the_lower_index(form):
+def test_ties_go_to_the_lower_index(form, precision):
     z, P = tie_inputs()
     k = 8
     Pn = F.normalize(P, dim=-1)
     assert torch.equal(Pn[77], Pn[3]) and torch.equal(Pn[140], Pn[3]) and torch.equal(Pn[5], Pn[10])
-    scores = true_scores(z, P)[0].detach()
+    scores = true_scores(z, P, precision)[0].detach()
     positives = (scores[9:] > 0).sum(1)
     assert (positives < k).sum() >= 10 and (positives == 0).any(), "too few rows with zero-activation winners"
 
-    idx, a = check_form(form, z, P, k)
+    idx, a = check_form(form, z, P, k, precision=precision)
     assert (idx[:4, :3] == torch.tensor([3, 77, 140], device=idx.device)).all(), idx[:4, :3]
     assert (idx[4:8, :3] == torch.tensor([5, 10, 100], device=idx.device)).all(), idx[4:8, :3]
     assert torch.equal(idx[8], torch.arange(k, device=idx.device)), "a zero token's winners: prototypes 0..k-1"
@@ -315,7 +357,7 @@ def test_nan_poisoning_catches_a_skipped_block():
     idx = op._proto_topk_empty((40, k), torch.long, DEVICE)
     a = op._proto_topk_empty((40, k), torch.float32, DEVICE)
     op._proto_topk_fwd[(2,)](zn, Pn, idx, a, 40, 30, 16, k, BLOCK_N=16, BLOCK_K=16, BLOCK_D=BLOCK_D, KP=KP,
-                             ONE_D=ONE_D, DOT_PREC=op.PROTO_TOPK_DOT_PRECISION)
+                             ONE_D=ONE_D, DOT_PREC=op.PROTO_TOPK_DOT_PRECISION, DOT_T=op._proto_topk_dot_t(zn))
     assert not a[:32].isnan().any() and a[32:].isnan().all() and (idx[32:] == -1).all()
     assert torch.equal(idx[:32], op.proto_topk_ref(z, P, k)[0][:32])
 
@@ -527,6 +569,28 @@ class TestOnCUDA:
         check_close("cuda dP", P64.grad, gP, RATIO[torch.float32] * 10)
         del scores, z64, P64, a_true
         idx_t, _ = op.proto_topk(z, P, k, backend="torch")
+        assert (idx_t != idx).float().mean() < 1e-3
+
+    def test_bf16_dots_at_realistic_size(self):
+        """--dot-precision bf16 at the paper's training shape (16 × 1024 tokens, K = 8192, d = 768, bf16 z): the
+        kernel's bf16 tensor-core dots give the winners of the bf16-rounded unit vectors' float64 cosines (up to
+        near-ties), a and both gradients as the float64 straight-through truth, and the torch form agrees."""
+        torch.manual_seed(0)
+        N, K, d, k = 16384, 8192, 768, 16
+        z = torch.randn(N, d, device="cuda").bfloat16()
+        P = torch.randn(K, d, device="cuda")
+        ga = torch.randn(N, k, device="cuda")
+        idx, a, gz, gP = run("triton", z, P, k, ga, "bf16")
+        scores, z64, P64 = true_scores(z, P, "bf16")
+        swaps = check_winners("cuda triton bf16", scores.detach(), idx)
+        print(f"near-tie swaps: {swaps} of {idx.numel()}")
+        a_true = scores.gather(1, idx)
+        (a_true * ga.double()).sum().backward()
+        check_close("cuda bf16 a", a_true, a)
+        check_close("cuda bf16 dz", z64.grad, gz, RATIO[torch.bfloat16], atol=1e-6)
+        check_close("cuda bf16 dP", P64.grad, gP, RATIO[torch.float32] * 10)
+        del scores, z64, P64, a_true
+        idx_t, _ = op.proto_topk(z, P, k, backend="torch", precision="bf16")
         assert (idx_t != idx).float().mean() < 1e-3
 
     @pytest.mark.parametrize("dist", ["l2", "cosine"])

@@ -97,11 +97,16 @@ EXECUTE = ("prism", "clvq_vae")
 def recording():
     """Record every interpreted launch, running only those of the EXECUTE modules. dual_stream's launch settings
     are the ones it picks on CUDA (16-bit q, k, v go to the tensor cores as they are, in wider tiles), which the
-    interpreter could not run; its launches are only recorded."""
+    interpreter could not run; its launches are only recorded. So are prism's and clvq_vae's tl.dot operand types
+    (bf16 operands stay bf16 on CUDA): their bf16 launches run in the interpreter with outputs nobody reads
+    (_op_shapes)."""
     from triton.runtime.interpreter import InterpretedFunction
+    import clvq_vae
     import dual_stream
+    import prism
 
     launches, run, launch_config = [], InterpretedFunction.run, dual_stream._amp_launch_config
+    dot_t, vq_dot_t = prism._proto_topk_dot_t, clvq_vae._vq_dot_t
     assert "dual_stream" not in EXECUTE
 
     def recorded_run(self, *args, grid, warmup, **kwargs):
@@ -111,11 +116,15 @@ def recording():
 
     InterpretedFunction.run = recorded_run
     dual_stream._amp_launch_config = lambda q: launch_config(q, cuda=True)
+    prism._proto_topk_dot_t = lambda zn: dot_t(zn, cuda=True)
+    clvq_vae._vq_dot_t = lambda x, e: vq_dot_t(x, e, cuda=True)
     try:
         yield launches
     finally:
         InterpretedFunction.run = run
         dual_stream._amp_launch_config = launch_config
+        prism._proto_topk_dot_t = dot_t
+        clvq_vae._vq_dot_t = vq_dot_t
 
 
 def _lm_step(mod, dtype_autocast, V=5000, T=64):
@@ -177,6 +186,11 @@ def _op_shapes():
     for d, k in ((256, 1), (1600, prism.PROTO_TOPK_MAX_K)):   # prism's extremes: k = 1 and 32, GPT-2 XL's width
         z, P = torch.randn(70, d, dtype=bf16, requires_grad=True), torch.randn(300, d, requires_grad=True)
         prism.proto_topk(z, P, k, backend="triton")[1].sum().backward()
+    # --dot-precision bf16 at the paper's d = 768, k = 16: training's launch (with the L2 pairs) and --bench's
+    # (without); the selection alone, as under recording() the interpreter runs bf16 tl.dots it cannot compute
+    zn, Pn = (torch.nn.functional.normalize(torch.randn(n, 768), dim=-1).to(bf16) for n in (70, 512))
+    for pairs, norms in ((None, {}), ("l2", dict(zr=torch.ones(70), pr=torch.ones(512)))):
+        prism._proto_topk_select_triton(zn, Pn, 16, pairs=pairs, **norms)
     for T in (64, 256):                                       # dual_stream --bench: d_h = 64, bf16
         q, k, v = (torch.randn(1, 2, T, 64, dtype=bf16, requires_grad=True) for _ in range(3))
         dual_stream.amp_attention(q, k, v, 1.0, backend="triton")[0].float().sum().backward()
@@ -193,6 +207,8 @@ def _op_shapes():
             clvq_vae.vq_search(x, e, k, temperature, generator=torch.Generator().manual_seed(0), backend="triton")
         clvq_vae.vq_search(x.to(bf16), e, cfg.top_k, cfg.temperature, generator=torch.Generator().manual_seed(0),
                            backend="triton")
+        for k, temperature in ((cfg.top_k, cfg.temperature), (1, 0.0)):  # --dot-precision bf16: the selection alone
+            clvq_vae._vq_select_triton(x.to(bf16), e.to(bf16), k, temperature, torch.rand(70))  # (as prism's above)
     x, e = torch.randn(70, 768), torch.randn(cfg.codebook_size, 768)  # the widest list the kernel takes
     clvq_vae.vq_search(x, e, clvq_vae.VQ_MAX_K, cfg.temperature, generator=torch.Generator().manual_seed(0),
                        backend="triton")
