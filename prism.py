@@ -3596,8 +3596,8 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
                             "no --suppress-keywords, or --head dense"),
            "twin": (prism, "--head dense trains the twin alone"),
            **{k: (prism, "--head dense has no prototypes") for k in (
-               "n_protos", "topk", "act", "resid_grad", "lambda_rec", "lambda_r1", "lambda_r2", "rec", "dist",
-               "r1_detach_z", "init", "init_steps", "revive_dead", "push_interval")},
+               "n_protos", "topk", "dot_precision", "act", "resid_grad", "lambda_rec", "lambda_r1", "lambda_r2", "rec",
+               "dist", "r1_detach_z", "init", "init_steps", "revive_dead", "push_interval")},
            "sample_tokens": (cfg.train or cfg.sample is not None or suppression, "no samples: a --no-train run "
                              "samples only with --sample, or in suppression's generations"),
            "temperature": (cfg.train or cfg.sample is not None or suppression or prism and cfg.cards, "no text is "

@@ -1014,6 +1014,8 @@ def test_unused_flags_are_noted():
                  push_interval=2, revive_dead=True) == ["note: --n-protos", "note: --topk", "note: --lambda-rec",
                                                         "note: --init", "note: --revive-dead", "note: --push-interval"]
     assert notes({"revive_dead"}, head="dense") == [] and notes({"n_protos", "init"}) == []
+    assert notes({"dot_precision"}, head="dense", dot_precision="bf16") == ["note: --dot-precision"]
+    assert notes({"dot_precision"}, dot_precision="bf16") == []
     # a --no-train run generates for suppression (the auto keyword by default) with --sample-tokens
     assert notes({"sample_tokens"}, train=False) == []
     assert notes({"sample_tokens"}, train=False, suppress_keywords="") == ["note: --sample-tokens"]
