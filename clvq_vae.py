@@ -728,10 +728,11 @@ def _vq_blocks(d, k):
 
 
 def _vq_dot_t(x, e, cuda=None):
-    """tl.dot's operand type: bf16 x and e (precision="bf16") go to the tensor cores as bf16 on CUDA; Triton's
-    interpreter has no bf16 arithmetic (numpy stores it as uint16: a bf16 tl.dot multiplies the bit patterns), so
-    there, and whenever e is fp32, the operands are fp32, which holds bf16 values exactly: the same products,
-    accumulated in fp32 either way. `cuda` overrides x.is_cuda (tests/test_sm90_compile.py records the CUDA choice)."""
+    """tl.dot's operand type: bf16 x and e go to the tensor cores as bf16 on CUDA (precision="bf16", or bf16 rows
+    and codebook under "fp32", which need no rounding). Triton's interpreter has no bf16 arithmetic (numpy stores it
+    as uint16: a bf16 tl.dot multiplies the bit patterns), so there, and whenever e is fp32, the operands are fp32,
+    which holds bf16 values exactly: the same products, accumulated in fp32 either way. `cuda` overrides x.is_cuda
+    (tests/test_sm90_compile.py records the CUDA choice)."""
     native = (x.is_cuda if cuda is None else cuda) and x.dtype == e.dtype == torch.bfloat16
     return tl.bfloat16 if native else tl.float32
 
@@ -2004,7 +2005,8 @@ RESUME_KEYS = ("max_iters", "lr", "schedule", "min_lr_ratio", "warmup_frac", "pl
                "early_stop", "batch_size", "optimizer", "weight_decay", "grad_clip", "dropout", "temperature",
                "sampling", "ema_decay", "ema_eps", "beta", "dead_code", "dead_threshold", "dot_precision")
 # What only training reads: typed with --no-train, each keeps the checkpoint's value (a note says so), so that the
-# config and the report describe the run that trained the model, not flags that changed nothing
+# config and the report describe the run that trained the model, not flags that changed nothing. dot_precision is
+# read by every search, and kept so that the analyses search codes as training did (its note says that)
 TRAINING_KEYS = RESUME_KEYS + ("eval_interval", "log_interval")
 
 
@@ -2310,6 +2312,8 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
             saved = dict(ck["config"])
             saved.setdefault("val_frac", 0.0)  # checkpoints from before --val-frac validated on the dev set
             saved.setdefault("decoder_prompt", "none")  # and before --decoder-prompt, decoders had no prompt
+            for c in (saved, ck["config"]):  # and before --dot-precision, every search was fp32 (resume_note reads
+                c.setdefault("dot_precision", "fp32")  # ck["config"])
             missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
     except Exception as e:  # truncated file, not a checkpoint, unpickling refused
         raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None
@@ -2361,6 +2365,8 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
               for k in ("cards_per_method", "coherence_embed", "coherence_draws")}}
     if not cfg.train:  # load_checkpoint kept the checkpoint's value: the typed one went unused, whatever else
         why.update(dict.fromkeys(TRAINING_KEYS, (False, "--no-train trains nothing: the checkpoint's value stays")))
+        why["dot_precision"] = (False, "--no-train keeps the checkpoint's value, so that the analyses search codes "
+                                       "as training did")
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
             if k in explicit and not used]
 

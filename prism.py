@@ -1201,7 +1201,8 @@ RESUME_KEYS = ("max_iters", "lr", "min_lr_ratio", "warmup_frac", "batch_size", "
                "lambda_rec", "lambda_r1", "lambda_r2", "rec", "dist", "r1_detach_z", "revive_dead", "push_interval",
                "dot_precision")
 # What only training reads: typed with --no-train, each keeps the checkpoint's value (a note says so), so that the
-# config and the report describe the run that trained the model, not flags that changed nothing
+# config and the report describe the run that trained the model, not flags that changed nothing. dot_precision is
+# read by every forward, and kept so that the analyses select prototypes as training did (its note says that)
 TRAINING_KEYS = RESUME_KEYS + ("eval_interval", "eval_iters", "log_interval")  # (ctx is architecture here)
 # ... and, before the prototypes are seeded (step < init_steps), how and when they will be
 SEED_KEYS = ("init", "init_steps")
@@ -1470,6 +1471,8 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         ok = isinstance(ck, dict) and ck.get("format") == "glassbox-checkpoint/1" and ck.get("script") == "prism"
         if ok:
             saved = dict(ck["config"])
+            for c in (saved, ck["config"]):  # checkpoints from before --dot-precision selected in fp32 (resume_note
+                c.setdefault("dot_precision", "fp32")  # reads ck["config"])
             missing = [k for k in CKPT_KEYS if k not in ck] or [f"rng.{k}" for k in RNG_KEYS if k not in ck["rng"]]
     except Exception as e:  # truncated file, not a checkpoint, unpickling refused
         raise RunError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or retrain") from None
@@ -3231,10 +3234,9 @@ def bench_head(runs: dict, x, y, step_extra_ms: dict, device, autocast, log=prin
         m = runs[h][0]
         zf = hidden[h].detach().flatten(0, 1).requires_grad_()
 
-        def topk():
+        def topk():  # the model's own selection (its backend, --dot-precision and --act), with the pairs
             with autocast:
-                _, a, _ = proto_topk(zf, m.P, m.cfg.topk, backend=m.cfg.kernels, pairs=m.cfg.dist,
-                                     precision=m.cfg.dot_precision)
+                _, a, _ = m.prototypes(zf, pairs=m.cfg.dist)
             a.sum().backward()
             m.zero_grad(set_to_none=True)
             zf.grad = None
@@ -3605,6 +3607,8 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
                            "decomposed text")}
     if not cfg.train:  # load_checkpoint kept the checkpoint's value: the typed one went unused, whatever else
         why.update(dict.fromkeys(TRAINING_KEYS, (False, "--no-train trains nothing: the checkpoint's value stays")))
+        why["dot_precision"] = (False, "--no-train keeps the checkpoint's value, so that the analyses select prototypes "
+                                       "as training did")
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
             if k in explicit and not used and getattr(cfg, k) is not False]  # --no-X of an idle analysis: nothing to say
 

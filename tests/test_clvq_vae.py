@@ -156,9 +156,16 @@ def test_training_validates_on_held_out_training_sentences(tmp_path, acts, monke
     # --resume keeps its training sentences, and asking for a split is the one-line mismatch error
     path = cv.ckpt_path(cfg0)
     ck = torch.load(path, weights_only=True)
-    del ck["config"]["val_frac"]
+    del ck["config"]["val_frac"], ck["config"]["dot_precision"]  # and from before --dot-precision, fp32 searches
     torch.save(ck, path)
     assert cv.load_checkpoint(path, cv.Config(out_dir=str(tmp_path / "v0")))[1].val_frac == 0.0
+    asked = cv.Config(out_dir=str(tmp_path / "v0"), train=False, dot_precision="bf16")
+    ck, merged = cv.load_checkpoint(path, asked, explicit={"dot_precision"})
+    assert merged.dot_precision == "fp32"
+    assert [n for n in cv.unused_flags(merged, {"dot_precision"}) if "--dot-precision" in n] == [
+        "note: --dot-precision has no effect in this run (--no-train keeps the checkpoint's value, so that the "
+        "analyses search codes as training did)"]
+    assert "dot_precision fp32 -> bf16" in cv.resume_note(ck["config"], replace(cfg0, dot_precision="bf16"), 3)
     with pytest.raises(cv.RunError, match=r"val_frac=0.0 \(asked 0.1\)"):
         cv.load_checkpoint(path, cv.Config(out_dir=str(tmp_path / "v0")), explicit=("val_frac",))
     # --no-train: a typed training setting keeps the checkpoint's value (the report describes the trained run), noted

@@ -143,6 +143,33 @@ def test_bf16_dots_reach_the_kernel_as_bf16_on_cuda_only():
     bf, f32 = torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(2, 16)
     assert cv._vq_dot_t(bf, bf, cuda=True) == tl.bfloat16
     assert cv._vq_dot_t(bf, f32, cuda=True) == cv._vq_dot_t(bf, bf, cuda=False) == tl.float32
+    assert cv._vq_dot_t(f32, f32, cuda=True) == cv._vq_dot_t(bf.half(), f32, cuda=True) == tl.float32
+
+
+def test_bf16_operands_reach_the_kernel(monkeypatch):
+    """Through the public vq_search and vq_topk: precision="bf16" launches the kernel on bf16 rows and codes with
+    bf16 dots, as on CUDA (each launch is recorded with the CUDA choice of DOT_T, then run with the interpreter's
+    fp32 operands); precision="fp32" launches the fp32 codebook and fp32 dots, for fp32 and bf16 rows alike."""
+    import triton.language as tl
+    launches, kernel, dot_t = [], cv._vq_search_fwd, cv._vq_dot_t
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((args[0].dtype, args[1].dtype, kw["DOT_T"]))
+                return kernel[grid](*args, **{**kw, "DOT_T": dot_t(args[0], args[1])})
+            return launch
+    monkeypatch.setattr(cv, "_vq_search_fwd", Spy())
+    monkeypatch.setattr(cv, "_vq_dot_t", lambda x, e: dot_t(x, e, cuda=True))
+    x, e = make_inputs(37, 100, 64)
+    for precision in ("fp32", "bf16"):
+        for rows in (x, x.bfloat16()):
+            cv.vq_search(rows, e, 5, 1.0, generator=torch.Generator().manual_seed(0), backend="triton",
+                         precision=precision)
+        cv.vq_topk(x, e, 5, backend="triton", precision=precision)
+    bf16 = (torch.bfloat16, torch.bfloat16, tl.bfloat16)
+    assert launches == [(torch.float32, torch.float32, tl.float32), (torch.bfloat16, torch.float32, tl.float32),
+                        (torch.float32, torch.float32, tl.float32), bf16, bf16, bf16]
 
 
 def test_a_bad_precision_is_refused():

@@ -98,6 +98,23 @@ def test_dot_precision_reaches_the_selection():
     assert note and "dot_precision fp32 -> bf16" in note
 
 
+def test_a_checkpoint_from_before_dot_precision_selects_in_fp32(tmp_path):
+    """A checkpoint saved before --dot-precision existed (no key in its config) selected in fp32: it loads as fp32
+    whatever a --no-train run types (with a note that says why), and a --resume with bf16 says the run changes."""
+    path = tmp_path / "ckpt-prism.pt"
+    config = dataclasses.asdict(Config(out_dir=str(tmp_path)))
+    del config["dot_precision"]
+    save_envelope(path, "prism", config)
+    asked = Config(out_dir=str(tmp_path), train=False, dot_precision="bf16")
+    ck, merged = prism.load_checkpoint(path, asked, explicit={"dot_precision"})
+    assert merged.dot_precision == "fp32"
+    assert [n for n in prism.unused_flags(merged, {"dot_precision"}) if "--dot-precision" in n] == [
+        "note: --dot-precision has no effect in this run (--no-train keeps the checkpoint's value, so that the "
+        "analyses select prototypes as training did)"]
+    note = prism.resume_note(ck["config"], dataclasses.replace(Config(), dot_precision="bf16"), 3)
+    assert note and "dot_precision fp32 -> bf16" in note
+
+
 def ce_grads(m, x, y, ce_of_z):
     """Gradients of a CE for the backbone's z and for P, given how the logits are formed from z."""
     z = m.hidden(x).detach().requires_grad_()

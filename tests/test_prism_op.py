@@ -164,6 +164,29 @@ def test_bf16_dots_reach_the_kernel_as_bf16_on_cuda_only():
     assert op._proto_topk_dot_t(bf) == (tl.bfloat16 if bf.is_cuda else tl.float32)
 
 
+def test_bf16_operands_reach_the_kernel(monkeypatch):
+    """Through the public proto_topk (with and without the pairs): precision="bf16" launches the kernel on bf16 z̄
+    and P̄ with bf16 dots, as on CUDA (each launch is recorded with the CUDA choice of DOT_T, then run with the
+    interpreter's fp32 operands); precision="fp32" launches fp32 operands and fp32 dots."""
+    import triton.language as tl
+    launches, kernel, dot_t = [], op._proto_topk_fwd, op._proto_topk_dot_t
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((args[0].dtype, args[1].dtype, kw["DOT_T"]))
+                return kernel[grid](*args, **{**kw, "DOT_T": dot_t(args[0])})
+            return launch
+    monkeypatch.setattr(op, "_proto_topk_fwd", Spy())
+    monkeypatch.setattr(op, "_proto_topk_dot_t", lambda zn: dot_t(zn, cuda=True))
+    z, P = make_inputs(37, 100, 64)
+    for precision in ("fp32", "bf16"):
+        for pairs in (None, "l2"):
+            op.proto_topk(z, P, 8, backend="triton", precision=precision, pairs=pairs)
+    f32, bf16 = (torch.float32, torch.float32, tl.float32), (torch.bfloat16, torch.bfloat16, tl.bfloat16)
+    assert launches == [f32, f32, bf16, bf16]
+
+
 def test_a_bad_precision_is_refused():
     z, P = make_inputs(3, 5, 16)
     for form in ("ref", "torch"):
