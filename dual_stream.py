@@ -126,7 +126,8 @@ Commands
     python dual_stream.py --pos alibi                                     # ALiBi instead of RoPE (spec §11.5)
     python dual_stream.py --no-train --pos alibi --alibi-alpha unscaled   # amplification leaving the bias as is
     python dual_stream.py --no-train --amplify 1,4,16 --ablate-at all     # analyses of a trained checkpoint
-    python dual_stream.py --bench                  # training tok/s per mixing vs dense; kernel vs SDPA
+    python dual_stream.py --bench                  # training tok/s per mixing vs dense; the mixing maps alone;
+                                                   # kernel vs SDPA
     python dual_stream.py --dataset tinystories --max-tokens 100000000     # online
     torchrun --standalone --nproc_per_node=8 dual_stream.py               # DDP
 
@@ -2120,8 +2121,8 @@ def bench_time(fn, device, reps=3) -> float:
 
 def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
     """Training tokens/s of each V/O mixing strategy (token-factor, dense FFN) and of the fully independent model,
-    relative to dense, measured side by side (steps alternated so drift hits all alike, random tokens); then the
-    attention kernel against SDPA and the explicit reference."""
+    relative to dense, measured side by side (steps alternated so drift hits all alike, random tokens); the mixing
+    maps alone (bench_mixing); then the attention kernel against SDPA and the explicit reference."""
     B, T = min(cfg.batch_size, 16), cfg.ctx
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "batch": B, "ctx": T}
     log(f"bench: {cfg.layers} layers, d={cfg.d_model}, {cfg.heads} heads, vocab {vocab_size}, batch {B}x{T}, "
@@ -2158,8 +2159,37 @@ def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
     res["ratio_to_dense"] = {n: tok_s[n] / tok_s["dense"] for n in tok_s}
     log("training tokens/s: " + ", ".join(f"{n} {v:,.0f} ({res['ratio_to_dense'][n]:.1%})" for n, v in tok_s.items())
         + " (ratios to dense; goal: kronecker and independent >= 95%)")
+    step_ms = {n: 1e3 * B * T / v for n, v in tok_s.items()}
+    res["mixing"] = bench_mixing(runs, cfg, B, T, step_ms, device, autocast, log)
     res["kernel"] = bench_kernel(cfg, device, log)
     return res
+
+
+def bench_mixing(runs: dict, cfg: Config, B: int, T: int, step_ms: dict, device, autocast, log=print) -> dict:
+    """Where a mixing strategy's step time goes: the first block's two attention maps alone (Mix_V on the fp32
+    token stream, then Mix_O on its bf16 output under autocast, forward + backward, the model's own modules) for
+    dense, kronecker and independent, times the 2 maps per layer's L layers, beside the whole step's difference
+    to dense. A map's difference near the step's says the map is the cost; a step's well above it, that something
+    around the maps is (another launch, a copy, a wait)."""
+    x = torch.randn(B, T, cfg.d_model, device=device, requires_grad=True)
+    g = torch.randn(B, T, cfg.d_model, device=device)
+    out = {}
+    for name in ("dense", "kronecker", "independent"):
+        attn = runs[name][0].blocks[0].attn
+
+        def maps():
+            with autocast:
+                y = attn.mix_o(attn.mix_v(x))
+            y.backward(g.to(y.dtype))
+            attn.zero_grad(set_to_none=True)
+            x.grad = None
+        ms = 1e3 * bench_time(maps, device)
+        out[name] = {"ms": ms, "per_step_ms": ms * cfg.layers, "step_minus_dense_ms": step_ms[name] - step_ms["dense"]}
+    log("mixing maps alone (Mix_V then Mix_O, forward + backward, one layer; x L = " + str(cfg.layers) + " per step): "
+        + ", ".join(f"{n} {v['ms']:.3f} ms ({v['per_step_ms'] - out['dense']['per_step_ms']:+.2f} ms a step vs dense; "
+                    f"the whole step {v['step_minus_dense_ms']:+.2f} ms)" for n, v in out.items() if n != "dense")
+        + f"; dense {out['dense']['ms']:.3f} ms")
+    return out
 
 
 BENCH_KERNEL_CTX = {"cuda": (256, 512, 1024, 2048, 4096), "cpu": (256, 512, 1024)}  # looked up per call: tests shorten

@@ -1185,6 +1185,14 @@ def test_bench_on_cpu(tmp_path, capsys, monkeypatch):
     assert res["mixing_points"]["kronecker"] == ["kronecker", "kronecker", "dense", "dense"]
     assert res["mixing_points"]["fully independent"] == ["independent"] * 4
     assert res["kernel"]["form"] == "torch" and set(res["kernel"]["T64"]) >= {"torch", "sdpa", "reference", "torch-o"}
+    # the mixing maps alone, beside each step's difference to dense (the maps of each model's first block)
+    assert "mixing maps alone (Mix_V then Mix_O, forward + backward, one layer; x L = 1 per step): kronecker " in r.stdout
+    mixing = res["mixing"]
+    assert set(mixing) == {"dense", "kronecker", "independent"} and min(v["ms"] for v in mixing.values()) > 0
+    step_ms = {n: 1e3 * 2 * 16 / v for n, v in res["train_tok_s"].items()}  # batch 2 × ctx 16
+    for n, v in mixing.items():
+        assert v["step_minus_dense_ms"] == pytest.approx(step_ms[n] - step_ms["dense"])
+        assert v["per_step_ms"] == pytest.approx(v["ms"])  # one layer
     # the timed form returns the statistics, which training does not ask for: the log says so and times both
     assert "T=128: o + statistics fwd " in r.stdout and "; o alone (training's call) fwd " in r.stdout
 
