@@ -3214,7 +3214,7 @@ def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
 def bench_head(runs: dict, x, y, step_extra_ms: dict, device, autocast, log=print) -> dict:
     """Where PRISM's extra step time goes: each model's output layer and losses alone (head_loss, forward +
     backward from fixed final hidden states of the bench batch), and within each PRISM's the top-k selection with
-    its R1/R2 pairs (proto_topk, forward + backward through a), timed side by side. The head's extra time near the
+    its R1/R2 pairs (the model's own prototypes(), forward + backward through a), timed side by side. The head's extra time near the
     whole step's (step_extra_ms, per PRISM run) says the head is the cost; a step's extra well above it, that
     something around the head is (a wait for the GPU, say)."""
     ms, hidden = {}, {}
@@ -3607,8 +3607,9 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
                            "decomposed text")}
     if not cfg.train:  # load_checkpoint kept the checkpoint's value: the typed one went unused, whatever else
         why.update(dict.fromkeys(TRAINING_KEYS, (False, "--no-train trains nothing: the checkpoint's value stays")))
-        why["dot_precision"] = (False, "--no-train keeps the checkpoint's value, so that the analyses select prototypes "
-                                       "as training did")
+        if prism:  # (the dense head's note above stays: it has no prototypes to select)
+            why["dot_precision"] = (False, "--no-train keeps the checkpoint's value, so that the analyses select "
+                                           "prototypes as training did")
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()
             if k in explicit and not used and getattr(cfg, k) is not False]  # --no-X of an idle analysis: nothing to say
 

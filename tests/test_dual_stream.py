@@ -1173,7 +1173,18 @@ def test_bench_on_cpu(tmp_path, capsys, monkeypatch):
     """--bench without a GPU: the mixing throughput table (ratios to dense), and the torch form of the op against
     SDPA and the reference (at two short lengths here: the CPU's 256 … 1024 take seconds)."""
     monkeypatch.setitem(ds.BENCH_KERNEL_CTX, "cpu", (64, 128))
-    r = run_main(ds.main, ["--bench", "--layers", "1", "--d-model", "24", "--heads", "3", "--ctx", "16",
+    maps, real = [], ds.HeadMix.forward
+
+    def spy(self, x):  # which map runs, and whether its backward does
+        y = real(self, x)
+        maps.append(self.kind)
+        if y.requires_grad:
+            y.register_hook(lambda g: maps.append(f"{self.kind} backward"))
+        return y
+    monkeypatch.setattr(ds.HeadMix, "forward", spy)
+    real_kernel = ds.bench_kernel
+    monkeypatch.setattr(ds, "bench_kernel", lambda *a, **k: maps.append("end of the maps") or real_kernel(*a, **k))
+    r = run_main(ds.main, ["--bench", "--layers", "2", "--d-model", "24", "--heads", "3", "--ctx", "16",
                            "--batch-size", "2", "--out-dir", str(tmp_path), "--attn-out-mixing", "dense"], capsys,
                  monkeypatch)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -1186,13 +1197,21 @@ def test_bench_on_cpu(tmp_path, capsys, monkeypatch):
     assert res["mixing_points"]["fully independent"] == ["independent"] * 4
     assert res["kernel"]["form"] == "torch" and set(res["kernel"]["T64"]) >= {"torch", "sdpa", "reference", "torch-o"}
     # the mixing maps alone, beside each step's difference to dense (the maps of each model's first block)
-    assert "mixing maps alone (Mix_V then Mix_O, forward + backward, one layer; x L = 1 per step): kronecker " in r.stdout
+    assert "mixing maps alone (Mix_V then Mix_O, forward + backward, one layer; x L = 2 per step): kronecker " in r.stdout
     mixing = res["mixing"]
     assert set(mixing) == {"dense", "kronecker", "independent"} and min(v["ms"] for v in mixing.values()) > 0
     step_ms = {n: 1e3 * 2 * 16 / v for n, v in res["train_tok_s"].items()}  # batch 2 × ctx 16
     for n, v in mixing.items():
         assert v["step_minus_dense_ms"] == pytest.approx(step_ms[n] - step_ms["dense"])
-        assert v["per_step_ms"] == pytest.approx(v["ms"])  # one layer
+        assert v["per_step_ms"] == pytest.approx(2 * v["ms"])  # the two maps of each of 2 layers
+        if n != "dense":
+            assert f"{n} {v['ms']:.3f} ms ({v['per_step_ms'] - mixing['dense']['per_step_ms']:+.2f} ms a step" in r.stdout
+    # after the training steps, each strategy's own two maps: once without gradients (the output's dtype), then
+    # forward and backward in each of bench_time's 4 calls on the CPU (a warm-up and 3 timed)
+    timed = maps[:maps.index("end of the maps")]
+    expected = sum(([k, k] + [k, k, f"{k} backward", f"{k} backward"] * 4 for k in ("dense", "kronecker", "independent")),
+                   [])
+    assert timed[-len(expected):] == expected
     # the timed form returns the statistics, which training does not ask for: the log says so and times both
     assert "T=128: o + statistics fwd " in r.stdout and "; o alone (training's call) fwd " in r.stdout
 

@@ -1082,6 +1082,23 @@ def test_resume_note_counts_the_seeding_settings_only_before_the_seeding():
     assert prism.resume_note(saved, dataclasses.replace(c, init="random"), 300) is None
 
 
+def test_bench_head_times_each_models_own_selection(monkeypatch):
+    """bench_head's top-k timing runs each PRISM's own prototypes() (its --dot-precision, --act and backend), with
+    R1/R2's pairs, as training's head does."""
+    seen, real = [], PRISM.prototypes
+    monkeypatch.setattr(PRISM, "prototypes", lambda self, z, pairs=None: seen.append(
+        (self.cfg.dot_precision, self.cfg.act, pairs)) or real(self, z, pairs))
+    runs = {h: (tiny_model(head=head, dot_precision=p, act="relu_cos_sum1").float(), None)
+            for h, (head, p) in prism.BENCH_RUNS.items()}
+    x, y = batch()
+    out = prism.bench_head(runs, x, y, {"prism": 1.0, "prism_bf16": 2.0}, torch.device("cpu"), contextlib.nullcontext(),
+                           log=lambda s: None)
+    # each model's head, then each PRISM's top-k alone, each in bench_time's 4 calls on the CPU (a warm-up, 3 timed)
+    fp32, bf16 = [("fp32", "relu_cos_sum1", "l2")] * 4, [("bf16", "relu_cos_sum1", "l2")] * 4
+    assert seen == fp32 + bf16 + fp32 + bf16
+    assert out["step_extra_bf16_ms"] == 2.0 and min(out["topk_ms"], out["topk_bf16_ms"]) > 0
+
+
 def test_bench_on_cpu(capsys, monkeypatch):
     """--bench without a GPU: PRISM's training rate against its dense twin, the two heads alone, the pairs read off
     the selection against a separate search (at a small shape here), and the kernel's line saying it needs CUDA."""
