@@ -148,6 +148,8 @@ def test_bf16_dots_agree(N, K, k, d, form):
     """precision="bf16" (--dot-precision bf16): the winners, a and both gradients of every form are those of the
     bf16-rounded unit vectors' exact cosines (straight-through gradients), and a is not the fp32 cosine, so a form
     that skipped the rounding would fail."""
+    if form == "triton-small" and N * K > 10000:
+        pytest.skip("16×16 tiles over 200×257 take ~8 s in the interpreter; the other shapes cover the path")
     z, P = make_inputs(N, K, d)
     idx, a = check_form(form, z, P, k, precision="bf16")
     fp32 = true_scores(z, P)[0].detach().gather(1, idx)
