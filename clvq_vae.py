@@ -781,10 +781,11 @@ def _vq_select(x, codebook, k, temperature, generator, uniforms, backend, precis
         u = _uniforms(x, temperature, generator, uniforms)
         # non-finite entries (a diverged run) count as 0, so the loss, not the index maths, reports them; the
         # kernel does it in registers, the torch form on a copy
-        if use_triton:  # bf16: rows and codes rounded here (a bf16 copy of fp32 rows: N·d·2 bytes; bf16 rows as
-            x, codebook = x.detach(), codebook.detach()  # they are), the kernel's dots take them as they are
-            if precision == "bf16":
-                x, codebook = (t if t.dtype == torch.bfloat16 else t.float().to(torch.bfloat16) for t in (x, codebook))
+        if use_triton:
+            x, codebook = x.detach(), codebook.detach()
+            if precision == "bf16":  # rounded here: bf16 copies of fp32 rows and codes (N·d·2 + K·d·2 bytes)
+                x, codebook = (t if t.dtype == torch.bfloat16 else t.float().to(torch.bfloat16)
+                               for t in (x, codebook))
             return _vq_select_triton(x, codebook, k, float(temperature), u)
         xf = _rounded(x.detach().float().nan_to_num(0.0, 0.0, 0.0), precision)
         ef = _rounded(codebook.detach().float().nan_to_num(0.0, 0.0, 0.0), precision)

@@ -3214,9 +3214,9 @@ def bench(cfg: Config, vocab_size: int, device, autocast, log=print) -> dict:
 def bench_head(runs: dict, x, y, step_extra_ms: dict, device, autocast, log=print) -> dict:
     """Where PRISM's extra step time goes: each model's output layer and losses alone (head_loss, forward +
     backward from fixed final hidden states of the bench batch), and within each PRISM's the top-k selection with
-    its R1/R2 pairs (the model's own prototypes(), forward + backward through a), timed side by side. The head's extra time near the
-    whole step's (step_extra_ms, per PRISM run) says the head is the cost; a step's extra well above it, that
-    something around the head is (a wait for the GPU, say)."""
+    its R1/R2 pairs (the model's own prototypes(), forward + backward through a), timed side by side. The head's
+    extra time near the whole step's (step_extra_ms, per PRISM run) says the head is the cost; a step's extra well
+    above it, that something around the head is (a wait for the GPU, say)."""
     ms, hidden = {}, {}
     for h, (m, _) in runs.items():
         with torch.no_grad(), autocast:

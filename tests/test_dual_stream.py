@@ -1197,7 +1197,8 @@ def test_bench_on_cpu(tmp_path, capsys, monkeypatch):
     assert res["mixing_points"]["fully independent"] == ["independent"] * 4
     assert res["kernel"]["form"] == "torch" and set(res["kernel"]["T64"]) >= {"torch", "sdpa", "reference", "torch-o"}
     # the mixing maps alone, beside each step's difference to dense (the maps of each model's first block)
-    assert "mixing maps alone (Mix_V then Mix_O, forward + backward, one layer; x L = 2 per step): kronecker " in r.stdout
+    assert ("mixing maps alone (Mix_V then Mix_O, forward + backward, one layer; x L = 2 per step): kronecker "
+            in r.stdout)
     mixing = res["mixing"]
     assert set(mixing) == {"dense", "kronecker", "independent"} and min(v["ms"] for v in mixing.values()) > 0
     step_ms = {n: 1e3 * 2 * 16 / v for n, v in res["train_tok_s"].items()}  # batch 2 × ctx 16
@@ -1205,12 +1206,13 @@ def test_bench_on_cpu(tmp_path, capsys, monkeypatch):
         assert v["step_minus_dense_ms"] == pytest.approx(step_ms[n] - step_ms["dense"])
         assert v["per_step_ms"] == pytest.approx(2 * v["ms"])  # the two maps of each of 2 layers
         if n != "dense":
-            assert f"{n} {v['ms']:.3f} ms ({v['per_step_ms'] - mixing['dense']['per_step_ms']:+.2f} ms a step" in r.stdout
+            per_step = v["per_step_ms"] - mixing["dense"]["per_step_ms"]
+            assert f"{n} {v['ms']:.3f} ms ({per_step:+.2f} ms a step" in r.stdout
     # after the training steps, each strategy's own two maps: once without gradients (the output's dtype), then
     # forward and backward in each of bench_time's 4 calls on the CPU (a warm-up and 3 timed)
     timed = maps[:maps.index("end of the maps")]
-    expected = sum(([k, k] + [k, k, f"{k} backward", f"{k} backward"] * 4 for k in ("dense", "kronecker", "independent")),
-                   [])
+    kinds = ("dense", "kronecker", "independent")
+    expected = sum(([k, k] + [k, k, f"{k} backward", f"{k} backward"] * 4 for k in kinds), [])
     assert timed[-len(expected):] == expected
     # the timed form returns the statistics, which training does not ask for: the log says so and times both
     assert "T=128: o + statistics fwd " in r.stdout and "; o alone (training's call) fwd " in r.stdout
