@@ -708,22 +708,28 @@ def test_training_reduces_the_loss():
 class TestOnCUDA:
     """The compiled kernel at the issue's size (python -m pytest -m gpu on a CUDA machine)."""
 
-    def test_kernel_at_realistic_size_and_memory(self):
-        """N = 65536, K = 4096, d = 768, k = 5, bf16 rows: the lists match the torch form (up to near-tie swaps),
-        the same uniforms draw the same codes (up to boundary cases), and the search allocates O(N·k), not N×K."""
+    N, K, d, k = 65536, 4096, 768, 5
+
+    def search(self, precision):
+        """The kernel's search of bf16 rows at the issue's size, its extra memory, and the torch form's search."""
         torch.manual_seed(0)
-        N, K, d, k = 65536, 4096, 768, 5
-        x = torch.randn(N, d, device="cuda").bfloat16()
-        e = torch.randn(K, d, device="cuda")
-        u = torch.rand(N, device="cuda")
+        x = torch.randn(self.N, self.d, device="cuda").bfloat16()
+        e = torch.randn(self.K, self.d, device="cuda")
+        u = torch.rand(self.N, device="cuda")
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        top, top_d, idx, dist = cv._vq_select(x, e, k, 30.0, None, u, "triton")
+        out = cv._vq_select(x, e, self.k, 30.0, None, u, "triton", precision)
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base
+        return out, extra, cv._vq_select(x, e, self.k, 30.0, None, u, "torch", precision)
+
+    def test_kernel_at_realistic_size_and_memory(self):
+        """N = 65536, K = 4096, d = 768, k = 5, bf16 rows: the lists match the torch form (up to near-tie swaps),
+        the same uniforms draw the same codes (up to boundary cases), and the search allocates O(N·k), not N×K."""
+        N, k = self.N, self.k
+        (top, top_d, idx, dist), extra, (r_top, r_top_d, r_idx, _) = self.search("fp32")
         assert extra <= N * (12 * k + 24) + (4 << 20), f"extra memory {extra / 2**20:.1f} MiB"
-        r_top, r_top_d, r_idx, _ = cv._vq_select(x, e, k, 30.0, None, u, "torch")
         assert (top != r_top).float().mean() < 1e-3
         check_close("cuda top_d", r_top_d, top_d)
         at = top == idx[:, None]
@@ -735,19 +741,9 @@ class TestOnCUDA:
         """--dot-precision bf16 at the same size: bf16 rows are used in place, so the extra memory is the O(N·k)
         outputs and the bf16 codebook; the lists and draws match the torch form's on the rounded inputs (up to
         near-tie swaps and boundary cases)."""
-        torch.manual_seed(0)
-        N, K, d, k = 65536, 4096, 768, 5
-        x = torch.randn(N, d, device="cuda").bfloat16()
-        e = torch.randn(K, d, device="cuda")
-        u = torch.rand(N, device="cuda")
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        top, top_d, idx, dist = cv._vq_select(x, e, k, 30.0, None, u, "triton", "bf16")
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - base
+        N, K, d, k = self.N, self.K, self.d, self.k
+        (top, top_d, idx, dist), extra, (r_top, r_top_d, r_idx, _) = self.search("bf16")
         assert extra <= N * (12 * k + 24) + K * d * 2 + (4 << 20), f"extra memory {extra / 2**20:.1f} MiB"
-        r_top, r_top_d, r_idx, _ = cv._vq_select(x, e, k, 30.0, None, u, "torch", "bf16")
         assert (top != r_top).float().mean() < 1e-3
         check_close("cuda bf16 top_d", r_top_d, top_d)
         assert (idx != r_idx).float().mean() < 1e-3
