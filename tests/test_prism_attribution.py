@@ -198,6 +198,61 @@ def test_exact_baseline_gradients_and_woodbury(assert_close):
         assert_close(f"plain dots q{q}", G @ g_q.double().reshape(-1), prism.exact_scores(ex, g_q, curvature=False))
 
 
+@pytest.mark.parametrize("curvature", ["empirical", "fisher"])
+@pytest.mark.parametrize("ratio", [1e-2, 1.0, 30.0])
+def test_redamped_exact_equals_a_rebuild_at_that_damping(curvature, ratio, assert_close):
+    """ExactAttr.redamped(r) recovers the undamped Gram from the factor and re-factors it: the same scores as a
+    reference built at r × the damping, for both curvatures (fisher's C and draws shared), smaller and larger."""
+    model = tiny()
+    w = windows_of(10, 8, seed=3)
+    ex = prism.build_exact(model, w, damping=1e-2, curvature=curvature, samples=2, seed=1)
+    want = prism.build_exact(model, w, damping=1e-2 * ratio, curvature=curvature, samples=2, seed=1)
+    got = ex.redamped(ratio)
+    assert got.lam == pytest.approx(want.lam, rel=1e-12) and ex.lam == pytest.approx(want.lam / ratio, rel=1e-12)
+    assert got.index is ex.index and got.C is ex.C and got.fisher is ex.fisher  # shared, not copied
+    xq = windows_of(3, 8, seed=4)
+    for q in range(3):
+        g_q = prism.exact_query_grad(model, xq[q, :-1], xq[q, -1])
+        assert_close(f"redamped q{q}", prism.exact_scores(want, g_q), prism.exact_scores(got, g_q), ratio=1e-5)
+    if ratio != 1.0:  # and the damping matters: the scores at the original damping are not these
+        g_q = prism.exact_query_grad(model, xq[0, :-1], xq[0, -1])
+        a, b = prism.exact_scores(ex, g_q), prism.exact_scores(got, g_q)
+        assert not torch.allclose(a / a.norm(), b / b.norm(), rtol=0, atol=1e-3)
+
+
+def test_damping_sweep_reranks_both_methods_at_each_damping():
+    """damping_sweep at the run's own damping repeats the run's overlaps exactly; at another it equals a cache
+    and a reference built there; at a huge one both methods rank by plain gradient dot products (the
+    gradients-alone diagnostic), and the curvature alone then agrees with exact."""
+    model = tiny()
+    w = windows_of(24, 8, seed=5)
+    xq = windows_of(4, 8, seed=6)
+    states = [tuple(t[0] for t in prism.query_state(model, xq[q:q + 1, :-1], xq[q:q + 1, -1])) for q in range(4)]
+    grads = [prism.exact_query_grad(model, xq[q, :-1], xq[q, -1]) for q in range(4)]
+    cache, ex = prism.build_attr_cache(model, w, damping=1e-2), prism.build_exact(model, w, damping=1e-2)
+
+    def ranked(c, e):
+        cached = torch.stack([prism.cached_scores(c, *st)[0] for st in states])
+        exact = torch.stack([prism.exact_scores(e, g) for g in grads])
+        cc = torch.stack([prism.exact_scores_with_cache_curvature(e, c, g) for g in grads])
+        return {"cached": prism.overlaps(cached, exact), "same_curvature": prism.overlaps(cached, cc),
+                "curvature_only": prism.overlaps(cc, exact)}
+    sweep = prism.damping_sweep(cache, ex, states, grads, 1e-2, grid=(0.3, 1e-3, 1e6))
+    assert [r["damping"] for r in sweep] == [1e-3, 1e-2, 0.3, 1e6]  # the run's own added, ascending
+    assert all(set(r) == {"damping", "cached", "same_curvature", "curvature_only"} for r in sweep)
+    assert {k: v for k, v in sweep[1].items() if k != "damping"} == ranked(cache, ex)
+    for r in sweep[::2]:
+        want = ranked(prism.build_attr_cache(model, w, damping=r["damping"]),
+                      prism.build_exact(model, w, damping=r["damping"]))
+        assert {k: v for k, v in r.items() if k != "damping"} == want, r["damping"]
+    plain = torch.stack([prism.exact_scores(ex, g, curvature=False) for g in grads])
+    huge = prism.replace(cache, lam=cache.lam * 1e8)
+    cached_plain = torch.stack([prism.cached_scores(huge, *st)[0] for st in states])
+    assert sweep[-1]["cached"] == prism.overlaps(cached_plain, plain)
+    assert sweep[-1]["curvature_only"] == {"top-10 overlap": 1.0, "top-100 overlap": 1.0}
+    assert sweep[0] != sweep[-1]  # the damping moves the rankings: a sweep that ignored it would fail here
+
+
 def sample_targets(z, W, u, chunk=prism.ATTR_CHUNK):
     """One draw per token through token_deltas (the labels, here 0, are not used) -> ỹ [N]."""
     return prism.token_deltas(z, torch.zeros(len(z), dtype=torch.long), W, chunk, u=u[None])[2][0]
@@ -343,12 +398,16 @@ def test_experiment_reports_the_exact_curvature(curvature, tmp_path, monkeypatch
     label = prism.EXACT_CURVATURE_LABEL[curvature] + (", 2 draws per window" if curvature == "fisher" else "")
     assert res["exact_curvature"] == {"curvature": curvature, "label": label,
                                       "samples": 2 if curvature == "fisher" else None}
-    assert f"(curvature: {label})" in res["summary"] and lines[-1].endswith(f"vs the exact {label})")
+    one_at_a_time = [ln for ln in lines if ln.startswith("attribution, one approximation at a time")]
+    assert f"(curvature: {label})" in res["summary"] and one_at_a_time[0].endswith(f"vs the exact {label})")
     s_label = prism.CACHE_S_LABEL[curvature]  # the cache's S: drawn targets, as many and seeded alike, or labels
-    assert res["cache_s"] == {"s": curvature, "label": s_label} and f"the cache's {s_label} vs the exact" in lines[-1]
+    assert res["cache_s"] == {"s": curvature, "label": s_label} and f"the cache's {s_label} vs the exact" in one_at_a_time[0]
     assert cache_args == [("block", 1e-2, curvature, 2, 5)]
     html_text = prism.write_report(tmp_path, cfg, {"attribution": res}, {}).read_text()
     assert f"(--attr-exact-curvature {curvature})" in html_text and f"(--attr-s {curvature})" in html_text
+    assert "The same rankings at other dampings" in html_text  # the damping sweep's table, a row per damping
+    assert all(f"<td>{r['damping']:g}</td><td>{r['cached']['top-10 overlap']:.2f}</td>" in html_text
+               for r in res["damping_sweep"])
     ex = built[0]
     assert ex.curvature == curvature and len(ex.L) == (24 if curvature == "fisher" else 12)
     if curvature == "fisher":  # the analysis seed: the draws of a rebuild with --seed 5
@@ -563,14 +622,28 @@ def test_experiment_table(curvature):
     assert scored in lines[0] and all("30/30 sequences scored by every query" in ln for ln in lines[1:5])
     exact = res["table"][1]
     assert exact["top-10 overlap"] == 1 and exact["top-100 overlap"] == 1  # n capped at M = 30: all of them
-    assert len(lines) == 8 and lines[-3] == res["summary"]
+    sweep = res["damping_sweep"]  # the grid, with the run's own 1e-2 among it
+    assert [r["damping"] for r in sweep] == sorted(set(prism.ATTR_DAMPING_SWEEP) | {1e-2})
+    assert len(lines) == 8 + len(sweep) and lines[5] == res["summary"]
     assert res["reference_redraw"] is None  # the default empirical reference draws nothing: no re-draw to measure
     # the diagnostics: gradients alone (no curvature; the cache's curvature in both) and curvature alone
     for key in ("gradients_only", "same_curvature", "curvature_only"):
         g = res[key]
         assert set(g) == {"top-10 overlap", "top-100 overlap"} and all(0 <= v <= 1 for v in g.values())
-    assert lines[-2].startswith("attribution, gradients alone (no curvature in either ranking): cached vs exact")
-    assert lines[-1].startswith(f"attribution, one approximation at a time: with the cache's {curvature} curvature")
+    assert lines[6].startswith("attribution, gradients alone (no curvature in either ranking): cached vs exact")
+    assert lines[7].startswith(f"attribution, one approximation at a time: with the cache's {curvature} curvature")
+    # the sweep at the run's own damping is the run's figures; one line per damping, in the grid's order
+
+    def pair(o):
+        return f"{o['top-10 overlap']:.2f}/{o['top-100 overlap']:.2f}"
+    own = next(r for r in sweep if r["damping"] == 1e-2)
+    assert own["cached"] == {k: res["table"][0][k] for k in ("top-10 overlap", "top-100 overlap")}
+    assert own["same_curvature"] == res["same_curvature"] and own["curvature_only"] == res["curvature_only"]
+    for ln, r in zip(lines[8:], sweep):
+        own_mark = " (this run's, the rows above)" if r["damping"] == 1e-2 else ""
+        assert ln == (f"attribution, damping sweep, --attr-damping {r['damping']:g}{own_mark}: top-10/top-100 overlap "
+                      f"cached vs exact {pair(r['cached'])}, with the cache's curvature in both "
+                      f"{pair(r['same_curvature'])}, the curvature alone {pair(r['curvature_only'])}")
     # the chance level n/M beside every overlap: in the table, the log lines, the summary and results
     assert res["chance"] == {"top-10 overlap": 10 / 30, "top-100 overlap": 1.0}
     assert all(r["top-10 chance"] == 10 / 30 and r["top-100 chance"] == 1.0 for r in res["table"])
