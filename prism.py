@@ -2585,7 +2585,9 @@ def ekfac_scores(model: PRISM, windows, xq, yq, log, damping: Optional[float] = 
         from kronfluence.task import Task
         from kronfluence.utils.dataset import DataLoaderKwargs
     except ImportError:
-        log("EK-FAC: kronfluence is not installed (pip install kronfluence); skipped")
+        pin = torch.__version__.split("+")[0]  # kronfluence needs torchvision, whose newest release pulls another torch
+        log(f"EK-FAC: kronfluence is not installed (pip install kronfluence torch=={pin}: the pin keeps this torch); "
+            "skipped")
         return None
     if "RANK" in os.environ:  # kronfluence's accelerate state would join the (already closed) torchrun group
         log("EK-FAC: skipped under torchrun (kronfluence would start a process group); run it single-process")
@@ -2762,6 +2764,9 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     add_row(sketch_name, sk["scores"], 1e3 * sk["seconds"], sk["bytes"], M, sk["setup"])
     # 5. EK-FAC
     if cfg.ekfac:
+        if cfg.attr_damping != 0.1:  # kronfluence takes one absolute damping or its per-module heuristic, not ours
+            log(f"note: EK-FAC takes kronfluence's heuristic damping, 0.1 x each module's mean eigenvalue, not "
+                f"--attr-damping {cfg.attr_damping:g}")
         ek = ekfac_scores(model, windows, xq, yq, log)
         if ek is not None:
             # one batched scoring pass over the Q queries, divided by Q: a per-query time of a batch, like the

@@ -691,13 +691,32 @@ def test_batched_rows_are_labelled_and_compared_as_batches(monkeypatch):
     assert "dense TracIn, batch of 3 queries" in batched and "EK-FAC (kronfluence), batch of 3 queries" in batched
 
 
+@pytest.mark.parametrize("damping", [0.1, 1e-2])
+def test_ekfac_damping_other_than_kronfluences_is_noted(damping, monkeypatch):
+    """EK-FAC always takes kronfluence's heuristic (0.1 × each module's mean eigenvalue): a run whose
+    --attr-damping differs says so, the default run (the same 0.1) does not."""
+    cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
+                 attr_seqs=10, attr_queries=2, ekfac=True, attr_damping=damping)
+    calls = []
+    monkeypatch.setattr(prism, "ekfac_scores", lambda model, w, xq, yq, log: calls.append(1) or None)
+    lines = []
+    prism.attribution_experiment(PRISM(cfg, V).eval(), None, StandIn(), cfg, lines.append)
+    note = ("note: EK-FAC takes kronfluence's heuristic damping, 0.1 x each module's mean eigenvalue, not "
+            "--attr-damping 0.01")
+    assert calls == [1] and (note in lines) == (damping != 0.1)
+    assert not any(ln.startswith("note: EK-FAC") and ln != note for ln in lines)
+
+
 def test_ekfac_without_kronfluence_is_skipped(monkeypatch):
     monkeypatch.setitem(sys.modules, "kronfluence", None)  # `import kronfluence...` now raises ImportError
     cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
                  attr_seqs=10, attr_queries=2, ekfac=True)
     lines = []
     res = prism.attribution_experiment(PRISM(cfg, V).eval(), None, StandIn(), cfg, lines.append)
-    assert "EK-FAC: kronfluence is not installed (pip install kronfluence); skipped" in lines
+    pin = torch.__version__.split("+")[0]
+    assert f"EK-FAC: kronfluence is not installed (pip install kronfluence torch=={pin}: the pin keeps this torch); " \
+           "skipped" in lines
+    assert not any(ln.startswith("note: EK-FAC takes") for ln in lines)  # the default damping is kronfluence's own
     assert not any("EK-FAC" in r["method"] for r in res["table"])
 
 
