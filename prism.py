@@ -87,7 +87,8 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     sizes this file runs: its curvature has rank M·S, far below K·d, and the same reference built from other
     draws (--seed + 1; every fisher run logs this re-draw agreement) kept only 0.44/0.62 of its own
     top-10/top-100 at S = 1 and 0.31/0.57 at S = 4 on the CPU preset's checkpoint, no more than the cached
-    method shares with it (0.49/0.67, 0.45/0.63). The overlaps measure agreement with the chosen reference.
+    method shares with it (0.49/0.67, 0.45/0.63; all at --attr-damping 1e-3, the default then; at 0.1 on
+    2026-12-05's checkpoint the re-draw keeps 0.56/0.71 and the cached method 0.50/0.70, still below it). The overlaps measure agreement with the chosen reference.
     The cache's S is spec §5.3's E[δδᵀ] of the true-label δ (--attr-s empirical, the default); --attr-s fisher takes the δ̃ of targets drawn from the model
     instead, K-FAC's true-Fisher factor, with the exact fisher reference's draws (same --seed). On the CPU preset's
     checkpoint against the true-Fisher reference (2026-12-03) the two agree to a query or two: cached 0.49/0.67
@@ -104,18 +105,21 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     the other held equal: the cached vs exact gradients with no curvature in either ranking (plain dot products)
     and with the cache's curvature in both; and the exact gradients ranked with the cache's curvature vs the
     exact ranking (the curvature alone: the cache's token statistics against the exact reference's curvature,
-    whichever each is). Measured with the empirical reference (before the fisher default), on the CPU
-    preset the curvature alone loses as much as the whole cached
+    whichever each is). Measured with the empirical reference (before the fisher default; --attr-damping 1e-3,
+    the default then), on the CPU preset the curvature alone loses as much as the whole cached
     method (0.42/0.65 top-10/100 against its 0.43/0.65), the fixed-a gradients alone less (0.79/0.89 kept with
     the cache's curvature in both, 0.84/0.95 with none): the two losses do not compound.
   * Damping λ (--attr-damping, default 0.1 of each curvature's mean non-zero eigenvalue). The spec says "damped"
-    and no more. 0.1 is kronfluence's heuristic (its damping_factor=None: 0.1 × the mean eigenvalue), which the
-    EK-FAC baseline here takes too, so every method is damped alike; it was 1e-3 until 2026-12-05. The overlap
+    and no more. 0.1 is the factor of kronfluence's heuristic (its damping_factor=None: 0.1 × each module's mean
+    eigenvalue), which the EK-FAC baseline here takes, so every method is damped by the same factor (here of the
+    mean non-zero eigenvalue: a rank-M curvature's zeros would otherwise leave it undamped); it was 1e-3 until
+    2026-12-05. The overlap
     with exact depends on it more than on any other choice here: the exact reference's Fisher has rank M (256
     windows on the CPU preset) in K·d dimensions, so at small λ its inverse ranks by how a window's gradient
     sits among the other windows' (a regression on them), not by curvature, while at large λ both methods tend
     to plain gradient dot products. Every run therefore also ranks at λ = 1e-3, 1e-2, 0.1, 1, 10 (the damping
-    sweep: log, results.json, report; the gradients reused, only the M×M factor redone). On the CPU preset's
+    sweep: log, results.json, report; the gradients reused, only the exact reference's N×N factor redone, N = M,
+    or M·S for fisher). On the CPU preset's
     checkpoint (2026-12-05) the cached method keeps 0.41, 0.44, 0.54, 0.55, 0.59 of the exact top-10 at those
     dampings; with the cache's curvature in both rankings the gradients keep 0.79-0.82 at every one.
   * Suppression keywords default to `auto`: of the words (4+ letters) that live cards are about, the one the
@@ -150,8 +154,9 @@ about 7 on 2026-12-03's) for the twin, PRISM and every analysis, with the same f
 at the present code PRISM's val loss ends 1.55% above the twin's (6.80 vs 6.70 nats, cl100k compacted to 19,447
 ids, 410k training tokens each; +0.61% with --revive-dead), and a cached attribution query is 2.1 x 10^3 times
 faster than dense TracIn for one query alone (133x per query in a batch of 16, 21x against dense TracIn from a
-gradient sketch of the cache's size); the cached ranking keeps 0.41/0.65 of the exact (empirical-Fisher)
-top-10/top-100. The README's PRISM table has every figure, and the earlier code's.
+gradient sketch of the cache's size); the cached ranking keeps 0.54/0.71 of the exact (empirical-Fisher)
+top-10/top-100 at the default damping (0.41/0.65 at 1e-3, the default before 2026-12-05; 2026-12-05's run took
+4 min 57 s, part of it beside a test job). The README's PRISM table has every figure, and the earlier code's.
 """
 from __future__ import annotations
 
@@ -275,7 +280,7 @@ class Config:
     attr_seqs: int = field(default=1024, metadata={"help": "training sequences in the attribution set"})
     attr_queries: int = field(default=32, metadata={"help": "query tokens (val predictions) to attribute"})
     attr_ctx: int = field(default=256, metadata={"help": "length of the attribution set's training windows (<= ctx)"})
-    attr_damping: float = field(default=0.1, metadata={"help": "curvature damping λ, relative to the mean non-zero eigenvalue of each method's curvature (0.1: kronfluence's heuristic, which the EK-FAC baseline uses)"})
+    attr_damping: float = field(default=0.1, metadata={"help": "curvature damping λ, relative to the mean non-zero eigenvalue of each method's curvature (0.1: the factor of kronfluence's heuristic, which the EK-FAC baseline uses)"})
     attr_curvature: Literal["block", "kfac"] = field(default="block", metadata={"help": "cached curvature: per-prototype blocks or with co-usage"})
     attr_exact_curvature: Literal["empirical", "fisher"] = field(default="empirical", metadata={"help": "the exact reference's curvature: empirical, the Fisher of the true-label window gradients (deterministic), or fisher, the true Fisher (= Gauss-Newton for softmax CE) sampled from targets drawn from the model's softmax (a Monte-Carlo estimate: the run logs its re-draw agreement)"})
     attr_fisher_samples: int = field(default=1, metadata={"help": "targets drawn per training window for --attr-exact-curvature fisher (S: the curvature's rank is M·S), and per token for --attr-s fisher"})
@@ -388,8 +393,7 @@ def full_fp32():
     cosines, and the Triton kernel's tl.dot is near-fp32 (3xTF32), so the forms agree only if the torch ones are
     too. (b) The kernel benchmark's torch reference, so that it compares like precision. (c) Attribution: the exact
     baseline's Cholesky of M λ' I + G Gᵀ needs more than TF32 when λ' is 1e-3 of the mean eigenvalue (the damping
-    sweep's smallest), and every
-    method runs in the same precision, so the timings stay comparable. The flags are process-global: the model's
+    sweep's smallest), and every method runs in the same precision, so the timings stay comparable. The flags are process-global: the model's
     callers (nearest_pairs, the torch selection) are @torch.compiler.disable'd, so no compiled graph toggles
     them."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -2040,7 +2044,7 @@ CACHE_S_LABEL = {"fisher": "token statistics of targets drawn from the model", "
 ATTR_CHUNK = 2 ** 24  # elements of the largest temporary (N×V probabilities, posting products): 64 MB in fp32
 ATTR_TOKENS = 16384   # tokens per batched forward pass
 # relative dampings every attribution run also ranks at (damping_sweep): how much of the cached-vs-exact gap is
-# the choice of λ. Cheap: the gradients are reused, only the exact reference's M×M factor is redone per value
+# the choice of λ. Cheap: the gradients are reused, only the exact reference's N×N factor is redone per value
 ATTR_DAMPING_SWEEP = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
 
 
@@ -2340,7 +2344,7 @@ class ExactAttr:
         L, info = torch.linalg.cholesky_ex(self.L @ self.L.T + N * (lam - self.lam) * eye)
         if info.item():
             raise RunError(f"the exact baseline's N λ' I + G̃ G̃ᵀ at {ratio:g} × its damping is not positive definite "
-                           "in float precision")
+                           "in float precision; choose another --attr-damping")
         return replace(self, L=L, lam=lam)
 
 
@@ -2455,22 +2459,26 @@ def exact_scores_with_cache_curvature(ex: ExactAttr, cache: AttrCache, g_q):
 
 @torch.no_grad()
 def damping_sweep(cache: AttrCache, ex: ExactAttr, states, query_grads, damping: float,
-                  grid=ATTR_DAMPING_SWEEP) -> list:
+                  grid=ATTR_DAMPING_SWEEP, own: Optional[dict] = None) -> list:
     """The cached and exact rankings again at every relative damping of `grid` and the run's own (`damping`, the
     λ that built cache and ex): each method's λ keeps its own scale (the mean non-zero eigenvalue of its
     curvature) and takes the new factor. states: each query's (idx, a, δ) (query_state), query_grads: its exact
-    g_q. -> one dict per damping, ascending: the cached method against exact, and the two one-at-a-time
-    diagnostics (the cache's curvature in both rankings; the exact gradients with the cache's curvature against
-    exact), top-10/top-100 overlaps each. At small λ the exact reference's rank-M Fisher is barely damped and
+    g_q. -> one dict per damping (attr_damping: the relative factor), ascending: the cached method against
+    exact, and the two one-at-a-time diagnostics (the cache's curvature in both rankings; the exact gradients
+    with the cache's curvature against exact), top-10/top-100 overlaps each. own: the run's figures at `damping`
+    (the same keys), taken as that row instead of recomputing them. At small λ the exact reference's rank-M Fisher is barely damped and
     ranks by its own inverse; as λ grows both sides tend to plain gradient dot products (gradients_only)."""
     out = []
     for rel in sorted(set(grid) | {damping}):
+        if rel == damping and own is not None:
+            out.append({"attr_damping": rel, **own})
+            continue
         c = replace(cache, lam=cache.lam * rel / damping)
         e = ex if rel == damping else ex.redamped(rel / damping)
         cached = torch.stack([cached_scores(c, *state)[0] for state in states])
         exact = torch.stack([exact_scores(e, g_q) for g_q in query_grads])
         cache_curv = torch.stack([exact_scores_with_cache_curvature(e, c, g_q) for g_q in query_grads])
-        out.append({"damping": rel, "cached": overlaps(cached, exact), "same_curvature": overlaps(cached, cache_curv),
+        out.append({"attr_damping": rel, "cached": overlaps(cached, exact), "same_curvature": overlaps(cached, cache_curv),
                     "curvature_only": overlaps(cache_curv, exact)})
     return out
 
@@ -2661,6 +2669,11 @@ def overlaps(scores, ref) -> dict:
     return {f"top-{n} overlap": topn_overlap(scores, ref, n) for n in (10, 100)}
 
 
+def overlap_text(o: dict) -> str:
+    """An overlaps() dict as the log and report print it: "0.54/0.71" (top-10/top-100)."""
+    return f"{o['top-10 overlap']:.2f}/{o['top-100 overlap']:.2f}"
+
+
 def chance_overlap(n: int, M: int) -> float:
     """topn_overlap's expectation for a ranking drawn at random: each of the reference's top n is among the random
     top n with probability n/M, so the expected overlap is n/M (n capped at M, as there). The level an overlap
@@ -2754,7 +2767,13 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     gradients_only = overlaps(plain_scores, torch.stack(exact_dots))
     same_curvature = overlaps(ranked[cached_name], torch.stack(exact_cache_curv))
     curvature_only = overlaps(torch.stack(exact_cache_curv), ranked["prototype-space exact"])
-    sweep = damping_sweep(cache, ex, states, query_grads, cfg.attr_damping)
+    try:  # a diagnostic: a factor that fails at another λ costs its rows, not the run's figures
+        sweep = damping_sweep(cache, ex, states, query_grads, cfg.attr_damping, own={
+            "cached": overlaps(ranked[cached_name], ranked["prototype-space exact"]),
+            "same_curvature": same_curvature, "curvature_only": curvature_only})
+    except RunError as e:
+        log(f"note: the damping sweep is skipped: {e}")
+        sweep = None
     # 4. dense gradient similarity (nothing precomputed: its whole cost is per query batch)
     s, seconds, mem = dense_scores(model, windows, xq, yq)
     add_row("dense TracIn (all parameters)", s, 1e3 * seconds["single"], mem["single"], M, 0.0)
@@ -2763,6 +2782,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     sketch_name = "dense TracIn, CountSketch cache at matched memory"
     add_row(sketch_name, sk["scores"], 1e3 * sk["seconds"], sk["bytes"], M, sk["setup"])
     # 5. EK-FAC
+    vs_ekfac = None
     if cfg.ekfac:
         if cfg.attr_damping != 0.1:  # kronfluence takes one absolute damping or its per-module heuristic, not ours
             log(f"note: EK-FAC takes kronfluence's heuristic damping, 0.1 x each module's mean eigenvalue, not "
@@ -2773,6 +2793,9 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
             # dense TracIn batch row (the factor fitting is its setup, as the cache's build is the cached method's)
             add_row(f"EK-FAC (kronfluence), batch of {Q} queries", ek["scores"], 1e3 * ek["seconds"] / Q, ek["bytes"],
                     M, ek["setup"], batched=True)
+            # the paper also reports overlap with EK-FAC's rankings (spec §5.1): every other ranking against it
+            vs_ekfac = {name: overlaps(ranked[name], ek["scores"]) for name in
+                        (cached_name, "prototype-space exact", "dense TracIn (all parameters)", sketch_name)}
     # what each method's memory figure counts (the tensors it holds, on every device)
     memory_notes = {cached_name: "the cache (index, A_ii, S's eigenbasis; A's for kfac)",
                      "prototype-space exact": "row-sparse exact gradients + M×M Cholesky factor" if
@@ -2802,7 +2825,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
                   f"{r['scored']:.1f}/{M} sequences scored per query (min {r['scored min']})")
         log(f"attribution {r['method']}: {r['ms/query']:.2f} ms/query, {r['memory MB']:.3g} MB "
             f"({memory_notes[r['method']]}), top-10/top-100 "
-            f"overlap with exact {table[-1]['top-10 overlap']:.2f}/{table[-1]['top-100 overlap']:.2f} (chance "
+            f"overlap with exact {overlap_text(table[-1])} (chance "
             f"{chance[10]:.2f}/{chance[100]:.2f}), {scored}, setup {r['setup s']:.1f}s")
     by = {r["method"]: r for r in table}
     c = by[cached_name]
@@ -2832,24 +2855,24 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     log(summary)
     if redraw is not None:
         log(f"attribution, the exact reference re-drawn (its {exact_curv} from --seed + 1) vs itself: top-10/top-100 "
-            f"overlap {redraw['top-10 overlap']:.2f}/{redraw['top-100 overlap']:.2f}, its own sampling noise: an "
-            f"overlap with exact at or below it is within that noise")
+            f"overlap {overlap_text(redraw)}, its own sampling noise: an overlap with exact at or below it is within "
+            "that noise")
     log(f"attribution, gradients alone (no curvature in either ranking): cached vs exact top-10/top-100 overlap "
-        f"{gradients_only['top-10 overlap']:.2f}/{gradients_only['top-100 overlap']:.2f}: what the cache's fixed-a "
-        f"gradients keep before any curvature (the cached method itself: {c['top-10 overlap']:.2f}/"
-        f"{c['top-100 overlap']:.2f})")
+        f"{overlap_text(gradients_only)}: what the cache's fixed-a gradients keep before any curvature (the cached "
+        f"method itself: {overlap_text(c)})")
     log(f"attribution, one approximation at a time: with the cache's {cfg.attr_curvature} curvature in both rankings, "
-        f"cached vs exact gradients {same_curvature['top-10 overlap']:.2f}/{same_curvature['top-100 overlap']:.2f} "
-        f"(the fixed-a gradients alone); exact gradients ranked with the cache's curvature vs the exact ranking "
-        f"{curvature_only['top-10 overlap']:.2f}/{curvature_only['top-100 overlap']:.2f} (the curvature alone: the "
-        f"cache's {CACHE_S_LABEL[cfg.attr_s]} vs the exact {exact_curv})")
-    def pair(o):
-        return f"{o['top-10 overlap']:.2f}/{o['top-100 overlap']:.2f}"
-    for r in sweep:  # λ is what the paper leaves open and the exact reference depends on most (README)
-        own = " (this run's, the rows above)" if r["damping"] == cfg.attr_damping else ""
-        log(f"attribution, damping sweep, --attr-damping {r['damping']:g}{own}: top-10/top-100 overlap cached vs "
-            f"exact {pair(r['cached'])}, with the cache's curvature in both {pair(r['same_curvature'])}, the "
-            f"curvature alone {pair(r['curvature_only'])}")
+        f"cached vs exact gradients {overlap_text(same_curvature)} (the fixed-a gradients alone); exact gradients "
+        f"ranked with the cache's curvature vs the exact ranking {overlap_text(curvature_only)} (the curvature alone: "
+        f"the cache's {CACHE_S_LABEL[cfg.attr_s]} vs the exact {exact_curv})")
+    if vs_ekfac is not None:
+        log("attribution, against EK-FAC's ranking: top-10/top-100 overlap "
+            + ", ".join(f"{name} {overlap_text(o)}" for name, o in vs_ekfac.items())
+            + f" (chance {chance[10]:.2f}/{chance[100]:.2f})")
+    for r in sweep or []:  # λ is what the paper leaves open and the exact reference depends on most (README)
+        own = " (this run's, the rows above)" if r["attr_damping"] == cfg.attr_damping else ""
+        log(f"attribution, damping sweep, --attr-damping {r['attr_damping']:g}{own}: top-10/top-100 overlap cached "
+            f"vs exact {overlap_text(r['cached'])}, with the cache's curvature in both "
+            f"{overlap_text(r['same_curvature'])}, the curvature alone {overlap_text(r['curvature_only'])}")
     # the first query's most influential training windows, decoded (for the report)
     tok = data.tokenizer
     first = ranked[cached_name][0]
@@ -2866,6 +2889,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
             "damping": {"cached": cache.lam, "exact": ex.lam},
             "gradients_only": gradients_only, "same_curvature": same_curvature, "curvature_only": curvature_only,
             "reference_redraw": redraw,
+            "vs_ekfac": vs_ekfac,
             "damping_sweep": sweep,
             "speedup": speed, "cache": {"postings": len(cache.index.seq), "bytes": cache.nbytes(),
                                         "prototypes per sequence": len(cache.index.seq) / M},
@@ -3487,15 +3511,18 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         if a.get("gradients_only"):
             g = a["gradients_only"]
             parts.append(f"<p>Without curvature in either ranking (gradients alone), cached vs exact top-10/top-100 "
-                         f"overlap {g['top-10 overlap']:.2f}/{g['top-100 overlap']:.2f}.</p>")
+                         f"overlap {overlap_text(g)}.</p>")
         if a.get("same_curvature"):
             g, cv = a["same_curvature"], a["curvature_only"]
             parts.append(f"<p>One approximation at a time: with the cache's curvature in both rankings, cached vs exact "
-                         f"gradients {g['top-10 overlap']:.2f}/{g['top-100 overlap']:.2f} (the gradients alone); "
-                         f"the exact gradients ranked with the cache's curvature vs the exact ranking "
-                         f"{cv['top-10 overlap']:.2f}/{cv['top-100 overlap']:.2f} (the curvature alone).</p>")
+                         f"gradients {overlap_text(g)} (the gradients alone); the exact gradients ranked with the "
+                         f"cache's curvature vs the exact ranking {overlap_text(cv)} (the curvature alone).</p>")
+        if a.get("vs_ekfac"):
+            rows = [{"method": name, **o} for name, o in a["vs_ekfac"].items()]
+            parts.append("<p>Each ranking against EK-FAC's (the paper also reports overlap with EK-FAC):</p>"
+                         + table_html(rows, list(rows[0])))
         if a.get("damping_sweep"):
-            rows = [{"--attr-damping": f"{r['damping']:g}", **{f"{name} {n}": f"{r[key][f'{n} overlap']:.2f}"
+            rows = [{"--attr-damping": f"{r['attr_damping']:g}", **{f"{name} {n}": f"{r[key][f'{n} overlap']:.2f}"
                      for key, name in (("cached", "cached vs exact"), ("same_curvature", "cache's curvature in both"),
                                        ("curvature_only", "curvature alone")) for n in ("top-10", "top-100")}}
                     for r in a["damping_sweep"]]
@@ -3510,7 +3537,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         if a.get("reference_redraw"):
             r = a["reference_redraw"]
             parts.append(f"<p>The exact reference re-drawn (its targets drawn from --seed + 1) vs itself: top-10/top-100 "
-                         f"overlap {r['top-10 overlap']:.2f}/{r['top-100 overlap']:.2f}. The reference is a Monte-Carlo "
+                         f"overlap {overlap_text(r)}. The reference is a Monte-Carlo "
                          f"estimate: an overlap with exact at or below this is within its sampling noise.</p>")
     for r in results.get("suppression", []):
         kw = r["keywords"]  # none: --suppress IDS whose signatures hold no word, so no rate was measured

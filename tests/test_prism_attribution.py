@@ -238,19 +238,39 @@ def test_damping_sweep_reranks_both_methods_at_each_damping():
         return {"cached": prism.overlaps(cached, exact), "same_curvature": prism.overlaps(cached, cc),
                 "curvature_only": prism.overlaps(cc, exact)}
     sweep = prism.damping_sweep(cache, ex, states, grads, 1e-2, grid=(0.3, 1e-3, 1e6))
-    assert [r["damping"] for r in sweep] == [1e-3, 1e-2, 0.3, 1e6]  # the run's own added, ascending
-    assert all(set(r) == {"damping", "cached", "same_curvature", "curvature_only"} for r in sweep)
-    assert {k: v for k, v in sweep[1].items() if k != "damping"} == ranked(cache, ex)
+    assert [r["attr_damping"] for r in sweep] == [1e-3, 1e-2, 0.3, 1e6]  # the run's own added, ascending
+    assert all(set(r) == {"attr_damping", "cached", "same_curvature", "curvature_only"} for r in sweep)
+    assert {k: v for k, v in sweep[1].items() if k != "attr_damping"} == ranked(cache, ex)
     for r in sweep[::2]:
-        want = ranked(prism.build_attr_cache(model, w, damping=r["damping"]),
-                      prism.build_exact(model, w, damping=r["damping"]))
-        assert {k: v for k, v in r.items() if k != "damping"} == want, r["damping"]
+        want = ranked(prism.build_attr_cache(model, w, damping=r["attr_damping"]),
+                      prism.build_exact(model, w, damping=r["attr_damping"]))
+        assert {k: v for k, v in r.items() if k != "attr_damping"} == want, r["attr_damping"]
+    # the run's own figures, when given, are that row as they are (not recomputed); the other rows are unchanged
+    own = {"cached": {"top-10 overlap": 0.5}, "same_curvature": {}, "curvature_only": {}}
+    given = prism.damping_sweep(cache, ex, states, grads, 1e-2, grid=(0.3, 1e-3, 1e6), own=own)
+    assert given[1] == {"attr_damping": 1e-2, **own} and given[::2] == sweep[::2]
     plain = torch.stack([prism.exact_scores(ex, g, curvature=False) for g in grads])
     huge = prism.replace(cache, lam=cache.lam * 1e8)
     cached_plain = torch.stack([prism.cached_scores(huge, *st)[0] for st in states])
     assert sweep[-1]["cached"] == prism.overlaps(cached_plain, plain)
     assert sweep[-1]["curvature_only"] == {"top-10 overlap": 1.0, "top-100 overlap": 1.0}
     assert sweep[0] != sweep[-1]  # the damping moves the rankings: a sweep that ignored it would fail here
+
+
+def test_damping_sweep_that_fails_is_a_note_not_the_runs_end(monkeypatch):
+    """A re-factoring that fails at another damping (RunError) skips the sweep with a one-line note; the run's
+    own figures and every other line stand."""
+    def fail(self, ratio):
+        raise prism.RunError(f"the exact baseline's factor at {ratio:g} × its damping failed (stood in)")
+    monkeypatch.setattr(prism.ExactAttr, "redamped", fail)
+    cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
+                 attr_seqs=12, attr_queries=2, attr_damping=1e-2)
+    lines = []
+    res = prism.attribution_experiment(PRISM(cfg, V).eval(), None, StandIn(), cfg, lines.append)
+    assert res["damping_sweep"] is None and len(res["table"]) == 5
+    assert "note: the damping sweep is skipped: the exact baseline's factor at 0.1 × its damping failed (stood in)" \
+        in lines
+    assert not any("damping sweep, --attr-damping" in ln for ln in lines)
 
 
 def sample_targets(z, W, u, chunk=prism.ATTR_CHUNK):
@@ -406,8 +426,14 @@ def test_experiment_reports_the_exact_curvature(curvature, tmp_path, monkeypatch
     html_text = prism.write_report(tmp_path, cfg, {"attribution": res}, {}).read_text()
     assert f"(--attr-exact-curvature {curvature})" in html_text and f"(--attr-s {curvature})" in html_text
     assert "The same rankings at other dampings" in html_text  # the damping sweep's table, a row per damping
-    assert all(f"<td>{r['damping']:g}</td><td>{r['cached']['top-10 overlap']:.2f}</td>" in html_text
-               for r in res["damping_sweep"])
+    header = "".join(f"<th>{h}</th>" for h in ["--attr-damping"] + [
+        f"{name} {n}" for name in ("cached vs exact", "cache&#x27;s curvature in both", "curvature alone")
+        for n in ("top-10", "top-100")])
+    assert header in html_text
+    for r in res["damping_sweep"]:  # every cell, in the header's order
+        cells = [f"{r['attr_damping']:g}"] + [f"{r[key][f'{n} overlap']:.2f}" for key in
+                                              ("cached", "same_curvature", "curvature_only") for n in ("top-10", "top-100")]
+        assert "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>" in html_text
     ex = built[0]
     assert ex.curvature == curvature and len(ex.L) == (24 if curvature == "fisher" else 12)
     if curvature == "fisher":  # the analysis seed: the draws of a rebuild with --seed 5
@@ -623,9 +649,10 @@ def test_experiment_table(curvature):
     exact = res["table"][1]
     assert exact["top-10 overlap"] == 1 and exact["top-100 overlap"] == 1  # n capped at M = 30: all of them
     sweep = res["damping_sweep"]  # the grid, with the run's own 1e-2 among it
-    assert [r["damping"] for r in sweep] == sorted(set(prism.ATTR_DAMPING_SWEEP) | {1e-2})
+    assert [r["attr_damping"] for r in sweep] == sorted(set(prism.ATTR_DAMPING_SWEEP) | {1e-2})
     assert len(lines) == 8 + len(sweep) and lines[5] == res["summary"]
     assert res["reference_redraw"] is None  # the default empirical reference draws nothing: no re-draw to measure
+    assert res["vs_ekfac"] is None  # no --ekfac: nothing to compare with
     # the diagnostics: gradients alone (no curvature; the cache's curvature in both) and curvature alone
     for key in ("gradients_only", "same_curvature", "curvature_only"):
         g = res[key]
@@ -636,12 +663,12 @@ def test_experiment_table(curvature):
 
     def pair(o):
         return f"{o['top-10 overlap']:.2f}/{o['top-100 overlap']:.2f}"
-    own = next(r for r in sweep if r["damping"] == 1e-2)
+    own = next(r for r in sweep if r["attr_damping"] == 1e-2)
     assert own["cached"] == {k: res["table"][0][k] for k in ("top-10 overlap", "top-100 overlap")}
     assert own["same_curvature"] == res["same_curvature"] and own["curvature_only"] == res["curvature_only"]
     for ln, r in zip(lines[8:], sweep):
-        own_mark = " (this run's, the rows above)" if r["damping"] == 1e-2 else ""
-        assert ln == (f"attribution, damping sweep, --attr-damping {r['damping']:g}{own_mark}: top-10/top-100 overlap "
+        own_mark = " (this run's, the rows above)" if r["attr_damping"] == 1e-2 else ""
+        assert ln == (f"attribution, damping sweep, --attr-damping {r['attr_damping']:g}{own_mark}: top-10/top-100 overlap "
                       f"cached vs exact {pair(r['cached'])}, with the cache's curvature in both "
                       f"{pair(r['same_curvature'])}, the curvature alone {pair(r['curvature_only'])}")
     # the chance level n/M beside every overlap: in the table, the log lines, the summary and results
@@ -689,6 +716,42 @@ def test_batched_rows_are_labelled_and_compared_as_batches(monkeypatch):
     alone, batched = res["summary"].split("; against per-query times of one batched pass over 3 queries")
     assert "prototype-space exact" in alone and "dense TracIn (all parameters)" in alone and "batch of" not in alone
     assert "dense TracIn, batch of 3 queries" in batched and "EK-FAC (kronfluence), batch of 3 queries" in batched
+
+
+@pytest.mark.parametrize("stand_in", ["cached", "dense"])
+def test_every_ranking_is_compared_with_ekfacs(stand_in, monkeypatch, tmp_path):
+    """With --ekfac the cached, exact, dense and sketch rankings are each compared with EK-FAC's (the paper's
+    other yardstick). EK-FAC is stood in for by a ranking the run also makes, recomputed alike: against itself it
+    overlaps fully, and against exact it overlaps as the table's row for that method does (overlap is symmetric)."""
+    cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
+                 attr_seqs=30, attr_queries=3, ekfac=True)
+
+    def fake_ekfac(model, w, xq, yq, log):
+        if stand_in == "dense":
+            scores = prism.dense_scores(model, w, xq, yq)[0]
+        else:
+            cache = prism.build_attr_cache(model, w, cfg.attr_curvature, cfg.attr_damping)
+            scores = torch.stack([prism.cached_scores(cache, *(t[0] for t in prism.query_state(
+                model, xq[j:j + 1], yq[j:j + 1])))[0] for j in range(len(xq))])
+        return {"scores": scores, "setup": 1.0, "seconds": 0.3, "bytes": 1024}
+    monkeypatch.setattr(prism, "ekfac_scores", fake_ekfac)
+    lines = []
+    res = prism.attribution_experiment(PRISM(cfg, V).eval(), None, StandIn(), cfg, lines.append)
+    names = ["PRISM cached (block)", "prototype-space exact", "dense TracIn (all parameters)",
+             "dense TracIn, CountSketch cache at matched memory"]
+    assert list(res["vs_ekfac"]) == names
+    itself = names[0] if stand_in == "cached" else names[2]
+    assert res["vs_ekfac"][itself] == {"top-10 overlap": 1.0, "top-100 overlap": 1.0}
+    row = next(r for r in res["table"] if r["method"] == itself)
+    assert res["vs_ekfac"]["prototype-space exact"] == {k: row[k] for k in ("top-10 overlap", "top-100 overlap")}
+    assert any(o["top-10 overlap"] < 1 for o in res["vs_ekfac"].values())  # not everything overlaps fully
+
+    def pair(o):
+        return f"{o['top-10 overlap']:.2f}/{o['top-100 overlap']:.2f}"
+    assert ("attribution, against EK-FAC's ranking: top-10/top-100 overlap "
+            + ", ".join(f"{n} {pair(o)}" for n, o in res["vs_ekfac"].items()) + " (chance 0.33/1.00)") in lines
+    html_text = prism.write_report(tmp_path, cfg, {"attribution": res}, {}).read_text()
+    assert "Each ranking against EK-FAC's" in html_text
 
 
 @pytest.mark.parametrize("damping", [0.1, 1e-2])
