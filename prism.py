@@ -88,7 +88,12 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     draws (--seed + 1; every fisher run logs this re-draw agreement) kept only 0.44/0.62 of its own
     top-10/top-100 at S = 1 and 0.31/0.57 at S = 4 on the CPU preset's checkpoint, no more than the cached
     method shares with it (0.49/0.67, 0.45/0.63; all at --attr-damping 1e-3, the default then; at 0.1 on
-    2026-12-05's checkpoint the re-draw keeps 0.56/0.71 and the cached method 0.50/0.70, still below it). The overlaps measure agreement with the chosen reference.
+    2026-12-05's checkpoint the re-draw keeps 0.56/0.71 and the cached method 0.50/0.70, still below it). --attr-exact-curvature ggn (2026-12-05) inverts the Gauss–Newton matrix of the
+    linear-layer view, H = (1/N) Σ_t (a_t a_tᵀ) ⊗ Wᵀ(diag p_t − p_t p_tᵀ)W, summed exactly over every training
+    token: the matrix the cache's A_ii·S and K-FAC's A ⊗ S approximate, with no sampling and no rank limit, so
+    the curvature-alone diagnostic then measures those approximations themselves (BlockGGN: block-sparse over
+    the live prototypes, solved for all queries at once by block-Jacobi conjugate gradients; its build costs
+    (pairs)·V·d², CPU-preset sizes). The overlaps measure agreement with the chosen reference.
     The cache's S is spec §5.3's E[δδᵀ] of the true-label δ (--attr-s empirical, the default); --attr-s fisher takes the δ̃ of targets drawn from the model
     instead, K-FAC's true-Fisher factor, with the exact fisher reference's draws (same --seed). On the CPU preset's
     checkpoint against the true-Fisher reference (2026-12-03) the two agree to a query or two: cached 0.49/0.67
@@ -140,6 +145,7 @@ Commands
     python prism.py --no-train --suppress 3,17 --suppress-factor -1 --no-attribution --no-controller
                                            # push those prototypes away
     python prism.py --no-train --attr-curvature kfac --ekfac        # attribution with co-usage, EK-FAC
+    python prism.py --no-train --attr-exact-curvature ggn           # against the exact Gauss–Newton matrix
     python prism.py --bench                # training tok/s PRISM / dense (fp32 and bf16 dots), each head alone,
                                            # R1/R2's pairs from the selection vs a separate search, top-k kernel
                                            # vs torch at K = 4k..16k (fp32 scores: kernel 3xTF32, torch IEEE;
@@ -282,7 +288,7 @@ class Config:
     attr_ctx: int = field(default=256, metadata={"help": "length of the attribution set's training windows (<= ctx)"})
     attr_damping: float = field(default=0.1, metadata={"help": "curvature damping λ, relative to the mean non-zero eigenvalue of each method's curvature (0.1: the factor of kronfluence's heuristic, which the EK-FAC baseline uses)"})
     attr_curvature: Literal["block", "kfac"] = field(default="block", metadata={"help": "cached curvature: per-prototype blocks or with co-usage"})
-    attr_exact_curvature: Literal["empirical", "fisher"] = field(default="empirical", metadata={"help": "the exact reference's curvature: empirical, the Fisher of the true-label window gradients (deterministic), or fisher, the true Fisher (= Gauss-Newton for softmax CE) sampled from targets drawn from the model's softmax (a Monte-Carlo estimate: the run logs its re-draw agreement)"})
+    attr_exact_curvature: Literal["empirical", "fisher", "ggn"] = field(default="empirical", metadata={"help": "the exact reference's curvature: empirical, the Fisher of the true-label window gradients (deterministic); fisher, the true Fisher (= Gauss-Newton for softmax CE) sampled from targets drawn from the model's softmax (a Monte-Carlo estimate: the run logs its re-draw agreement); or ggn, the Gauss-Newton matrix of the linear-layer view summed exactly over every training token (block-sparse over the live prototypes, solved by conjugate gradients; CPU-preset sizes)"})
     attr_fisher_samples: int = field(default=1, metadata={"help": "targets drawn per training window for --attr-exact-curvature fisher (S: the curvature's rank is M·S), and per token for --attr-s fisher"})
     attr_s: Literal["empirical", "fisher"] = field(default="empirical", metadata={"help": "the cache's S = E[δδᵀ]: empirical, δ of the true labels (spec §5.3's formula), or fisher, δ of targets drawn from the model's softmax (K-FAC's true-Fisher factor; the exact fisher reference's draws)"})
     ekfac: bool = field(default=False, metadata={"help": "also rank with EK-FAC through kronfluence (if installed)"})
@@ -2038,7 +2044,8 @@ def suppression_effect(r: dict) -> str:
 
 PROTOTYPE_ANALYSES = ("cards", "attribution", "ekfac", "suppress", "suppress_keywords", "controller")  # PRISM's
 ROUTING_LABEL = "prototype path, r held fixed (spec §2.3 A)"  # what the gradients are under --resid-grad full
-EXACT_CURVATURE_LABEL = {"fisher": "damped true Fisher (≈ Gauss–Newton), targets drawn from the model",
+EXACT_CURVATURE_LABEL = {"ggn": "damped Gauss–Newton matrix of the linear-layer view, exact over every training token",
+                         "fisher": "damped true Fisher (≈ Gauss–Newton), targets drawn from the model",
                          "empirical": "damped empirical Fisher of the true-label gradients"}
 CACHE_S_LABEL = {"fisher": "token statistics of targets drawn from the model", "empirical": "true-label token statistics"}
 ATTR_CHUNK = 2 ** 24  # elements of the largest temporary (N×V probabilities, posting products): 64 MB in fp32
@@ -2046,6 +2053,7 @@ ATTR_TOKENS = 16384   # tokens per batched forward pass
 # relative dampings every attribution run also ranks at (damping_sweep): how much of the cached-vs-exact gap is
 # the choice of λ. Cheap: the gradients are reused, only the exact reference's N×N factor is redone per value
 ATTR_DAMPING_SWEEP = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
+GGN_MAX_BYTES = 8 * 2**30  # --attr-exact-curvature ggn refuses to hold more (its blocks and per-pair sums, float64)
 
 
 def attr_clock(device) -> float:
@@ -2324,20 +2332,25 @@ class ExactAttr:
     mean over all K·d eigenvalues would be ~N/(Kd) smaller and leave the inverse effectively undamped). Each
     method's λ is relative to the mean eigenvalue of its own curvature, so a rescaled curvature ranks alike."""
     index: ProtoIndex
-    L: torch.Tensor  # [N, N] float64, Cholesky factor of N λ' I + G̃ G̃ᵀ
+    L: Optional[torch.Tensor]  # [N, N] float64, Cholesky factor of N λ' I + G̃ G̃ᵀ (None for ggn)
     lam: float
     M: int
     curvature: str = "empirical"
     fisher: Optional[ProtoIndex] = None   # fisher: G̃, the sampled-target gradients, N = M·S rows
     C: Optional[torch.Tensor] = None      # fisher: [M, N] float64, G G̃ᵀ
     targets: Optional[torch.Tensor] = None  # fisher: [M, S, T] the drawn ỹ (int32), kept to audit G̃ (not scored)
+    ggn: Optional["BlockGGN"] = None        # ggn: the curvature itself, solved per query (no factor)
 
     def nbytes(self) -> int:
-        return self.index.nbytes() + tensor_bytes(self.L, self.C) + (self.fisher.nbytes() if self.fisher else 0)
+        return (self.index.nbytes() + tensor_bytes(self.L, self.C) + (self.fisher.nbytes() if self.fisher else 0)
+                + (self.ggn.nbytes() if self.ggn else 0))
 
     def redamped(self, ratio: float) -> "ExactAttr":
         """The same reference with λ' × ratio: the undamped Gram G̃ G̃ᵀ = L Lᵀ − N λ' I recovered from the factor
-        (float64), damped again and re-factored; the gradients, C and the draws are shared, not copied."""
+        (float64), damped again and re-factored; the gradients, C and the draws are shared, not copied. ggn has no
+        factor: only λ' changes."""
+        if self.ggn is not None:
+            return replace(self, lam=self.lam * ratio)
         N = len(self.L)
         eye = torch.eye(N, dtype=self.L.dtype, device=self.L.device)
         lam = self.lam * ratio
@@ -2413,6 +2426,12 @@ def build_exact(model: PRISM, windows, damping: float = 0.1, curvature: str = "e
             for b in range(w.shape[0]):
                 keep(sampled, (s + b) * S + j, proto_vjp(model, z[b], delta_j[b]))
     index = ProtoIndex.from_keys(torch.cat(true[0]), torch.cat(true[1]), K)
+    if curvature == "ggn":
+        ggn = build_ggn(model, windows)
+        lam = damping * ggn.mean_eig
+        if not lam > 0:
+            raise RunError("no training token activates a prototype (every a is 0): nothing to attribute")
+        return ExactAttr(index, None, lam, M, curvature, ggn=ggn)
     curv = ProtoIndex.from_keys(torch.cat(sampled[0]), torch.cat(sampled[1]), K) if fisher else index
     N = M * S
     # G̃ᵀG̃/N has rank <= N: its mean *non-zero* eigenvalue is ~|G̃|²/N², the scale λ' is relative to
@@ -2429,6 +2448,133 @@ def build_exact(model: PRISM, windows, damping: float = 0.1, curvature: str = "e
     return ExactAttr(index, L, lam, M, curvature, curv, gram(index, M, curv, N).double(), targets)
 
 
+@dataclass
+class BlockGGN:
+    """--attr-exact-curvature ggn: the Gauss–Newton matrix of CE in prototype space in the linear-layer view (a
+    held fixed), the matrix that K-FAC's A ⊗ S and the cache's blocks A_ii·S approximate, summed exactly over the
+    N training tokens instead:
+        H = (1/N) Σ_t (a_t a_tᵀ) ⊗ B_t,   B_t = Wᵀ(diag p_t − p_t p_tᵀ)W = E_{ỹ~p_t}[δ̃ δ̃ᵀ]   (d×d),
+    so block (i, j) = (1/N) Σ_t a_{t,i} a_{t,j} B_t = Wᵀ diag(c_ij) W − (1/N) Σ_t a_{t,i} a_{t,j} u_t u_tᵀ with
+    c_ij = (1/N) Σ_t a_{t,i} a_{t,j} p_t and u_t = Wᵀ p_t. Only prototypes that some token uses (live) and pairs
+    that some token uses together have blocks: the matrix is block-sparse, stored as its non-zero d×d blocks
+    (both (i, j) and (j, i)), and (H + λI)⁻¹ b is solved by conjugate gradients preconditioned with the inverse
+    diagonal blocks (ggn_solve), never as a dense (live·d)² matrix. Its cost is (pairs) × V × d² flops: CPU-preset
+    sizes (87 live prototypes, ~1,100 pairs at K = 512, d = 128), not the paper's."""
+    live: torch.Tensor    # [L] the live prototypes (ascending)
+    rows: torch.Tensor    # [nb] block row, as a position in `live`
+    cols: torch.Tensor    # [nb] block column
+    blocks: torch.Tensor  # [nb, d, d] float64
+    mean_eig: float       # trace(H) / (L·d): the mean eigenvalue over the live rows, the damping's scale
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.live, self.rows, self.cols, self.blocks)
+
+
+@torch.no_grad()
+def build_ggn(model: PRISM, windows, chunk: int = 2048) -> BlockGGN:
+    """BlockGGN from one forward pass over the training windows [M, T + 1] (no grad): per token its active
+    prototypes and a, and p_t = softmax(W z_t); the pair sums c_ij and Σ a a u uᵀ as sparse [pairs × tokens]
+    products, then Wᵀ diag(c_ij) W for a few pairs at a time."""
+    model.eval()
+    K, d = model.P.shape
+    device = model.P.device
+    W = model.wte.weight.float()
+    T = windows.shape[1] - 1
+    B = max(1, ATTR_TOKENS // T)
+    idx, a, z = [], [], []
+    for s in range(0, windows.shape[0], B):
+        w = windows[s:s + B].to(device)
+        z_ = model.hidden(w[:, :-1]).float().flatten(0, 1)
+        i_, a_ = model.prototypes(z_)
+        idx.append(i_)
+        a.append(a_.float())
+        z.append(z_)
+    idx, a, z = torch.cat(idx), torch.cat(a), torch.cat(z)
+    N, k = idx.shape
+    a = a * (a > 0)
+    key = (idx[:, :, None] * K + idx[:, None, :]).flatten(1)  # [N, k²] ordered pairs (i, j) of each token
+    weight = (a[:, :, None] * a[:, None, :]).flatten(1)
+    upper = ((idx[:, :, None] <= idx[:, None, :]).flatten(1)) & (weight > 0)  # each unordered pair once
+    pairs, pair_of = torch.unique(key[upper], return_inverse=True)
+    need = len(pairs) * (2 * d * d + W.shape[0]) * 8  # both copies of each block, and c_ij [pairs, V]
+    if need > GGN_MAX_BYTES:
+        raise RunError(f"--attr-exact-curvature ggn would hold {need / 2**30:.1f} GiB ({len(pairs):,} pairs of "
+                       f"prototypes used together, d = {d}, V = {W.shape[0]:,}), over its {GGN_MAX_BYTES / 2**30:g} "
+                       "GiB limit: it is meant for CPU-preset sizes; use --attr-exact-curvature empirical or fisher")
+    tok = torch.arange(N, device=device)[:, None].expand_as(key)[upper]
+    w_ = weight[upper].double() / N
+    c = torch.zeros(len(pairs), W.shape[0], dtype=torch.float64, device=device)  # c_ij [pairs, V]
+    uu = torch.zeros(len(pairs), d * d, dtype=torch.float64, device=device)     # (1/N) Σ a a u uᵀ
+    for s in range(0, N, chunk):
+        sel = (tok >= s) & (tok < s + chunk)
+        p = torch.softmax(z[s:s + chunk] @ W.T, dim=-1).double()
+        u = p @ W.double()
+        mix = torch.sparse_coo_tensor(torch.stack([pair_of[sel], tok[sel] - s]), w_[sel],
+                                      (len(pairs), len(p)), check_invariants=True).coalesce()
+        c += torch.sparse.mm(mix, p)
+        uu += torch.sparse.mm(mix, (u[:, :, None] * u[:, None, :]).flatten(1))
+    Wd = W.double()
+    step = max(1, ATTR_CHUNK // (W.shape[0] * d))
+    blocks = torch.cat([(Wd.T[None] * c[b:b + step, None, :]) @ Wd for b in range(0, len(pairs), step)])
+    blocks -= uu.view(-1, d, d)
+    i, j = pairs // K, pairs % K
+    live = torch.unique(torch.cat([i, j]))
+    pos = torch.full((K,), -1, dtype=torch.long, device=device)
+    pos[live] = torch.arange(len(live), device=device)
+    off = i != j  # the transposed copy of each off-diagonal block
+    rows = torch.cat([pos[i], pos[j][off]])
+    cols = torch.cat([pos[j], pos[i][off]])
+    blocks = torch.cat([blocks, blocks[off].transpose(1, 2)])
+    trace = blocks[rows == cols].diagonal(dim1=1, dim2=2).sum().item()
+    return BlockGGN(live, rows, cols, blocks, trace / (len(live) * d))
+
+
+def ggn_solve(ggn: BlockGGN, b, lam: float, rtol: float = 1e-8, maxiter: int = 2000):
+    """(H + λI)⁻¹ b for b [R, L, d] (R right-hand sides on the live rows) by conjugate gradients in float64,
+    each side with its own step sizes, every side's product with H in one pass over the blocks (the pass is
+    memory-bound: R sides cost little more than one). Preconditioned with the inverse of each diagonal block
+    H_ii + λI (block Jacobi: exact when no two prototypes are used together, the paper's localised curvature).
+    Stops when every side has |r| <= rtol |b|; RunError if one has not within maxiter."""
+    R, L, d = b.shape
+    eye = torch.eye(d, dtype=torch.float64, device=b.device)
+    diag = ggn.rows == ggn.cols
+    D = torch.zeros(L, d, d, dtype=torch.float64, device=b.device)
+    D[ggn.rows[diag]] = ggn.blocks[diag]
+    D_inv = torch.cholesky_inverse(torch.linalg.cholesky(D + lam * eye))
+
+    def H(x):  # x [R, L, d]: the blocks times each side's columns, [nb, d, d] @ [nb, d, R]
+        y = (ggn.blocks @ x[:, ggn.cols].permute(1, 2, 0)).permute(2, 0, 1)
+        return (lam * x).index_add_(1, ggn.rows, y)
+
+    def precondition(r):
+        return (D_inv @ r.permute(1, 2, 0)).permute(2, 0, 1)
+
+    def dot(u, v):  # per side, [R, 1, 1]
+        return (u * v).sum((1, 2), keepdim=True)
+    b = b.double()
+    x = torch.zeros_like(b)
+    r = b.clone()
+    zr = precondition(r)
+    p = zr.clone()
+    rz = dot(r, zr)
+    bound = rtol * b.flatten(1).norm(dim=1)
+    for _ in range(maxiter):
+        done = r.flatten(1).norm(dim=1) <= bound
+        if done.all():
+            return x
+        Hp = H(p)
+        alpha = torch.where(done[:, None, None], 0.0, rz / dot(p, Hp))  # a finished side stays where it is
+        x += alpha * p
+        r -= alpha * Hp
+        zr = precondition(r)
+        rz, rz_old = dot(r, zr), rz
+        p = zr + torch.where(done[:, None, None], 0.0, rz / rz_old) * p
+    if (r.flatten(1).norm(dim=1) <= bound).all():
+        return x
+    raise RunError(f"the ggn reference's conjugate gradients did not reach a relative residual of {rtol:g} in "
+                   f"{maxiter} steps at λ' = {lam:.3g}; raise --attr-damping")
+
+
 @torch.no_grad()
 def exact_scores(ex: ExactAttr, g_q, curvature: bool = True):
     """Woodbury scores G (F + λ'I)⁻¹ g_q for one query's exact gradient g_q [K, d] -> [M] (ExactAttr: M (M λ' I +
@@ -2440,10 +2586,23 @@ def exact_scores(ex: ExactAttr, g_q, curvature: bool = True):
     Gg = score_postings(ex.index, rows_q, g_q[rows_q], ex.M, torch.float64)[0]
     if not curvature:
         return Gg.float()
+    if ex.ggn is not None:
+        return exact_scores_batch(ex, [g_q])[0]
     if ex.fisher is None:
         return (ex.M * torch.cholesky_solve(Gg[:, None], ex.L)[:, 0]).float()
     Fg = score_postings(ex.fisher, rows_q, g_q[rows_q], len(ex.L), torch.float64)[0]  # G̃ g_q
     return ((Gg - ex.C @ torch.cholesky_solve(Fg[:, None], ex.L)[:, 0]) / ex.lam).float()
+
+
+@torch.no_grad()
+def exact_scores_batch(ex: ExactAttr, grads) -> torch.Tensor:
+    """exact_scores for several queries' g_q [K, d] -> [Q, M]. The ggn curvature solves them together (one pass
+    over its blocks per step serves every query); a query's rows outside the live prototypes meet no training
+    gradient, so they score nothing and are left out of the solve. The others, one query at a time."""
+    if ex.ggn is None:
+        return torch.stack([exact_scores(ex, g_q) for g_q in grads])
+    v = ggn_solve(ex.ggn, torch.stack([g_q[ex.ggn.live] for g_q in grads]), ex.lam)
+    return torch.stack([score_postings(ex.index, ex.ggn.live, v_q, ex.M, torch.float64)[0].float() for v_q in v])
 
 
 @torch.no_grad()
@@ -2476,7 +2635,7 @@ def damping_sweep(cache: AttrCache, ex: ExactAttr, states, query_grads, damping:
         c = replace(cache, lam=cache.lam * rel / damping)
         e = ex if rel == damping else ex.redamped(rel / damping)
         cached = torch.stack([cached_scores(c, *state)[0] for state in states])
-        exact = torch.stack([exact_scores(e, g_q) for g_q in query_grads])
+        exact = exact_scores_batch(e, query_grads)
         cache_curv = torch.stack([exact_scores_with_cache_curvature(e, c, g_q) for g_q in query_grads])
         out.append({"attr_damping": rel, "cached": overlaps(cached, exact), "same_curvature": overlaps(cached, cache_curv),
                     "curvature_only": overlaps(cache_curv, exact)})
@@ -2737,16 +2896,23 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     ex = build_exact(model, windows, cfg.attr_damping, cfg.attr_exact_curvature, cfg.attr_fisher_samples, cfg.seed)
     setup = attr_clock(device) - t0
     exact_query_grad(model, xq[0], yq[0])
-    scores, times, exact_dots, exact_cache_curv, query_grads = [], [], [], [], []
-    for j in range(Q):
+    if ex.ggn is None:  # one query at a time, as the cached method
+        scores, times, query_grads = [], [], []
+        for j in range(Q):
+            t0 = attr_clock(device)
+            g_q = exact_query_grad(model, xq[j], yq[j])
+            scores.append(exact_scores(ex, g_q))
+            times.append(attr_clock(device) - t0)
+            query_grads.append(g_q)
+        exact_ms, scores = 1e3 * sum(times) / Q, torch.stack(scores)
+    else:  # ggn: one conjugate-gradient solve for every query, timed as a batch and labelled so
         t0 = attr_clock(device)
-        g_q = exact_query_grad(model, xq[j], yq[j])
-        scores.append(exact_scores(ex, g_q))
-        times.append(attr_clock(device) - t0)
-        exact_dots.append(exact_scores(ex, g_q, curvature=False))  # untimed: the diagnostics below
-        exact_cache_curv.append(exact_scores_with_cache_curvature(ex, cache, g_q))
-        query_grads.append(g_q)
-    add_row("prototype-space exact", torch.stack(scores), 1e3 * sum(times) / Q, ex.nbytes(), M, setup)
+        query_grads = [exact_query_grad(model, xq[j], yq[j]) for j in range(Q)]
+        scores = exact_scores_batch(ex, query_grads)
+        exact_ms = 1e3 * (attr_clock(device) - t0) / Q
+    exact_dots = [exact_scores(ex, g_q, curvature=False) for g_q in query_grads]  # untimed: the diagnostics below
+    exact_cache_curv = [exact_scores_with_cache_curvature(ex, cache, g_q) for g_q in query_grads]
+    add_row("prototype-space exact", scores, exact_ms, ex.nbytes(), M, setup, batched=ex.ggn is not None)
     # The fisher reference is a Monte-Carlo estimate (S drawn targets per window): the same reference built from
     # other draws (--seed + 1) gives its own noise floor; an overlap with exact at or below the re-draw's is
     # within the reference's sampling noise. The empirical reference draws nothing, so it has none.
@@ -2754,7 +2920,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     if ex.fisher is not None:
         ex2 = build_exact(model, windows, cfg.attr_damping, cfg.attr_exact_curvature, cfg.attr_fisher_samples,
                           cfg.seed + 1)
-        redraw = overlaps(torch.stack([exact_scores(ex2, g_q) for g_q in query_grads]), torch.stack(scores))
+        redraw = overlaps(exact_scores_batch(ex2, query_grads), scores)
         del ex2
     # Diagnostics: the cached and exact rankings differ in two ways, the gradients (a held fixed in the cache) and
     # the curvature (the cache's A_ii·S or A ⊗ S of token statistics, --attr-s, vs the exact reference's damped
@@ -2798,9 +2964,12 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
                         (cached_name, "prototype-space exact", "dense TracIn (all parameters)", sketch_name)}
     # what each method's memory figure counts (the tensors it holds, on every device)
     memory_notes = {cached_name: "the cache (index, A_ii, S's eigenbasis; A's for kfac)",
-                     "prototype-space exact": "row-sparse exact gradients + M×M Cholesky factor" if
-                     ex.fisher is None else "row-sparse exact gradients, and sampled-target ones (M·S rows) "
-                     "+ their M·S×M·S Cholesky factor + the M×M·S cross Gram",
+                     "prototype-space exact": {
+                         "empirical": "row-sparse exact gradients + M×M Cholesky factor",
+                         "fisher": "row-sparse exact gradients, and sampled-target ones (M·S rows) + their M·S×M·S "
+                                   "Cholesky factor + the M×M·S cross Gram",
+                         "ggn": "row-sparse exact gradients + the Gauss–Newton matrix's non-zero d×d blocks"}[
+                         ex.curvature],
                      "dense TracIn (all parameters)": "its query gradient + one training gradient at a time",
                      f"dense TracIn, batch of {Q} queries": f"the {Q} query gradients + one training gradient",
                      sketch_name: f"the M x D training-gradient sketches, D = {sk['D']:,} (the hash is "

@@ -273,6 +273,97 @@ def test_damping_sweep_that_fails_is_a_note_not_the_runs_end(monkeypatch):
     assert not any("damping sweep, --attr-damping" in ln for ln in lines)
 
 
+def dense_ggn(model, w):
+    """The linear-view Gauss–Newton matrix by brute force, [K·d, K·d] float64: (1/N) Σ_t (a_t a_tᵀ) ⊗ B_t with
+    B_t = Wᵀ(diag p_t − p_t p_tᵀ)W built per token."""
+    K, d = model.P.shape
+    W = model.wte.weight.double()
+    with torch.no_grad():
+        z = model.hidden(w[:, :-1]).float().flatten(0, 1)
+        idx, a = model.prototypes(z)
+    H = torch.zeros(K * d, K * d, dtype=torch.float64)
+    for t in range(len(z)):
+        p = torch.softmax(z[t].double() @ W.T, -1)
+        a_t = torch.zeros(K, dtype=torch.float64).index_put_((idx[t],), a[t].double().clamp_min(0))
+        H += torch.kron(torch.outer(a_t, a_t), W.T @ (torch.diag(p) - torch.outer(p, p)) @ W)
+    return H / len(z)
+
+
+@pytest.mark.parametrize("topk,seed", [(3, 3), (12, 5)])
+def test_ggn_blocks_are_the_gauss_newton_matrix(topk, seed, assert_close):
+    """build_ggn's non-zero blocks assemble to the brute-force matrix, with nothing outside them; mean_eig is
+    its trace over the live rows; the scores are G (H + λI)⁻¹ g_q by a dense solve, one query or several."""
+    model = tiny(topk=topk, n_protos=40)
+    K, d = model.P.shape
+    w = windows_of(6, 8, seed=seed)
+    H = dense_ggn(model, w)
+    ggn = prism.build_ggn(model, w, chunk=7)  # token chunks that do not divide N = 48
+    got = torch.zeros_like(H)
+    for r, c, blk in zip(ggn.rows, ggn.cols, ggn.blocks):
+        i, j = ggn.live[r].item(), ggn.live[c].item()
+        got[i * d:(i + 1) * d, j * d:(j + 1) * d] = blk
+    assert_close("GGN", H, got, ratio=1e-9)
+    assert len(set(zip(ggn.rows.tolist(), ggn.cols.tolist()))) == len(ggn.rows)  # each block once
+    live_rows = torch.cat([torch.arange(i * d, (i + 1) * d) for i in ggn.live.tolist()])
+    assert ggn.mean_eig == pytest.approx(H.diagonal()[live_rows].mean().item(), rel=1e-9)
+    dead = torch.ones(K, dtype=torch.bool)
+    dead[ggn.live] = False
+    assert dead.any() == (topk == 3)  # k = 3 leaves prototypes no token uses: they get no block, nor any curvature
+    assert H.view(K, d, K, d)[dead].abs().sum() == 0
+    ex = prism.build_exact(model, w, damping=1e-2, curvature="ggn")
+    assert ex.curvature == "ggn" and ex.L is None and ex.lam == pytest.approx(1e-2 * ggn.mean_eig, rel=1e-12)
+    G = dense_rows(ex.index, 6, K).reshape(6, -1)
+    xq = windows_of(3, 8, seed=seed + 1)
+    grads = [prism.exact_query_grad(model, xq[q, :-1], xq[q, -1]) for q in range(3)]
+    want = torch.stack([G @ torch.linalg.solve(H + ex.lam * torch.eye(K * d, dtype=torch.float64),
+                                               g.double().reshape(-1)) for g in grads])
+    assert_close("ggn scores, batch", want, prism.exact_scores_batch(ex, grads), ratio=1e-6)
+    assert_close("ggn scores, one", want[1], prism.exact_scores(ex, grads[1]), ratio=1e-6)
+    assert_close("ggn redamped", torch.stack([G @ torch.linalg.solve(H + 30 * ex.lam * torch.eye(K * d, dtype=torch.float64),
+                                                                     g.double().reshape(-1)) for g in grads]),
+                 prism.exact_scores_batch(ex.redamped(30.0), grads), ratio=1e-6)
+
+
+def test_ggn_too_large_is_a_one_line_error(monkeypatch):
+    """Past GGN_MAX_BYTES (its blocks and per-pair sums) the ggn reference refuses, saying how much and why,
+    before it allocates them."""
+    model = tiny()
+    w = windows_of(6, 8, seed=2)
+    full = prism.build_ggn(model, w)
+    pairs = (len(full.rows) + (full.rows == full.cols).sum().item()) // 2
+    need = pairs * (2 * 16 * 16 + V) * 8
+    monkeypatch.setattr(prism, "GGN_MAX_BYTES", need - 1)
+    with pytest.raises(prism.RunError, match=rf"^--attr-exact-curvature ggn would hold 0.0 GiB \({pairs:,} pairs of "
+                                             r"prototypes used together, d = 16, V = 30\), over its .* GiB limit: it "
+                                             r"is meant for CPU-preset sizes; use --attr-exact-curvature empirical or "
+                                             r"fisher$"):
+        prism.build_ggn(model, w)
+    monkeypatch.setattr(prism, "GGN_MAX_BYTES", need)
+    prism.build_ggn(model, w)
+
+
+def test_ggn_solve_is_conjugate_gradients_to_tolerance_or_a_one_line_error(assert_close):
+    """ggn_solve matches a dense solve for several sides at once, stops early on a side already solved (b = 0),
+    and a solve that cannot reach the tolerance is a RunError that says what to change."""
+    model = tiny()
+    w = windows_of(6, 8, seed=2)
+    ggn = prism.build_ggn(model, w)
+    L, d = len(ggn.live), model.P.shape[1]
+    Hl = torch.zeros(L * d, L * d, dtype=torch.float64)
+    for r, c, blk in zip(ggn.rows, ggn.cols, ggn.blocks):
+        Hl[r * d:(r + 1) * d, c * d:(c + 1) * d] = blk
+    lam = 1e-2 * ggn.mean_eig
+    b = torch.randn(3, L, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    b[1] = 0
+    x = prism.ggn_solve(ggn, b, lam, rtol=1e-10)
+    want = torch.linalg.solve(Hl + lam * torch.eye(L * d, dtype=torch.float64), b.reshape(3, -1).T).T
+    assert_close("cg", want, x.reshape(3, -1), ratio=1e-7)
+    assert x[1].abs().max() == 0
+    with pytest.raises(prism.RunError, match=r"^the ggn reference's conjugate gradients did not reach a relative "
+                                             r"residual of 1e-10 in 1 steps at .*; raise --attr-damping$"):
+        prism.ggn_solve(ggn, b, lam, rtol=1e-10, maxiter=1)
+
+
 def sample_targets(z, W, u, chunk=prism.ATTR_CHUNK):
     """One draw per token through token_deltas (the labels, here 0, are not used) -> ỹ [N]."""
     return prism.token_deltas(z, torch.zeros(len(z), dtype=torch.long), W, chunk, u=u[None])[2][0]
@@ -378,7 +469,7 @@ def test_cache_fisher_s_is_the_second_moment_of_the_drawn_targets_deltas(assert_
 
 
 @pytest.mark.parametrize("args,code,needle", [
-    (["--attr-exact-curvature", "ggn"], 2, "invalid choice: 'ggn'"),
+    (["--attr-exact-curvature", "hessian"], 2, "invalid choice: 'hessian'"),
     (["--attr-fisher-samples", "0"], 1, "error: --attr-fisher-samples must be >= 1"),
     (["--attr-s", "ggn"], 2, "invalid choice: 'ggn'"),
 ])
@@ -401,13 +492,15 @@ def test_fisher_samples_flag_is_noted_when_nothing_is_sampled():
     assert notes(attribution=False) == ["note: --attr-fisher-samples"]
 
 
-@pytest.mark.parametrize("curvature", ["empirical", "fisher"])
+@pytest.mark.parametrize("curvature", ["empirical", "fisher", "ggn"])
 def test_experiment_reports_the_exact_curvature(curvature, tmp_path, monkeypatch):
     """A tiny run says which curvature the exact reference inverted and which S the cache holds: the JSON, the
     summary, the curvature-alone log line and the report; and the reference it ranked with was built with that
-    curvature, S and the seed, the cache with that S, the same draws and seed."""
+    curvature, S and the seed, the cache with that S, the same draws and seed. ggn (no S of its own: the cache
+    keeps the labels') solves every query at once, and its row says it is a batch."""
+    s_curv = "empirical" if curvature == "ggn" else curvature
     cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
-                 attr_seqs=12, attr_queries=2, attr_damping=1e-2, attr_exact_curvature=curvature, attr_s=curvature,
+                 attr_seqs=12, attr_queries=2, attr_damping=1e-2, attr_exact_curvature=curvature, attr_s=s_curv,
                  attr_fisher_samples=2, seed=5)
     built, build = [], prism.build_exact
     monkeypatch.setattr(prism, "build_exact", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
@@ -420,11 +513,19 @@ def test_experiment_reports_the_exact_curvature(curvature, tmp_path, monkeypatch
                                       "samples": 2 if curvature == "fisher" else None}
     one_at_a_time = [ln for ln in lines if ln.startswith("attribution, one approximation at a time")]
     assert f"(curvature: {label})" in res["summary"] and one_at_a_time[0].endswith(f"vs the exact {label})")
-    s_label = prism.CACHE_S_LABEL[curvature]  # the cache's S: drawn targets, as many and seeded alike, or labels
-    assert res["cache_s"] == {"s": curvature, "label": s_label} and f"the cache's {s_label} vs the exact" in one_at_a_time[0]
-    assert cache_args == [("block", 1e-2, curvature, 2, 5)]
+    s_label = prism.CACHE_S_LABEL[s_curv]  # the cache's S: drawn targets, as many and seeded alike, or labels
+    assert res["cache_s"] == {"s": s_curv, "label": s_label} and f"the cache's {s_label} vs the exact" in one_at_a_time[0]
+    assert cache_args == [("block", 1e-2, s_curv, 2, 5)]
     html_text = prism.write_report(tmp_path, cfg, {"attribution": res}, {}).read_text()
-    assert f"(--attr-exact-curvature {curvature})" in html_text and f"(--attr-s {curvature})" in html_text
+    assert f"(--attr-exact-curvature {curvature})" in html_text and f"(--attr-s {s_curv})" in html_text
+    exact_row = res["table"][1]
+    assert exact_row["method"] == "prototype-space exact" and exact_row["memory holds"] == {
+        "empirical": "row-sparse exact gradients + M×M Cholesky factor",
+        "fisher": "row-sparse exact gradients, and sampled-target ones (M·S rows) + their M·S×M·S Cholesky factor "
+                  "+ the M×M·S cross Gram",
+        "ggn": "row-sparse exact gradients + the Gauss–Newton matrix's non-zero d×d blocks"}[curvature]
+    alone, batched = res["summary"].split("; it keeps")[0].split("; against per-query times of one batched pass")
+    assert ("prototype-space exact" in batched) == (curvature == "ggn") != ("prototype-space exact" in alone)
     assert "The same rankings at other dampings" in html_text  # the damping sweep's table, a row per damping
     header = "".join(f"<th>{h}</th>" for h in ["--attr-damping"] + [
         f"{name} {n}" for name in ("cached vs exact", "cache&#x27;s curvature in both", "curvature alone")
@@ -435,7 +536,9 @@ def test_experiment_reports_the_exact_curvature(curvature, tmp_path, monkeypatch
                                               ("cached", "same_curvature", "curvature_only") for n in ("top-10", "top-100")]
         assert "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>" in html_text
     ex = built[0]
-    assert ex.curvature == curvature and len(ex.L) == (24 if curvature == "fisher" else 12)
+    assert ex.curvature == curvature and (ex.L is None if curvature == "ggn" else
+                                          len(ex.L) == (24 if curvature == "fisher" else 12))
+    assert (ex.ggn is not None) == (curvature == "ggn")
     if curvature == "fisher":  # the analysis seed: the draws of a rebuild with --seed 5
         again = build(model, prism.train_windows(StandIn(), 12, 8), 1e-2, "fisher", 2, seed=5)
         assert torch.equal(ex.targets, again.targets)
