@@ -2055,7 +2055,7 @@ ATTR_TOKENS = 16384   # tokens per batched forward pass
 # relative dampings every attribution run also ranks at (damping_sweep): how much of the cached-vs-exact gap is
 # the choice of λ. Cheap: the gradients are reused, only the exact reference's N×N factor is redone per value
 ATTR_DAMPING_SWEEP = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
-GGN_MAX_BYTES = 8 * 2**30  # --attr-exact-curvature ggn refuses to hold more (its blocks and per-pair sums, float64)
+GGN_MAX_BYTES = 8 * 2**30  # --attr-exact-curvature ggn refuses to build past this peak (blocks, per-pair sums; float64)
 
 
 def attr_clock(device) -> float:
@@ -2331,8 +2331,11 @@ class ExactAttr:
                  N λ' I + G̃ G̃ᵀ (N×N) and the cross Gram C = G G̃ᵀ (M×N),
                      G (F + λ'I)⁻¹ g_q = (1/λ') [G g_q − C (N λ' I + G̃ G̃ᵀ)⁻¹ G̃ g_q].
     λ' = attr_damping × |G̃|²_F / N², the mean *non-zero* eigenvalue of F (its rank is at most N, so the
-    mean over all K·d eigenvalues would be ~N/(Kd) smaller and leave the inverse effectively undamped). Each
-    method's λ is relative to the mean eigenvalue of its own curvature, so a rescaled curvature ranks alike."""
+    mean over all K·d eigenvalues would be ~N/(Kd) smaller and leave the inverse effectively undamped).
+      ggn        the Gauss–Newton matrix of the linear-layer view, summed exactly over every training token
+                 (BlockGGN; the gradients stay the exact ones above); no factor: (H + λ'I)⁻¹ g_q by conjugate
+                 gradients, λ' = attr_damping × trace(H) / (live·d), its mean eigenvalue over the live rows.
+    Each method's λ is relative to the mean eigenvalue of its own curvature, so a rescaled curvature ranks alike."""
     index: ProtoIndex
     L: Optional[torch.Tensor]  # [N, N] float64, Cholesky factor of N λ' I + G̃ G̃ᵀ (None for ggn)
     lam: float
@@ -2460,8 +2463,8 @@ class BlockGGN:
     c_ij = (1/N) Σ_t a_{t,i} a_{t,j} p_t and u_t = Wᵀ p_t. Only prototypes that some token uses (live) and pairs
     that some token uses together have blocks: the matrix is block-sparse, stored as its non-zero d×d blocks
     (both (i, j) and (j, i)), and (H + λI)⁻¹ b is solved by conjugate gradients preconditioned with the inverse
-    diagonal blocks (ggn_solve), never as a dense (live·d)² matrix. Its cost is (pairs) × V × d² flops: CPU-preset
-    sizes (87 live prototypes, ~1,100 pairs at K = 512, d = 128), not the paper's."""
+    diagonal blocks (ggn_solve), never as a dense (live·d)² matrix. Its cost is (pairs)·V·d² + N·k²·d² flops:
+    CPU-preset sizes (87 live prototypes, 1,085 pairs at K = 512, d = 128), not the paper's."""
     live: torch.Tensor    # [L] the live prototypes (ascending)
     rows: torch.Tensor    # [nb] block row, as a position in `live`
     cols: torch.Tensor    # [nb] block column
@@ -2493,20 +2496,27 @@ def build_ggn(model: PRISM, windows, chunk: int = 2048) -> BlockGGN:
         z.append(z_)
     idx, a, z = torch.cat(idx), torch.cat(a), torch.cat(z)
     N, k = idx.shape
-    a = a * (a > 0)
     key = (idx[:, :, None] * K + idx[:, None, :]).flatten(1)  # [N, k²] ordered pairs (i, j) of each token
     weight = (a[:, :, None] * a[:, None, :]).flatten(1)
-    upper = ((idx[:, :, None] <= idx[:, None, :]).flatten(1)) & (weight > 0)  # each unordered pair once
+    # each unordered pair once, and only where both activations are non-zero: a top-k member with a = 0 gives
+    # no block (nor, through a, any gradient: it is not live)
+    upper = ((idx[:, :, None] <= idx[:, None, :]).flatten(1)) & (weight > 0)
     pairs, pair_of = torch.unique(key[upper], return_inverse=True)
-    need = len(pairs) * (2 * d * d + W.shape[0]) * 8  # both copies of each block, and c_ij [pairs, V]
+    if not len(pairs):
+        raise RunError("no training token activates a prototype (every a is 0): nothing to attribute")
+    i, j = pairs // K, pairs % K
+    off = (i != j).nonzero().squeeze(1)  # each off-diagonal block also goes in transposed, as block (j, i)
+    V, nb = W.shape[0], len(pairs) + len(off)
+    # the peak: c_ij and Σ a a u uᵀ beside the blocks, and one token chunk's p and u uᵀ
+    need = (len(pairs) * (V + d * d) + nb * d * d + min(chunk, N) * (V + d * d)) * 8
     if need > GGN_MAX_BYTES:
         raise RunError(f"--attr-exact-curvature ggn would hold {need / 2**30:.1f} GiB ({len(pairs):,} pairs of "
-                       f"prototypes used together, d = {d}, V = {W.shape[0]:,}), over its {GGN_MAX_BYTES / 2**30:g} "
-                       "GiB limit: it is meant for CPU-preset sizes; use --attr-exact-curvature empirical or fisher")
+                       f"prototypes used together, d = {d}, V = {V:,}), over its {GGN_MAX_BYTES / 2**30:g} GiB "
+                       "limit: it is meant for CPU-preset sizes; use --attr-exact-curvature empirical or fisher")
     tok = torch.arange(N, device=device)[:, None].expand_as(key)[upper]
     w_ = weight[upper].double() / N
-    c = torch.zeros(len(pairs), W.shape[0], dtype=torch.float64, device=device)  # c_ij [pairs, V]
-    uu = torch.zeros(len(pairs), d * d, dtype=torch.float64, device=device)     # (1/N) Σ a a u uᵀ
+    c = torch.zeros(len(pairs), V, dtype=torch.float64, device=device)      # c_ij [pairs, V]
+    uu = torch.zeros(len(pairs), d * d, dtype=torch.float64, device=device)  # (1/N) Σ a a u uᵀ
     for s in range(0, N, chunk):
         sel = (tok >= s) & (tok < s + chunk)
         p = torch.softmax(z[s:s + chunk] @ W.T, dim=-1).double()
@@ -2515,19 +2525,23 @@ def build_ggn(model: PRISM, windows, chunk: int = 2048) -> BlockGGN:
                                       (len(pairs), len(p)), check_invariants=True).coalesce()
         c += torch.sparse.mm(mix, p)
         uu += torch.sparse.mm(mix, (u[:, :, None] * u[:, None, :]).flatten(1))
+    blocks = torch.empty(nb, d, d, dtype=torch.float64, device=device)  # filled in place: no second copy
+    blocks[:len(pairs)] = -uu.view(-1, d, d)
+    del uu
     Wd = W.double()
-    step = max(1, ATTR_CHUNK // (W.shape[0] * d))
-    blocks = torch.cat([(Wd.T[None] * c[b:b + step, None, :]) @ Wd for b in range(0, len(pairs), step)])
-    blocks -= uu.view(-1, d, d)
-    i, j = pairs // K, pairs % K
+    step = max(1, ATTR_CHUNK // (V * d))
+    for b in range(0, len(pairs), step):
+        e = min(b + step, len(pairs))
+        blocks[b:e] += (Wd.T[None] * c[b:e, None, :]) @ Wd
+    del c
+    for b in range(0, len(off), step):
+        blocks[len(pairs) + b:len(pairs) + b + step] = blocks[off[b:b + step]].transpose(1, 2)
     live = torch.unique(torch.cat([i, j]))
     pos = torch.full((K,), -1, dtype=torch.long, device=device)
     pos[live] = torch.arange(len(live), device=device)
-    off = i != j  # the transposed copy of each off-diagonal block
     rows = torch.cat([pos[i], pos[j][off]])
     cols = torch.cat([pos[j], pos[i][off]])
-    blocks = torch.cat([blocks, blocks[off].transpose(1, 2)])
-    trace = blocks[rows == cols].diagonal(dim1=1, dim2=2).sum().item()
+    trace = blocks[:len(pairs)][i == j].diagonal(dim1=1, dim2=2).sum().item()
     return BlockGGN(live, rows, cols, blocks, trace / (len(live) * d))
 
 
@@ -2574,22 +2588,22 @@ def ggn_solve(ggn: BlockGGN, b, lam: float, rtol: float = 1e-8, maxiter: int = 2
     if (r.flatten(1).norm(dim=1) <= bound).all():
         return x
     raise RunError(f"the ggn reference's conjugate gradients did not reach a relative residual of {rtol:g} in "
-                   f"{maxiter} steps at λ' = {lam:.3g}; raise --attr-damping")
+                   f"{maxiter} steps at λ' = {lam / ggn.mean_eig:g} × its mean eigenvalue; raise --attr-damping")
 
 
 @torch.no_grad()
 def exact_scores(ex: ExactAttr, g_q, curvature: bool = True):
-    """Woodbury scores G (F + λ'I)⁻¹ g_q for one query's exact gradient g_q [K, d] -> [M] (ExactAttr: M (M λ' I +
-    G Gᵀ)⁻¹ G g_q for the empirical curvature, (1/λ') [G g_q − C (N λ' I + G̃ G̃ᵀ)⁻¹ G̃ g_q] for the sampled
-    fisher). G g_q (and G̃ g_q) read only the postings of the rows where g_q is non-zero; the solve then touches
-    every sequence.
+    """The scores G (H + λ'I)⁻¹ g_q for one query's exact gradient g_q [K, d] -> [M]. Woodbury for the Fisher
+    curvatures (ExactAttr: M (M λ' I + G Gᵀ)⁻¹ G g_q for the empirical one, (1/λ') [G g_q − C (N λ' I + G̃ G̃ᵀ)⁻¹
+    G̃ g_q] for the sampled fisher): G g_q (and G̃ g_q) read only the postings of the rows where g_q is non-zero,
+    the solve then touches every sequence. ggn: conjugate gradients (exact_scores_batch).
     curvature=False: G g_q alone, the plain gradient dot products (the diagnostic without curvature)."""
+    if curvature and ex.ggn is not None:
+        return exact_scores_batch(ex, [g_q])[0]
     rows_q = g_q.ne(0).any(-1).nonzero().squeeze(1)
     Gg = score_postings(ex.index, rows_q, g_q[rows_q], ex.M, torch.float64)[0]
     if not curvature:
         return Gg.float()
-    if ex.ggn is not None:
-        return exact_scores_batch(ex, [g_q])[0]
     if ex.fisher is None:
         return (ex.M * torch.cholesky_solve(Gg[:, None], ex.L)[:, 0]).float()
     Fg = score_postings(ex.fisher, rows_q, g_q[rows_q], len(ex.L), torch.float64)[0]  # G̃ g_q
@@ -2627,7 +2641,8 @@ def damping_sweep(cache: AttrCache, ex: ExactAttr, states, query_grads, damping:
     g_q. -> one dict per damping (attr_damping: the relative factor), ascending: the cached method against
     exact, and the two one-at-a-time diagnostics (the cache's curvature in both rankings; the exact gradients
     with the cache's curvature against exact), top-10/top-100 overlaps each. own: the run's figures at `damping`
-    (the same keys), taken as that row instead of recomputing them. At small λ the exact reference's rank-M Fisher is barely damped and
+    (the same keys), taken as that row instead of recomputing them. A λ at which the exact reference fails
+    (RunError) gives a row {attr_damping, skipped: the reason}. At small λ the exact reference's rank-M Fisher is barely damped and
     ranks by its own inverse; as λ grows both sides tend to plain gradient dot products (gradients_only)."""
     out = []
     for rel in sorted(set(grid) | {damping}):
@@ -2635,9 +2650,13 @@ def damping_sweep(cache: AttrCache, ex: ExactAttr, states, query_grads, damping:
             out.append({"attr_damping": rel, **own})
             continue
         c = replace(cache, lam=cache.lam * rel / damping)
-        e = ex if rel == damping else ex.redamped(rel / damping)
+        try:  # a reference that fails at this λ (a factor, or conjugate gradients that do not converge) costs its row
+            e = ex if rel == damping else ex.redamped(rel / damping)
+            exact = exact_scores_batch(e, query_grads)
+        except RunError as err:
+            out.append({"attr_damping": rel, "skipped": str(err)})
+            continue
         cached = torch.stack([cached_scores(c, *state)[0] for state in states])
-        exact = exact_scores_batch(e, query_grads)
         cache_curv = torch.stack([exact_scores_with_cache_curvature(e, c, g_q) for g_q in query_grads])
         out.append({"attr_damping": rel, "cached": overlaps(cached, exact), "same_curvature": overlaps(cached, cache_curv),
                     "curvature_only": overlaps(cache_curv, exact)})
@@ -2935,13 +2954,9 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     gradients_only = overlaps(plain_scores, torch.stack(exact_dots))
     same_curvature = overlaps(ranked[cached_name], torch.stack(exact_cache_curv))
     curvature_only = overlaps(torch.stack(exact_cache_curv), ranked["prototype-space exact"])
-    try:  # a diagnostic: a factor that fails at another λ costs its rows, not the run's figures
-        sweep = damping_sweep(cache, ex, states, query_grads, cfg.attr_damping, own={
-            "cached": overlaps(ranked[cached_name], ranked["prototype-space exact"]),
-            "same_curvature": same_curvature, "curvature_only": curvature_only})
-    except RunError as e:
-        log(f"note: the damping sweep is skipped: {e}")
-        sweep = None
+    sweep = damping_sweep(cache, ex, states, query_grads, cfg.attr_damping, own={
+        "cached": overlaps(ranked[cached_name], ranked["prototype-space exact"]),
+        "same_curvature": same_curvature, "curvature_only": curvature_only})
     # 4. dense gradient similarity (nothing precomputed: its whole cost is per query batch)
     s, seconds, mem = dense_scores(model, windows, xq, yq)
     add_row("dense TracIn (all parameters)", s, 1e3 * seconds["single"], mem["single"], M, 0.0)
@@ -3039,8 +3054,11 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
         log("attribution, against EK-FAC's ranking: top-10/top-100 overlap "
             + ", ".join(f"{name} {overlap_text(o)}" for name, o in vs_ekfac.items())
             + f" (chance {chance[10]:.2f}/{chance[100]:.2f})")
-    for r in sweep or []:  # λ is what the paper leaves open and the exact reference depends on most (README)
+    for r in sweep:  # λ is what the paper leaves open and the exact reference depends on most (README)
         own = " (this run's, the rows above)" if r["attr_damping"] == cfg.attr_damping else ""
+        if "skipped" in r:
+            log(f"attribution, damping sweep, --attr-damping {r['attr_damping']:g}: skipped: {r['skipped']}")
+            continue
         log(f"attribution, damping sweep, --attr-damping {r['attr_damping']:g}{own}: top-10/top-100 overlap cached "
             f"vs exact {overlap_text(r['cached'])}, with the cache's curvature in both "
             f"{overlap_text(r['same_curvature'])}, the curvature alone {overlap_text(r['curvature_only'])}")
@@ -3693,7 +3711,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
             parts.append("<p>Each ranking against EK-FAC's (the paper also reports overlap with EK-FAC):</p>"
                          + table_html(rows, list(rows[0])))
         if a.get("damping_sweep"):
-            rows = [{"--attr-damping": f"{r['attr_damping']:g}", **{f"{name} {n}": f"{r[key][f'{n} overlap']:.2f}"
+            rows = [{"--attr-damping": f"{r['attr_damping']:g}", **{f"{name} {n}": (
+                         f"{r[key][f'{n} overlap']:.2f}" if "skipped" not in r else "skipped")
                      for key, name in (("cached", "cached vs exact"), ("same_curvature", "cache's curvature in both"),
                                        ("curvature_only", "curvature alone")) for n in ("top-10", "top-100")}}
                     for r in a["damping_sweep"]]

@@ -257,20 +257,30 @@ def test_damping_sweep_reranks_both_methods_at_each_damping():
     assert sweep[0] != sweep[-1]  # the damping moves the rankings: a sweep that ignored it would fail here
 
 
-def test_damping_sweep_that_fails_is_a_note_not_the_runs_end(monkeypatch):
-    """A re-factoring that fails at another damping (RunError) skips the sweep with a one-line note; the run's
-    own figures and every other line stand."""
-    def fail(self, ratio):
-        raise prism.RunError(f"the exact baseline's factor at {ratio:g} × its damping failed (stood in)")
-    monkeypatch.setattr(prism.ExactAttr, "redamped", fail)
+def test_damping_sweep_row_that_fails_is_skipped_not_the_runs_end(monkeypatch, tmp_path):
+    """A reference that fails at another damping (RunError: a factor, or conjugate gradients) skips that row
+    with its reason, in the results, the log and the report; the run's own figures and every other line stand."""
+    build = prism.ExactAttr.redamped
+
+    def fail_small(self, ratio):
+        if ratio < 1:
+            raise prism.RunError(f"the exact baseline's factor at {ratio:g} × its damping failed (stood in)")
+        return build(self, ratio)
+    monkeypatch.setattr(prism.ExactAttr, "redamped", fail_small)
     cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
                  attr_seqs=12, attr_queries=2, attr_damping=1e-2)
     lines = []
     res = prism.attribution_experiment(PRISM(cfg, V).eval(), None, StandIn(), cfg, lines.append)
-    assert res["damping_sweep"] is None and len(res["table"]) == 5
-    assert "note: the damping sweep is skipped: the exact baseline's factor at 0.1 × its damping failed (stood in)" \
-        in lines
-    assert not any("damping sweep, --attr-damping" in ln for ln in lines)
+    sweep = res["damping_sweep"]
+    assert len(res["table"]) == 5 and [r["attr_damping"] for r in sweep] == [1e-3, 1e-2, 0.1, 1.0, 10.0]
+    assert sweep[0] == {"attr_damping": 1e-3,
+                        "skipped": "the exact baseline's factor at 0.1 × its damping failed (stood in)"}
+    assert all("skipped" not in r for r in sweep[1:])
+    assert ("attribution, damping sweep, --attr-damping 0.001: skipped: the exact baseline's factor at 0.1 × its "
+            "damping failed (stood in)") in lines
+    assert sum(ln.startswith("attribution, damping sweep, --attr-damping") for ln in lines) == 5
+    html_text = prism.write_report(tmp_path, cfg, {"attribution": res}, {}).read_text()
+    assert "<tr><td>0.001</td>" + "<td>skipped</td>" * 6 + "</tr>" in html_text
 
 
 def dense_ggn(model, w):
@@ -302,7 +312,7 @@ def test_ggn_blocks_are_the_gauss_newton_matrix(topk, seed, assert_close):
     for r, c, blk in zip(ggn.rows, ggn.cols, ggn.blocks):
         i, j = ggn.live[r].item(), ggn.live[c].item()
         got[i * d:(i + 1) * d, j * d:(j + 1) * d] = blk
-    assert_close("GGN", H, got, ratio=1e-9)
+    assert_close("GGN", H, got, ratio=1e-6)  # p_t from a float32 softmax, as the run's
     assert len(set(zip(ggn.rows.tolist(), ggn.cols.tolist()))) == len(ggn.rows)  # each block once
     live_rows = torch.cat([torch.arange(i * d, (i + 1) * d) for i in ggn.live.tolist()])
     assert ggn.mean_eig == pytest.approx(H.diagonal()[live_rows].mean().item(), rel=1e-9)
@@ -324,6 +334,42 @@ def test_ggn_blocks_are_the_gauss_newton_matrix(topk, seed, assert_close):
                  prism.exact_scores_batch(ex.redamped(30.0), grads), ratio=1e-6)
 
 
+def test_ggn_leaves_out_top_k_members_whose_activation_is_zero(assert_close):
+    """A prototype in every token's top-k whose activation is always 0 (ReLU of a negative cosine, forced here)
+    is not live: no block, not in the trace the damping is relative to, and no row of any exact gradient, so
+    leaving it out of the solve is exact (the scores match a dense solve over every row)."""
+    model = tiny(topk=12)  # k = K: every prototype is in every top-k list
+    K, d = model.P.shape
+    prototypes = model.prototypes
+
+    def zero_for_0(z):
+        idx, a = prototypes(z)
+        return idx, torch.where(idx == 0, torch.zeros_like(a), a)
+    model.prototypes = zero_for_0
+    w = windows_of(6, 8, seed=4)
+    H = dense_ggn(model, w)
+    ggn = prism.build_ggn(model, w)
+    assert 0 not in ggn.live.tolist() and len(ggn.live) == K - 1
+    live_rows = torch.cat([torch.arange(i * d, (i + 1) * d) for i in ggn.live.tolist()])
+    assert ggn.mean_eig == pytest.approx(H.diagonal()[live_rows].mean().item(), rel=1e-9)
+    ex = prism.build_exact(model, w, damping=1e-2, curvature="ggn")
+    G = dense_rows(ex.index, 6, K)
+    assert G[:, 0].abs().max() == 0 and G.abs().max() > 0
+    xq = windows_of(2, 8, seed=5)
+    grads = [prism.exact_query_grad(model, xq[q, :-1], xq[q, -1]) for q in range(2)]
+    want = torch.stack([G.reshape(6, -1) @ torch.linalg.solve(H + ex.lam * torch.eye(K * d, dtype=torch.float64),
+                                                             g.double().reshape(-1)) for g in grads])
+    assert_close("ggn scores", want, prism.exact_scores_batch(ex, grads), ratio=1e-6)
+
+
+def test_ggn_with_no_active_prototype_is_a_one_line_error():
+    model = tiny()
+    prototypes = model.prototypes
+    model.prototypes = lambda z: (lambda idx, a: (idx, torch.zeros_like(a)))(*prototypes(z))
+    with pytest.raises(prism.RunError, match="^no training token activates a prototype"):
+        prism.build_exact(model, windows_of(4, 8), curvature="ggn")
+
+
 def test_ggn_too_large_is_a_one_line_error(monkeypatch):
     """Past GGN_MAX_BYTES (its blocks and per-pair sums) the ggn reference refuses, saying how much and why,
     before it allocates them."""
@@ -331,7 +377,7 @@ def test_ggn_too_large_is_a_one_line_error(monkeypatch):
     w = windows_of(6, 8, seed=2)
     full = prism.build_ggn(model, w)
     pairs = (len(full.rows) + (full.rows == full.cols).sum().item()) // 2
-    need = pairs * (2 * 16 * 16 + V) * 8
+    need = (pairs * (V + 16 * 16) + len(full.rows) * 16 * 16 + 48 * (V + 16 * 16)) * 8  # the peak; N = 48 tokens
     monkeypatch.setattr(prism, "GGN_MAX_BYTES", need - 1)
     with pytest.raises(prism.RunError, match=rf"^--attr-exact-curvature ggn would hold 0.0 GiB \({pairs:,} pairs of "
                                              r"prototypes used together, d = 16, V = 30\), over its .* GiB limit: it "
@@ -360,7 +406,8 @@ def test_ggn_solve_is_conjugate_gradients_to_tolerance_or_a_one_line_error(asser
     assert_close("cg", want, x.reshape(3, -1), ratio=1e-7)
     assert x[1].abs().max() == 0
     with pytest.raises(prism.RunError, match=r"^the ggn reference's conjugate gradients did not reach a relative "
-                                             r"residual of 1e-10 in 1 steps at .*; raise --attr-damping$"):
+                                             r"residual of 1e-10 in 1 steps at λ' = 0.01 × its mean eigenvalue; "
+                                             r"raise --attr-damping$"):
         prism.ggn_solve(ggn, b, lam, rtol=1e-10, maxiter=1)
 
 
