@@ -88,10 +88,11 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     draws (--seed + 1; every fisher run logs this re-draw agreement) kept only 0.44/0.62 of its own
     top-10/top-100 at S = 1 and 0.31/0.57 at S = 4 on the CPU preset's checkpoint, no more than the cached
     method shares with it (0.49/0.67, 0.45/0.63; all at --attr-damping 1e-3, the default then; at 0.1 on
-    2026-12-05's checkpoint the re-draw keeps 0.56/0.71 and the cached method 0.50/0.70, still below it). --attr-exact-curvature ggn (2026-12-05) inverts the Gauss–Newton matrix of the
-    linear-layer view, H = (1/N) Σ_t (a_t a_tᵀ) ⊗ Wᵀ(diag p_t − p_t p_tᵀ)W, summed exactly over every training
-    token: the matrix the cache's A_ii·S and K-FAC's A ⊗ S approximate, with no sampling and no rank limit, so
-    the curvature-alone diagnostic then measures those approximations themselves (BlockGGN: block-sparse over
+    2026-12-05's checkpoint the re-draw keeps 0.56/0.71 and the cached method 0.50/0.70, still below it).
+    --attr-exact-curvature ggn (2026-12-05) inverts the Gauss–Newton matrix of the linear-layer view,
+    H = (1/N) Σ_t (a_t a_tᵀ) ⊗ Wᵀ(diag p_t − p_t p_tᵀ)W, summed exactly over every training token: the matrix
+    the cache's A_ii·S and K-FAC's A ⊗ S approximate, with no sampling and no rank limit, so the curvature-alone
+    diagnostic then measures those approximations themselves (BlockGGN: block-sparse over
     the live prototypes, solved for all queries at once by block-Jacobi conjugate gradients; its build costs
     (pairs)·V·d², CPU-preset sizes). On the CPU preset's checkpoint (2026-12-05, λ = 0.1) the block curvature
     alone keeps 0.47 of its top-10 and kfac's co-usage curvature 0.82: the co-usage the blocks drop is most of
@@ -401,9 +402,9 @@ def full_fp32():
     cosines, and the Triton kernel's tl.dot is near-fp32 (3xTF32), so the forms agree only if the torch ones are
     too. (b) The kernel benchmark's torch reference, so that it compares like precision. (c) Attribution: the exact
     baseline's Cholesky of M λ' I + G Gᵀ needs more than TF32 when λ' is 1e-3 of the mean eigenvalue (the damping
-    sweep's smallest), and every method runs in the same precision, so the timings stay comparable. The flags are process-global: the model's
-    callers (nearest_pairs, the torch selection) are @torch.compiler.disable'd, so no compiled graph toggles
-    them."""
+    sweep's smallest), and every method runs in the same precision, so the timings stay comparable. The flags are
+    process-global: the model's callers (nearest_pairs, the torch selection) are @torch.compiler.disable'd, so
+    no compiled graph toggles them."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -2431,12 +2432,9 @@ def build_exact(model: PRISM, windows, damping: float = 0.1, curvature: str = "e
             for b in range(w.shape[0]):
                 keep(sampled, (s + b) * S + j, proto_vjp(model, z[b], delta_j[b]))
     index = ProtoIndex.from_keys(torch.cat(true[0]), torch.cat(true[1]), K)
-    if curvature == "ggn":
+    if curvature == "ggn":  # build_ggn refuses a bank no token activates, so mean_eig > 0
         ggn = build_ggn(model, windows)
-        lam = damping * ggn.mean_eig
-        if not lam > 0:
-            raise RunError("no training token activates a prototype (every a is 0): nothing to attribute")
-        return ExactAttr(index, None, lam, M, curvature, ggn=ggn)
+        return ExactAttr(index, None, damping * ggn.mean_eig, M, curvature, ggn=ggn)
     curv = ProtoIndex.from_keys(torch.cat(sampled[0]), torch.cat(sampled[1]), K) if fisher else index
     N = M * S
     # G̃ᵀG̃/N has rank <= N: its mean *non-zero* eigenvalue is ~|G̃|²/N², the scale λ' is relative to
@@ -2642,15 +2640,16 @@ def damping_sweep(cache: AttrCache, ex: ExactAttr, states, query_grads, damping:
     exact, and the two one-at-a-time diagnostics (the cache's curvature in both rankings; the exact gradients
     with the cache's curvature against exact), top-10/top-100 overlaps each. own: the run's figures at `damping`
     (the same keys), taken as that row instead of recomputing them. A λ at which the exact reference fails
-    (RunError) gives a row {attr_damping, skipped: the reason}. At small λ the exact reference's rank-M Fisher is barely damped and
-    ranks by its own inverse; as λ grows both sides tend to plain gradient dot products (gradients_only)."""
+    (RunError) gives a row {attr_damping, skipped: the reason}. At small λ the empirical reference's rank-M
+    Fisher is barely damped and ranks by its own inverse; as λ grows both sides tend to plain gradient dot
+    products (gradients_only)."""
     out = []
     for rel in sorted(set(grid) | {damping}):
         if rel == damping and own is not None:
             out.append({"attr_damping": rel, **own})
             continue
         c = replace(cache, lam=cache.lam * rel / damping)
-        try:  # a reference that fails at this λ (a factor, or conjugate gradients that do not converge) costs its row
+        try:  # a reference that fails at this λ (a factor, or conjugate gradients short of it) costs its row
             e = ex if rel == damping else ex.redamped(rel / damping)
             exact = exact_scores_batch(e, query_grads)
         except RunError as err:
@@ -2658,8 +2657,8 @@ def damping_sweep(cache: AttrCache, ex: ExactAttr, states, query_grads, damping:
             continue
         cached = torch.stack([cached_scores(c, *state)[0] for state in states])
         cache_curv = torch.stack([exact_scores_with_cache_curvature(e, c, g_q) for g_q in query_grads])
-        out.append({"attr_damping": rel, "cached": overlaps(cached, exact), "same_curvature": overlaps(cached, cache_curv),
-                    "curvature_only": overlaps(cache_curv, exact)})
+        out.append({"attr_damping": rel, "cached": overlaps(cached, exact),
+                    "same_curvature": overlaps(cached, cache_curv), "curvature_only": overlaps(cache_curv, exact)})
     return out
 
 

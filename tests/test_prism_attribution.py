@@ -329,9 +329,9 @@ def test_ggn_blocks_are_the_gauss_newton_matrix(topk, seed, assert_close):
                                                g.double().reshape(-1)) for g in grads])
     assert_close("ggn scores, batch", want, prism.exact_scores_batch(ex, grads), ratio=1e-6)
     assert_close("ggn scores, one", want[1], prism.exact_scores(ex, grads[1]), ratio=1e-6)
-    assert_close("ggn redamped", torch.stack([G @ torch.linalg.solve(H + 30 * ex.lam * torch.eye(K * d, dtype=torch.float64),
-                                                                     g.double().reshape(-1)) for g in grads]),
-                 prism.exact_scores_batch(ex.redamped(30.0), grads), ratio=1e-6)
+    eye = torch.eye(K * d, dtype=torch.float64)
+    want30 = torch.stack([G @ torch.linalg.solve(H + 30 * ex.lam * eye, g.double().reshape(-1)) for g in grads])
+    assert_close("ggn redamped", want30, prism.exact_scores_batch(ex.redamped(30.0), grads), ratio=1e-6)
 
 
 def test_ggn_leaves_out_top_k_members_whose_activation_is_zero(assert_close):
@@ -561,7 +561,8 @@ def test_experiment_reports_the_exact_curvature(curvature, tmp_path, monkeypatch
     one_at_a_time = [ln for ln in lines if ln.startswith("attribution, one approximation at a time")]
     assert f"(curvature: {label})" in res["summary"] and one_at_a_time[0].endswith(f"vs the exact {label})")
     s_label = prism.CACHE_S_LABEL[s_curv]  # the cache's S: drawn targets, as many and seeded alike, or labels
-    assert res["cache_s"] == {"s": s_curv, "label": s_label} and f"the cache's {s_label} vs the exact" in one_at_a_time[0]
+    assert res["cache_s"] == {"s": s_curv, "label": s_label}
+    assert f"the cache's {s_label} vs the exact" in one_at_a_time[0]
     assert cache_args == [("block", 1e-2, s_curv, 2, 5)]
     html_text = prism.write_report(tmp_path, cfg, {"attribution": res}, {}).read_text()
     assert f"(--attr-exact-curvature {curvature})" in html_text and f"(--attr-s {s_curv})" in html_text
@@ -580,7 +581,8 @@ def test_experiment_reports_the_exact_curvature(curvature, tmp_path, monkeypatch
     assert header in html_text
     for r in res["damping_sweep"]:  # every cell, in the header's order
         cells = [f"{r['attr_damping']:g}"] + [f"{r[key][f'{n} overlap']:.2f}" for key in
-                                              ("cached", "same_curvature", "curvature_only") for n in ("top-10", "top-100")]
+                                              ("cached", "same_curvature", "curvature_only")
+                                              for n in ("top-10", "top-100")]
         assert "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>" in html_text
     ex = built[0]
     assert ex.curvature == curvature and (ex.L is None if curvature == "ggn" else
@@ -818,8 +820,8 @@ def test_experiment_table(curvature):
     assert own["same_curvature"] == res["same_curvature"] and own["curvature_only"] == res["curvature_only"]
     for ln, r in zip(lines[8:], sweep):
         own_mark = " (this run's, the rows above)" if r["attr_damping"] == 1e-2 else ""
-        assert ln == (f"attribution, damping sweep, --attr-damping {r['attr_damping']:g}{own_mark}: top-10/top-100 overlap "
-                      f"cached vs exact {pair(r['cached'])}, with the cache's curvature in both "
+        assert ln == (f"attribution, damping sweep, --attr-damping {r['attr_damping']:g}{own_mark}: top-10/top-100 "
+                      f"overlap cached vs exact {pair(r['cached'])}, with the cache's curvature in both "
                       f"{pair(r['same_curvature'])}, the curvature alone {pair(r['curvature_only'])}")
     # the chance level n/M beside every overlap: in the table, the log lines, the summary and results
     assert res["chance"] == {"top-10 overlap": 10 / 30, "top-100 overlap": 1.0}
