@@ -2408,6 +2408,7 @@ def build_exact(model: PRISM, windows, damping: float = 0.1, curvature: str = "e
     S = samples if fisher else 1
     gen = torch.Generator().manual_seed(seed)
     true, sampled = ([], []), ([], [])  # (keys, rows) of G and of G̃
+    states = []  # ggn: the tokens' final states, kept for build_ggn (no second forward pass)
     targets = torch.zeros(M, S, T, dtype=torch.int32) if fisher else None
 
     def keep(out, n, g):
@@ -2418,6 +2419,8 @@ def build_exact(model: PRISM, windows, damping: float = 0.1, curvature: str = "e
     for s in range(0, M, B):
         w = windows[s:s + B].to(device)
         z = model.hidden(w[:, :-1]).float()
+        if curvature == "ggn":
+            states.append(z.flatten(0, 1))
         if fisher:  # ỹ ~ softmax(W z_t) at every position, S times, from the softmax the labels' δ takes
             delta, drawn, y = token_deltas(z.flatten(0, 1), w[:, 1:].flatten(), W,
                                            u=uniforms(gen, S, z.shape[0] * T, device))
@@ -2433,7 +2436,7 @@ def build_exact(model: PRISM, windows, damping: float = 0.1, curvature: str = "e
                 keep(sampled, (s + b) * S + j, proto_vjp(model, z[b], delta_j[b]))
     index = ProtoIndex.from_keys(torch.cat(true[0]), torch.cat(true[1]), K)
     if curvature == "ggn":  # build_ggn refuses a bank no token activates, so mean_eig > 0
-        ggn = build_ggn(model, windows)
+        ggn = build_ggn(model, torch.cat(states))
         return ExactAttr(index, None, damping * ggn.mean_eig, M, curvature, ggn=ggn)
     curv = ProtoIndex.from_keys(torch.cat(sampled[0]), torch.cat(sampled[1]), K) if fisher else index
     N = M * S
@@ -2474,25 +2477,17 @@ class BlockGGN:
 
 
 @torch.no_grad()
-def build_ggn(model: PRISM, windows, chunk: int = 2048) -> BlockGGN:
-    """BlockGGN from one forward pass over the training windows [M, T + 1] (no grad): per token its active
-    prototypes and a, and p_t = softmax(W z_t); the pair sums c_ij and Σ a a u uᵀ as sparse [pairs × tokens]
-    products, then Wᵀ diag(c_ij) W for a few pairs at a time."""
+def build_ggn(model: PRISM, z, chunk: int = 2048) -> BlockGGN:
+    """BlockGGN from the training tokens' final states z [N, d] (build_exact's forward pass, no grad): per token
+    its active prototypes and a, and p_t = softmax(W z_t); the pair sums c_ij and Σ a a u uᵀ as sparse
+    [pairs × tokens] products, then Wᵀ diag(c_ij) W for a few pairs at a time."""
     model.eval()
     K, d = model.P.shape
     device = model.P.device
     W = model.wte.weight.float()
-    T = windows.shape[1] - 1
-    B = max(1, ATTR_TOKENS // T)
-    idx, a, z = [], [], []
-    for s in range(0, windows.shape[0], B):
-        w = windows[s:s + B].to(device)
-        z_ = model.hidden(w[:, :-1]).float().flatten(0, 1)
-        i_, a_ = model.prototypes(z_)
-        idx.append(i_)
-        a.append(a_.float())
-        z.append(z_)
-    idx, a, z = torch.cat(idx), torch.cat(a), torch.cat(z)
+    z = z.float()
+    idx, a = model.prototypes(z)
+    a = a.float()
     N, k = idx.shape
     key = (idx[:, :, None] * K + idx[:, None, :]).flatten(1)  # [N, k²] ordered pairs (i, j) of each token
     weight = (a[:, :, None] * a[:, None, :]).flatten(1)

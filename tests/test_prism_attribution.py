@@ -283,13 +283,19 @@ def test_damping_sweep_row_that_fails_is_skipped_not_the_runs_end(monkeypatch, t
     assert "<tr><td>0.001</td>" + "<td>skipped</td>" * 6 + "</tr>" in html_text
 
 
+def final_states(model, w):
+    """The training tokens' final states z [N, d] of windows w [M, T + 1], as build_exact hands them to build_ggn."""
+    with torch.no_grad():
+        return model.hidden(w[:, :-1]).float().flatten(0, 1)
+
+
 def dense_ggn(model, w):
     """The linear-view Gauss–Newton matrix by brute force, [K·d, K·d] float64: (1/N) Σ_t (a_t a_tᵀ) ⊗ B_t with
     B_t = Wᵀ(diag p_t − p_t p_tᵀ)W built per token."""
     K, d = model.P.shape
     W = model.wte.weight.double()
+    z = final_states(model, w)
     with torch.no_grad():
-        z = model.hidden(w[:, :-1]).float().flatten(0, 1)
         idx, a = model.prototypes(z)
     H = torch.zeros(K * d, K * d, dtype=torch.float64)
     for t in range(len(z)):
@@ -297,6 +303,12 @@ def dense_ggn(model, w):
         a_t = torch.zeros(K, dtype=torch.float64).index_put_((idx[t],), a[t].double().clamp_min(0))
         H += torch.kron(torch.outer(a_t, a_t), W.T @ (torch.diag(p) - torch.outer(p, p)) @ W)
     return H / len(z)
+
+
+def dense_solve_scores(G, H, lam, grads):
+    """G (H + λI)⁻¹ g_q by a dense solve for each query gradient [K, d] -> [Q, M] float64 (G [M, K·d])."""
+    eye = torch.eye(len(H), dtype=torch.float64)
+    return torch.stack([G @ torch.linalg.solve(H + lam * eye, g.double().reshape(-1)) for g in grads])
 
 
 @pytest.mark.parametrize("topk,seed", [(3, 3), (12, 5)])
@@ -307,7 +319,7 @@ def test_ggn_blocks_are_the_gauss_newton_matrix(topk, seed, assert_close):
     K, d = model.P.shape
     w = windows_of(6, 8, seed=seed)
     H = dense_ggn(model, w)
-    ggn = prism.build_ggn(model, w, chunk=7)  # token chunks that do not divide N = 48
+    ggn = prism.build_ggn(model, final_states(model, w), chunk=7)  # token chunks that do not divide N = 48
     got = torch.zeros_like(H)
     for r, c, blk in zip(ggn.rows, ggn.cols, ggn.blocks):
         i, j = ggn.live[r].item(), ggn.live[c].item()
@@ -325,12 +337,10 @@ def test_ggn_blocks_are_the_gauss_newton_matrix(topk, seed, assert_close):
     G = dense_rows(ex.index, 6, K).reshape(6, -1)
     xq = windows_of(3, 8, seed=seed + 1)
     grads = [prism.exact_query_grad(model, xq[q, :-1], xq[q, -1]) for q in range(3)]
-    want = torch.stack([G @ torch.linalg.solve(H + ex.lam * torch.eye(K * d, dtype=torch.float64),
-                                               g.double().reshape(-1)) for g in grads])
+    want = dense_solve_scores(G, H, ex.lam, grads)
     assert_close("ggn scores, batch", want, prism.exact_scores_batch(ex, grads), ratio=1e-6)
     assert_close("ggn scores, one", want[1], prism.exact_scores(ex, grads[1]), ratio=1e-6)
-    eye = torch.eye(K * d, dtype=torch.float64)
-    want30 = torch.stack([G @ torch.linalg.solve(H + 30 * ex.lam * eye, g.double().reshape(-1)) for g in grads])
+    want30 = dense_solve_scores(G, H, 30 * ex.lam, grads)
     assert_close("ggn redamped", want30, prism.exact_scores_batch(ex.redamped(30.0), grads), ratio=1e-6)
 
 
@@ -348,7 +358,7 @@ def test_ggn_leaves_out_top_k_members_whose_activation_is_zero(assert_close):
     model.prototypes = zero_for_0
     w = windows_of(6, 8, seed=4)
     H = dense_ggn(model, w)
-    ggn = prism.build_ggn(model, w)
+    ggn = prism.build_ggn(model, final_states(model, w))
     assert 0 not in ggn.live.tolist() and len(ggn.live) == K - 1
     live_rows = torch.cat([torch.arange(i * d, (i + 1) * d) for i in ggn.live.tolist()])
     assert ggn.mean_eig == pytest.approx(H.diagonal()[live_rows].mean().item(), rel=1e-9)
@@ -357,8 +367,7 @@ def test_ggn_leaves_out_top_k_members_whose_activation_is_zero(assert_close):
     assert G[:, 0].abs().max() == 0 and G.abs().max() > 0
     xq = windows_of(2, 8, seed=5)
     grads = [prism.exact_query_grad(model, xq[q, :-1], xq[q, -1]) for q in range(2)]
-    want = torch.stack([G.reshape(6, -1) @ torch.linalg.solve(H + ex.lam * torch.eye(K * d, dtype=torch.float64),
-                                                             g.double().reshape(-1)) for g in grads])
+    want = dense_solve_scores(G.reshape(6, -1), H, ex.lam, grads)
     assert_close("ggn scores", want, prism.exact_scores_batch(ex, grads), ratio=1e-6)
 
 
@@ -374,8 +383,8 @@ def test_ggn_too_large_is_a_one_line_error(monkeypatch):
     """Past GGN_MAX_BYTES (its blocks and per-pair sums) the ggn reference refuses, saying how much and why,
     before it allocates them."""
     model = tiny()
-    w = windows_of(6, 8, seed=2)
-    full = prism.build_ggn(model, w)
+    z = final_states(model, windows_of(6, 8, seed=2))
+    full = prism.build_ggn(model, z)
     pairs = (len(full.rows) + (full.rows == full.cols).sum().item()) // 2
     need = (pairs * (V + 16 * 16) + len(full.rows) * 16 * 16 + 48 * (V + 16 * 16)) * 8  # the peak; N = 48 tokens
     monkeypatch.setattr(prism, "GGN_MAX_BYTES", need - 1)
@@ -383,17 +392,16 @@ def test_ggn_too_large_is_a_one_line_error(monkeypatch):
                                              r"prototypes used together, d = 16, V = 30\), over its .* GiB limit: it "
                                              r"is meant for CPU-preset sizes; use --attr-exact-curvature empirical or "
                                              r"fisher$"):
-        prism.build_ggn(model, w)
+        prism.build_ggn(model, z)
     monkeypatch.setattr(prism, "GGN_MAX_BYTES", need)
-    prism.build_ggn(model, w)
+    prism.build_ggn(model, z)
 
 
 def test_ggn_solve_is_conjugate_gradients_to_tolerance_or_a_one_line_error(assert_close):
     """ggn_solve matches a dense solve for several sides at once, stops early on a side already solved (b = 0),
     and a solve that cannot reach the tolerance is a RunError that says what to change."""
     model = tiny()
-    w = windows_of(6, 8, seed=2)
-    ggn = prism.build_ggn(model, w)
+    ggn = prism.build_ggn(model, final_states(model, windows_of(6, 8, seed=2)))
     L, d = len(ggn.live), model.P.shape[1]
     Hl = torch.zeros(L * d, L * d, dtype=torch.float64)
     for r, c, blk in zip(ggn.rows, ggn.cols, ggn.blocks):
