@@ -2465,7 +2465,7 @@ class BlockGGN:
     that some token uses together have blocks: the matrix is block-sparse, stored as its non-zero d×d blocks
     (both (i, j) and (j, i)), and (H + λI)⁻¹ b is solved by conjugate gradients preconditioned with the inverse
     diagonal blocks (ggn_solve), never as a dense (live·d)² matrix. Its cost is (pairs)·V·d² + N·k²·d² flops:
-    CPU-preset sizes (87 live prototypes, 1,085 pairs at K = 512, d = 128), not the paper's."""
+    CPU-preset sizes (the run logs its live prototypes and blocks), not the paper's."""
     live: torch.Tensor    # [L] the live prototypes (ascending)
     rows: torch.Tensor    # [nb] block row, as a position in `live`
     cols: torch.Tensor    # [nb] block column
@@ -2910,6 +2910,9 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     t0 = attr_clock(device)
     ex = build_exact(model, windows, cfg.attr_damping, cfg.attr_exact_curvature, cfg.attr_fisher_samples, cfg.seed)
     setup = attr_clock(device) - t0
+    if ex.ggn is not None:  # its size, which decides where it can run
+        log(f"attribution, the Gauss–Newton reference: {len(ex.ggn.live)} live prototypes, {len(ex.ggn.rows):,} "
+            f"non-zero {model.P.shape[1]}×{model.P.shape[1]} blocks, {ex.ggn.nbytes() / 2**20:.0f} MB")
     exact_query_grad(model, xq[0], yq[0])
     if ex.ggn is None:  # one query at a time, as the cached method
         scores, times, query_grads = [], [], []

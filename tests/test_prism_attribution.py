@@ -596,6 +596,10 @@ def test_experiment_reports_the_exact_curvature(curvature, tmp_path, monkeypatch
     assert ex.curvature == curvature and (ex.L is None if curvature == "ggn" else
                                           len(ex.L) == (24 if curvature == "fisher" else 12))
     assert (ex.ggn is not None) == (curvature == "ggn")
+    size = [ln for ln in lines if ln.startswith("attribution, the Gauss–Newton reference")]
+    assert size == ([] if ex.ggn is None else [
+        f"attribution, the Gauss–Newton reference: {len(ex.ggn.live)} live prototypes, {len(ex.ggn.rows):,} non-zero "
+        f"16×16 blocks, {ex.ggn.nbytes() / 2**20:.0f} MB"])
     if curvature == "fisher":  # the analysis seed: the draws of a rebuild with --seed 5
         again = build(model, prism.train_windows(StandIn(), 12, 8), 1e-2, "fisher", 2, seed=5)
         assert torch.equal(ex.targets, again.targets)
