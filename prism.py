@@ -130,6 +130,24 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     or M·S for fisher). On the CPU preset's
     checkpoint (2026-12-05) the cached method keeps 0.41, 0.44, 0.54, 0.55, 0.59 of the exact top-10 at those
     dampings; with the cache's curvature in both rankings the gradients keep 0.79-0.82 at every one.
+  * The retraining check (--attr-retrain N, off by default: it trains once per query and method). Spec §5.1
+    names "retraining-based validation of the attribution claims" as the paper's open limitation; the overlaps
+    above only compare estimators with each other. For N of the queries, each method's top --attr-retrain-k
+    (10) windows are left out of a continued training from the trained weights on the M attribution windows
+    (--attr-retrain-epochs 1 of plain SGD at --attr-retrain-lr 0.1, batches of --batch-size, all parameters,
+    CE, fp32, the same batches in every run, a window left out losing only its own gradient), and so are 10
+    random windows; Δ is the query's loss minus that after the same training with nothing left out. Windows
+    that really helped the query give Δ > 0, above the random ones'. Plain SGD, not AdamW: the scores describe
+    gradient steps, and Adam's per-parameter normalisation makes the response to a changed batch far from
+    linear. Retraining from scratch per query and method is out of a CPU's reach, and its run-to-run noise
+    would swamp 10 windows of 256.
+    The dense methods (TracIn, its sketch, EK-FAC's measurement) take the query's gradient of W z, the loss's
+    value (query_ce): the head's logits equal W z under every routing, but under detach-zhat and detach-r
+    autograd through the head adds ẑ's routed share, a surrogate that trains P and that a training step does not
+    change the query's loss by. With the loss's gradient, leaving windows out of one small SGD step moves the
+    query's loss by lr/(M·T) times their TracIn scores (a test); until 2026-12-05 the dense methods used the
+    head's gradient, which the check's test showed off by about 2× on a tiny model. The prototype-space methods
+    keep the head's gradient by design: the loss's own gradient in P is zero (§2.3).
   * Suppression keywords default to `auto`: of the words (4+ letters) that live cards are about, the one the
     model generates most, so that the default run suppresses prototypes that fire, measured on a word whose
     rate can move (a fixed word such as "lord" matched only a dead card of the CPU preset: a no-op). The word is
@@ -149,6 +167,7 @@ Commands
                                            # push those prototypes away
     python prism.py --no-train --attr-curvature kfac --ekfac        # attribution with co-usage, EK-FAC
     python prism.py --no-train --attr-exact-curvature ggn           # against the exact Gauss–Newton matrix
+    python prism.py --no-train --attr-retrain 16                    # the retraining check over 16 queries
     python prism.py --bench                # training tok/s PRISM / dense (fp32 and bf16 dots), each head alone,
                                            # R1/R2's pairs from the selection vs a separate search, top-k kernel
                                            # vs torch at K = 4k..16k (fp32 scores: kernel 3xTF32, torch IEEE;
@@ -295,6 +314,10 @@ class Config:
     attr_fisher_samples: int = field(default=1, metadata={"help": "targets drawn per training window for --attr-exact-curvature fisher (S: the curvature's rank is M·S), and per token for --attr-s fisher"})
     attr_s: Literal["empirical", "fisher"] = field(default="empirical", metadata={"help": "the cache's S = E[δδᵀ]: empirical, δ of the true labels (spec §5.3's formula), or fisher, δ of targets drawn from the model's softmax (K-FAC's true-Fisher factor; the exact fisher reference's draws)"})
     ekfac: bool = field(default=False, metadata={"help": "also rank with EK-FAC through kronfluence (if installed)"})
+    attr_retrain: int = field(default=0, metadata={"help": "queries to check by retraining (0: off): each method's top --attr-retrain-k windows for the query left out of a continued training on the attribution set, against as many random windows (the paper's open limitation)"})
+    attr_retrain_k: int = field(default=10, metadata={"help": "windows each method leaves out per query in the retraining check"})
+    attr_retrain_epochs: int = field(default=1, metadata={"help": "epochs over the attribution set in each continued training of the retraining check"})
+    attr_retrain_lr: float = field(default=0.1, metadata={"help": "the retraining check's plain-SGD learning rate (batches of --batch-size windows)"})
     suppress_keywords: str = field(default="auto", metadata={"help": "WORD[,WORD..]: suppress prototypes whose live cards match; auto: of the words live cards are about, the one generated most (not when --suppress is typed alone); '' off"})
     suppress: str = field(default="", metadata={"help": "ID[,ID..]: suppress these prototypes"})
     suppress_factor: float = field(default=0.0, metadata={"help": "kept fraction of suppressed terms (0 drops, <0 pushes away)"})
@@ -319,9 +342,9 @@ CPU_PRESET = dict(layers=4, d_model=128, heads=4, n_protos=512, topk=8, ctx=128,
 ARCH_KEYS = ("head", "layers", "d_model", "heads", "n_protos", "topk", "act", "resid_grad", "ctx", "dataset",
              "tokenizer", "compact", "max_tokens")
 ANALYSIS_KEYS = ("cards", "card_windows", "attribution", "attr_seqs", "attr_queries", "attr_ctx", "attr_damping",
-                 "attr_curvature", "attr_exact_curvature", "attr_s", "attr_fisher_samples", "ekfac",
-                 "suppress_keywords", "suppress", "suppress_factor", "controller", "controller_l1", "sample",
-                 "sample_tokens", "temperature")
+                 "attr_curvature", "attr_exact_curvature", "attr_s", "attr_fisher_samples", "ekfac", "attr_retrain",
+                 "attr_retrain_k", "attr_retrain_epochs", "attr_retrain_lr", "suppress_keywords", "suppress",
+                 "suppress_factor", "controller", "controller_l1", "sample", "sample_tokens", "temperature")
 RUNTIME_KEYS = ("head", "preset", "device", "dtype", "compile", "kernels", "out_dir", "cache_dir", "resume", "train",
                 "twin", "bench", "report") + ANALYSIS_KEYS
 MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS)
@@ -2705,11 +2728,15 @@ def flat_param_grad(loss, params) -> torch.Tensor:
 
 
 def query_ce(model: PRISM, x, y):
-    """The query's loss: CE of the last position's prediction (x [1, T], target y), through the head on that
-    position alone (the other positions' logits would cost time and change nothing)."""
+    """The query's loss: CE of the last position's prediction (x [1, T], target y), as the plain W z of that
+    position alone (the other positions' logits would cost time and change nothing). The prototype head's logits
+    have this value under every --resid-grad, but not its gradient: under detach-zhat and detach-r autograd through
+    the head adds ẑ's routed share, a surrogate that trains P. The dense methods ask how a training step changes
+    the query's loss, and to first order that is the step dotted with the gradient of the loss's value (TracIn's
+    identity; tests/test_prism_attribution.py checks it against continued training): W z's gradient. The
+    training side keeps the head's gradient, the step the model really takes."""
     z = model.hidden(x)[:, -1:]
-    logits = model.head(z)["logits"] if model.ready else F.linear(z, model.wte.weight)
-    return F.cross_entropy(logits[0, -1:].float(), y.reshape(1))
+    return F.cross_entropy(F.linear(z, model.wte.weight)[0, -1:].float(), y.reshape(1))
 
 
 def sketched_dense_scores(model: PRISM, windows, xq, yq, nbytes: int, seed: int = 0) -> dict:
@@ -2758,7 +2785,7 @@ def ekfac_scores(model: PRISM, windows, xq, yq, log, damping: Optional[float] = 
     """Step 5 (optional): EK-FAC influence (Grosse et al. 2023) through kronfluence, over the backbone's Linear
     modules (kronfluence tracks nn.Linear/Conv2d: the tied embedding/head and P are outside its view; the MLP
     and attention projections are the usual EK-FAC set). Factors are fitted on the M training windows (true
-    Fisher: targets sampled from the model), train loss = summed CE, measurement = the query's CE; damping
+    Fisher: targets sampled from the model), train loss = summed CE, measurement = the query's CE (query_ce's W z); damping
     None is kronfluence's heuristic, 0.1 × the mean eigenvalue per module. A deep copy is prepared
     (kronfluence wraps modules in place); the global RNG is restored afterwards. -> None if not installed."""
     try:
@@ -2788,9 +2815,9 @@ def ekfac_scores(model: PRISM, windows, xq, yq, log, damping: Optional[float] = 
                     y = torch.multinomial(torch.softmax(logits.detach(), -1), 1).squeeze(1)
             return F.cross_entropy(logits, y.reshape(-1), reduction="sum")
 
-        def compute_measurement(self, batch, model):
+        def compute_measurement(self, batch, model):  # the loss's own gradient, as query_ce's
             x, y = batch
-            return F.cross_entropy(model(x)[:, -1].float(), y, reduction="sum")
+            return F.cross_entropy(F.linear(model.hidden(x)[:, -1], model.wte.weight).float(), y, reduction="sum")
 
     device = model.P.device
     task = LanguageModelTask()
@@ -2853,6 +2880,103 @@ def chance_overlap(n: int, M: int) -> float:
     top n with probability n/M, so the expected overlap is n/M (n capped at M, as there). The level an overlap
     has to beat to say anything."""
     return min(n, M) / M
+
+
+# The retraining check (spec §5.1: "retraining-based validation of the attribution claims is still needed", the
+# paper's own limitation). A high I(m, q) claims that window m helped prediction q, so training without m should
+# leave q's loss higher. Retraining from scratch per query and method is out of reach, and its run-to-run noise
+# would swamp k windows; the check continues training the trained model on the M attribution windows instead,
+# all parameters, plain SGD, fp32, no dropout, the same batches in every run: once with nothing left out, once with
+# each method's top k for q left out, once with k random windows left out. A window left out is dropped from its
+# batch while the batch's CE sum is still divided by its full size, so exactly that window's gradient is removed.
+# Δ = L_q(left out) − L_q(nothing left out): top-k windows that really were q's proponents give Δ > 0, above the
+# random windows'. Plain SGD, not the AdamW that trained: the scores are first- and second-order statements about
+# gradient steps, and Adam's per-parameter normalisation makes the response to a changed batch far from linear (in
+# a probe with the checkpoint's moments, random windows moved q as much as any method's). CE only: the auxiliary
+# losses are batch-level (R1's nearest token to each prototype), so no single window can be left out of them.
+
+def retrain_query_losses(work: PRISM, start: dict, windows, left_out, xq, yq, order, lr: float,
+                         batch: int) -> torch.Tensor:
+    """Continue training `work` from the state dict `start` on windows [M, T+1] without the rows `left_out`, in the
+    fixed batch order `order` [epochs, M], by plain SGD at lr; -> the queries' losses CE(yq | xq) [Q] after."""
+    work.load_state_dict(start)
+    work.eval()  # no dropout: every run sees the same function
+    keep = torch.ones(len(windows), dtype=torch.bool, device=windows.device)
+    keep[torch.as_tensor(list(left_out), dtype=torch.long, device=windows.device)] = False
+    params = [p for p in work.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=lr)
+    with torch.enable_grad():
+        for epoch in order:
+            for b in epoch.to(windows.device).split(batch):
+                kept = b[keep[b]]
+                if len(kept) == 0:  # a batch of left-out windows only: a zero gradient, no step
+                    continue
+                w = windows[kept]
+                logits = work(w[:, :-1]).float()
+                loss = F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten()) * len(kept) / len(b)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+    with torch.no_grad():
+        return torch.stack([query_ce(work, xq[j:j + 1], yq[j]) for j in range(len(xq))])
+
+
+def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, log) -> dict:
+    """The retraining check over --attr-retrain queries (evenly spread over the Q), each ranking in `rankings`
+    ({name: scores [Q, M]}) and k random windows per query: Δ per query, its mean and standard error over the
+    queries, and in how many queries a method's Δ is above the random windows'. The model is left as it was."""
+    import copy
+
+    M, k, n = len(windows), cfg.attr_retrain_k, min(cfg.attr_retrain, len(xq))
+    if k >= M:
+        raise RunError(f"--attr-retrain-k {k} leaves no window of the attribution set's {M} to train on; "
+                       f"use at most {M - 1}")
+    picked = torch.linspace(0, len(xq) - 1, n).round().long().unique().tolist()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    order = torch.stack([torch.randperm(M, generator=gen) for _ in range(cfg.attr_retrain_epochs)])
+    work = copy.deepcopy(model)  # the runs train a copy: the analyses after this one see the trained model
+    start = {key: v.clone() for key, v in model.state_dict().items()}
+    done = {}  # left-out set -> the picked queries' losses (two methods' equal top-k train once)
+    t0 = time.time()
+
+    def losses(left_out):
+        key = frozenset(int(m) for m in left_out)
+        if key not in done:
+            done[key] = retrain_query_losses(work, start, windows, key, xq[picked], yq[picked], order,
+                                             cfg.attr_retrain_lr, cfg.batch_size)
+        return done[key]
+    base = losses(())
+    with torch.no_grad():
+        before = torch.stack([query_ce(model, xq[j:j + 1], yq[j]) for j in picked])
+    deltas = {name: [] for name in rankings}
+    deltas["random windows"] = []
+    for i, j in enumerate(picked):
+        for name, scores in rankings.items():
+            deltas[name].append(float(losses(scores[j].topk(k).indices)[i] - base[i]))
+        deltas["random windows"].append(float(losses(torch.randperm(M, generator=gen)[:k])[i] - base[i]))
+    rand = deltas["random windows"]
+
+    def row(name, d):
+        mean = sum(d) / len(d)
+        se = (sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5 if len(d) > 1 else None
+        return {"method": name, "delta": mean, "se": se, "per_query": d,
+                "above random": None if name == "random windows" else sum(x > r for x, r in zip(d, rand))}
+    rows = [row(name, d) for name, d in deltas.items()]
+    out = {"queries": picked, "k": k, "seqs": M, "epochs": cfg.attr_retrain_epochs, "lr": cfg.attr_retrain_lr,
+           "batch": cfg.batch_size, "shift": float((base - before).mean()), "runs": len(done),
+           "seconds": time.time() - t0, "rows": rows}
+    log(f"attribution, retraining check: {len(picked)} queries; for each, a method's top {k} of the {M} windows left "
+        f"out of {cfg.attr_retrain_epochs} epoch{'s' * (cfg.attr_retrain_epochs > 1)} of plain SGD (lr "
+        f"{cfg.attr_retrain_lr:g}, batches of {cfg.batch_size}, all parameters, CE) continued from the trained "
+        f"weights; Δ = the query's loss minus that after the same training with nothing left out (which moved the "
+        f"queries' loss by {out['shift']:+.4f} nats on average); {len(done)} runs, {out['seconds']:.0f}s")
+    for r in rows:
+        se = f" ± {r['se']:.4f}" if r["se"] is not None else ""
+        above = "" if r["above random"] is None else \
+            f", above the random windows' in {r['above random']}/{len(picked)} queries"
+        log(f"attribution, retraining check, {r['method']}: Δ {r['delta']:+.4f}{se} nats (mean ± standard error "
+            f"over the queries){above}")
+    return out
 
 
 def attribution_experiment(model: PRISM, dense, data, cfg: Config, log) -> dict:
@@ -3059,6 +3183,12 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
         log(f"attribution, damping sweep, --attr-damping {r['attr_damping']:g}{own}: top-10/top-100 overlap cached "
             f"vs exact {overlap_text(r['cached'])}, with the cache's curvature in both "
             f"{overlap_text(r['same_curvature'])}, the curvature alone {overlap_text(r['curvature_only'])}")
+    # 6. the retraining check (off by default: a continued training per query and method)
+    retrain = None
+    if cfg.attr_retrain:
+        names = [cached_name, "prototype-space exact", "dense TracIn (all parameters)", sketch_name] + [
+            r["method"] for r in rows if r["method"].startswith("EK-FAC")]
+        retrain = retrain_check(model, windows, xq, yq, {name: ranked[name] for name in names}, cfg, log)
     # the first query's most influential training windows, decoded (for the report)
     tok = data.tokenizer
     first = ranked[cached_name][0]
@@ -3077,6 +3207,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
             "reference_redraw": redraw,
             "vs_ekfac": vs_ekfac,
             "damping_sweep": sweep,
+            "retrain": retrain,
             "speedup": speed, "cache": {"postings": len(cache.index.seq), "bytes": cache.nbytes(),
                                         "prototypes per sequence": len(cache.index.seq) / M},
             "memory_notes": memory_notes,
@@ -3715,6 +3846,17 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                     for r in a["damping_sweep"]]
             parts.append("<p>The same rankings at other dampings (each method's λ relative to its own curvature's mean "
                          "non-zero eigenvalue; the gradients reused):</p>" + table_html(rows, list(rows[0])))
+        if a.get("retrain"):
+            rt = a["retrain"]
+            rows = [{"left out": r["method"], "Δ query loss (nats)": f"{r['delta']:+.4f}",
+                     "± standard error": "" if r["se"] is None else f"{r['se']:.4f}",
+                     "queries above random": "" if r["above random"] is None else
+                     f"{r['above random']}/{len(rt['queries'])}"} for r in rt["rows"]]
+            parts.append(f"<p>Retraining check ({len(rt['queries'])} queries): each method's top {rt['k']} of the "
+                         f"{rt['seqs']} windows left out of {rt['epochs']} epoch(s) of plain SGD (lr {rt['lr']:g}, "
+                         f"batches of {rt['batch']}) continued from the trained weights; Δ is the query's loss minus "
+                         "that after the same training with nothing left out (proponents left out: Δ &gt; 0, above "
+                         "the random windows').</p>" + table_html(rows, list(rows[0])))
         if a.get("cache_s"):
             parts.append(f"<p>The cache's S = E[δδᵀ]: {html.escape(a['cache_s']['label'])} "
                          f"(--attr-s {html.escape(a['cache_s']['s'])}).</p>")
@@ -3826,6 +3968,10 @@ def validate(cfg: Config) -> None:
               (cfg.card_windows >= 1 and cfg.attr_seqs >= 2 and cfg.attr_queries >= 1 and cfg.attr_ctx >= 1,
                "--card-windows, --attr-queries, --attr-ctx must be >= 1 and --attr-seqs >= 2"),
               (cfg.attr_fisher_samples >= 1, "--attr-fisher-samples must be >= 1"),
+              (cfg.attr_retrain >= 0, "--attr-retrain must be >= 0 (0: off)"),
+              (cfg.attr_retrain_k >= 1, "--attr-retrain-k must be >= 1"),
+              (1 <= cfg.attr_retrain_epochs <= 1000, "--attr-retrain-epochs must be in [1, 1000]"),
+              (0 < cfg.attr_retrain_lr <= 1e3, "--attr-retrain-lr must be in (0, 1e3]"),
               (abs(cfg.suppress_factor) <= 100, "--suppress-factor must be in [-100, 100] (1 keeps the terms, 0 drops "
                                                 "them, -1 pushes away)"),
               (0 < cfg.attr_damping <= 1e6, "--attr-damping must be in (0, 1e6]"), (cfg.controller_l1 >= 0, "--controller-l1 must be >= 0"),
@@ -3874,7 +4020,10 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
     why = {"suppress_factor": (suppression, "no suppression runs: "
                                "--suppress and --suppress-keywords are empty, or --head dense"),
            **{k: attribution for k in ("attr_seqs", "attr_queries", "attr_ctx", "attr_damping", "attr_curvature",
-                                         "attr_exact_curvature", "attr_s", "ekfac")},
+                                         "attr_exact_curvature", "attr_s", "ekfac", "attr_retrain")},
+           **{k: (attribution_runs(cfg) and cfg.attr_retrain > 0, "no retraining check: --attr-retrain 0, "
+                  "--no-attribution or --head dense") for k in ("attr_retrain_k", "attr_retrain_epochs",
+                                                                 "attr_retrain_lr")},
            "attr_fisher_samples": (attribution_runs(cfg) and "fisher" in (cfg.attr_exact_curvature, cfg.attr_s),
                                    "no sampled curvature: --attr-exact-curvature and --attr-s empirical, "
                                    "--no-attribution or --head dense"),

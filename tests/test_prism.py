@@ -888,6 +888,10 @@ def test_resume_checks_the_seeding_of_a_prism_that_starts_from_step_0(tmp_path, 
     (["--kernels", "triton"], 1, "--kernels triton needs a CUDA device"),
     (["--attr-damping", "0"], 1, "--attr-damping must be in (0, 1e6]"),
     (["--attr-damping", "1e308"], 1, "--attr-damping must be in (0, 1e6]"),
+    (["--attr-retrain", "-1"], 1, "--attr-retrain must be >= 0 (0: off)"),
+    (["--attr-retrain-k", "0"], 1, "--attr-retrain-k must be >= 1"),
+    (["--attr-retrain-epochs", "1001"], 1, "--attr-retrain-epochs must be in [1, 1000]"),
+    (["--attr-retrain-lr", "0"], 1, "--attr-retrain-lr must be in (0, 1e3]"),
     (["--suppress-factor", "nan"], 1, "--suppress-factor must be in [-100, 100]"),
     (["--suppress-factor", "1e30"], 1, "--suppress-factor must be in [-100, 100]"),
     (["--heads", "0"], 1, "error: --heads must be >= 1"),
@@ -1019,6 +1023,12 @@ def test_unused_flags_are_noted():
     assert notes({"attr_seqs", "attr_curvature", "ekfac"}, attribution=False, ekfac=True) == \
         ["note: --attr-seqs", "note: --attr-curvature", "note: --ekfac"]
     assert notes({"ekfac"}, attribution=False, ekfac=False) == []
+    # the retraining check's settings need the check: --attr-retrain 0 (its default) leaves them idle
+    assert notes({"attr_retrain_k", "attr_retrain_epochs", "attr_retrain_lr"}) == \
+        ["note: --attr-retrain-k", "note: --attr-retrain-epochs", "note: --attr-retrain-lr"]
+    assert notes({"attr_retrain_k", "attr_retrain_lr"}, attr_retrain=4) == []
+    assert notes({"attr_retrain", "attr_retrain_k"}, attribution=False, attr_retrain=4) == \
+        ["note: --attr-retrain", "note: --attr-retrain-k"]
     assert notes({"suppress_factor"}, suppress_keywords="") == ["note: --suppress-factor"]
     assert notes({"suppress_factor"}, suppress_keywords="", suppress="3") == []
     assert notes({"suppress_factor"}) == []  # the default auto keyword suppresses

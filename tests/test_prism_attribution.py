@@ -1,6 +1,7 @@
 """prism.py's training-data attribution (spec §5.3): the cache, its block and Kronecker-factored scores, the exact
 prototype-space baseline (Woodbury, with the empirical or the sampled true Fisher), the dense TracIn baseline and
 the experiment, each against a brute-force reference on a tiny model."""
+import dataclasses
 import sys
 
 import numpy as np
@@ -667,8 +668,15 @@ def test_score_postings_by_chunks_and_over_the_whole_bank(assert_close):
             assert torch.equal(scored, (used if i is None else used[:, i]).any(-1))
 
 
-def test_dense_baseline_is_the_dot_product_of_flattened_gradients(assert_close):
-    model = tiny()
+@pytest.mark.parametrize("resid_grad", ["detach-zhat", "detach-r", "full"])
+def test_dense_baseline_is_the_dot_product_of_flattened_gradients(resid_grad, assert_close):
+    """Dense TracIn: each training window's gradient as the model trains (the head's routing) dotted with the
+    query's loss gradient, the gradient of its value: the same model routed "full" (logits W z in value and
+    gradient), which under the other routings differs from autograd through the head."""
+    import copy
+    model = tiny(resid_grad)
+    plain = copy.deepcopy(model)
+    plain.cfg = dataclasses.replace(model.cfg, resid_grad="full")
     w = windows_of(5, 8, seed=9)
     xq = windows_of(3, 8, seed=10)
     calls, hidden = [], model.hidden
@@ -682,12 +690,22 @@ def test_dense_baseline_is_the_dot_product_of_flattened_gradients(assert_close):
     def grad_of(loss):
         model.zero_grad(set_to_none=False)
         loss.backward()
-        return torch.cat([p.grad.reshape(-1).clone() for p in params]).double()
-    gq = [grad_of(F.cross_entropy(model(xq[j:j + 1, :-1])[0, -1], xq[j, -1])) for j in range(3)]
+        return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1).clone()
+                          for p in params]).double()  # under full, CE gives P no gradient
     gm = [grad_of(F.cross_entropy(model(w[m:m + 1, :-1])[0], w[m, 1:], reduction="sum")) for m in range(5)]
-    ref = torch.stack([torch.stack([q @ m for m in gm]) for q in gq])
     model.zero_grad(set_to_none=True)
+    gq, through_head = [], []
+    for j in range(3):
+        loss = F.cross_entropy(plain(xq[j:j + 1, :-1])[0, -1], xq[j, -1])
+        grads = torch.autograd.grad(loss, list(plain.parameters()), allow_unused=True)  # P: none, as in W z
+        gq.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
+                             for g, p in zip(grads, plain.parameters())]).double())
+        through_head.append(grad_of(F.cross_entropy(model(xq[j:j + 1, :-1])[0, -1], xq[j, -1])))
+    model.zero_grad(set_to_none=True)
+    ref = torch.stack([torch.stack([q @ m for m in gm]) for q in gq])
     assert_close("TracIn", ref, scores, ratio=1e-4)
+    routed = torch.stack([torch.stack([q @ m for m in gm]) for q in through_head])
+    assert (resid_grad == "full") == bool(((routed - ref).abs() < 1e-6 * ref.abs().max()).all())
     n = sum(p.numel() for p in params)  # held: one query alone its gradient and one training gradient; a batch
     assert seconds["single"] > seconds["batch"] > 0 and held == {"single": 2 * n * 4, "batch": (3 + 1) * n * 4}
 
@@ -960,8 +978,127 @@ def test_ekfac_with_huge_damping_is_gradient_similarity(assert_close):
 
     def grad_of(loss):
         return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, linears)]).double()
-    gq = [grad_of(F.cross_entropy(model(xq[j:j + 1, :-1])[0, -1], xq[j, -1])) for j in range(2)]
+    # the query's loss gradient through W z (query_ce), the training windows' as the model trains (the head)
+    gq = [grad_of(F.cross_entropy(F.linear(model.hidden(xq[j:j + 1, :-1])[0, -1], model.wte.weight), xq[j, -1]))
+          for j in range(2)]
     gm = [grad_of(F.cross_entropy(model(w[m:m + 1, :-1])[0], w[m, 1:], reduction="sum")) for m in range(6)]
     ref = torch.stack([torch.stack([q @ m for m in gm]) for q in gq])
     assert_close("EK-FAC at huge damping", ref, res["scores"] * lam, ratio=1e-3)
     assert res["bytes"] > 0 and res["seconds"] > 0
+
+
+def manual_sgd(model, windows, left_out, order, lr, batch):
+    """The retraining check's continued training written apart from it: per-window gradients of each window's mean
+    CE by autograd, summed over the windows a batch keeps and divided by the batch's full size, one SGD step per
+    batch. -> the trained copy."""
+    import copy
+    m = copy.deepcopy(model).eval()
+    params = [p for p in m.parameters() if p.requires_grad]
+    for epoch in order:
+        for b in epoch.split(batch):
+            step = [torch.zeros_like(p) for p in params]
+            kept = [int(i) for i in b if int(i) not in left_out]
+            for i in kept:
+                w = windows[i]
+                loss = F.cross_entropy(m(w[None, :-1])[0].float(), w[1:])
+                for s, g in zip(step, torch.autograd.grad(loss, params, allow_unused=True)):
+                    if g is not None:
+                        s += g
+            with torch.no_grad():
+                for p, s in zip(params, step):
+                    p -= lr * s / len(b)
+    return m
+
+
+@pytest.mark.parametrize("resid_grad", ["detach-zhat", "full"])
+def test_retraining_leaves_out_exactly_those_windows(resid_grad, assert_close):
+    """retrain_query_losses against per-window SGD written out: two epochs in two shuffled orders, batches of 4
+    over 10 windows (a short last batch), three windows left out, one of them alone in a batch... the query losses
+    after agree, and `work` starts again from `start` on every call."""
+    import copy
+    model = tiny(resid_grad)
+    w = windows_of(10, 8, seed=21)
+    xq = windows_of(3, 8, seed=22)
+    order = torch.stack([torch.randperm(10, generator=torch.Generator().manual_seed(s)) for s in (1, 2)])
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    work = copy.deepcopy(model)
+    for left_out in ({3, 7, int(order[0, 8])}, set()):
+        got = prism.retrain_query_losses(work, start, w, left_out, xq[:, :-1], xq[:, -1], order, 0.5, 4)
+        ref = manual_sgd(model, w, left_out, order, 0.5, 4)
+        with torch.no_grad():
+            want = torch.stack([prism.query_ce(ref, xq[j:j + 1, :-1], xq[j, -1]) for j in range(3)])
+        assert_close(f"query losses, {sorted(left_out)} left out", want, got, ratio=1e-5)
+        before = torch.stack([prism.query_ce(model, xq[j:j + 1, :-1], xq[j, -1]) for j in range(3)]).detach()
+        assert (got - before).abs().max() > 1e-3  # the training moved the queries
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in start.items())  # the model itself is untouched
+
+
+@pytest.mark.parametrize("resid_grad", ["detach-zhat", "full"])
+def test_retraining_effect_is_tracin_to_first_order(resid_grad, assert_close):
+    """One small SGD step over the whole set: leaving out R changes the query's loss by (lr/M)·Σ_{m∈R} ∇L_q·∇CE̅_m
+    to first order, i.e. lr/(M·T) times the dense TracIn scores (∇ of the summed CE) of the windows left out: the
+    check measures what the scores claim, in their units. Under detach-zhat only with the query's loss gradient
+    of W z (query_ce); autograd through the routed head gives another gradient (the dense baseline's test)."""
+    import copy
+    model = tiny(resid_grad)
+    M, T = 12, 8
+    w = windows_of(M, T, seed=31)
+    xq = windows_of(2, T, seed=32)
+    scores = prism.dense_scores(model, w, xq[:, :-1], xq[:, -1])[0].double()
+    order = torch.arange(M)[None]
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    work = copy.deepcopy(model)
+    lr = 1e-2
+    base = prism.retrain_query_losses(work, start, w, (), xq[:, :-1], xq[:, -1], order, lr, M).double()
+    for left_out in ([0, 5], [2, 3, 11]):
+        got = prism.retrain_query_losses(work, start, w, left_out, xq[:, :-1], xq[:, -1], order, lr, M).double()
+        assert_close(f"Δ with {left_out} left out", lr / (M * T) * scores[:, left_out].sum(1), got - base, ratio=2e-2)
+
+
+def test_retraining_check_rows(monkeypatch):
+    """The check over the experiment's rankings: the picked queries, one row per ranking and the random windows, Δ
+    and its standard error from the per-query values, the above-random counts, equal left-out sets trained once,
+    the same figures on a second call, the model left as it was, and the log lines."""
+    cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
+                 attr_seqs=20, attr_queries=5, attr_retrain=3, attr_retrain_k=4, batch_size=6, attr_retrain_epochs=2)
+    model = PRISM(cfg, V).eval()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+    real = prism.retrain_query_losses
+    monkeypatch.setattr(prism, "retrain_query_losses", lambda *a: calls.append(a[3]) or real(*a))
+    lines = []
+    res = prism.attribution_experiment(model, None, StandIn(), cfg, lines.append)
+    rt = res["retrain"]
+    assert rt["queries"] == [0, 2, 4] and rt["k"] == 4 and rt["seqs"] == 20 and rt["epochs"] == 2
+    names = ["PRISM cached (block)", "prototype-space exact", "dense TracIn (all parameters)",
+             "dense TracIn, CountSketch cache at matched memory", "random windows"]
+    assert [r["method"] for r in rt["rows"]] == names
+    rand = rt["rows"][-1]["per_query"]
+    for r in rt["rows"]:
+        d = torch.tensor(r["per_query"], dtype=torch.float64)
+        assert len(d) == 3 and r["delta"] == pytest.approx(d.mean().item())
+        assert r["se"] == pytest.approx((d.std() / 3 ** 0.5).item())
+        if r["method"] != "random windows":
+            assert r["above random"] == sum(x > y for x, y in zip(r["per_query"], rand))
+    assert rt["rows"][-1]["above random"] is None
+    assert len(calls) == len(set(calls)) == rt["runs"] and frozenset() in calls  # each left-out set trained once
+    assert all(len(c) == 4 for c in calls if c)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in start.items())
+    again = prism.retrain_check(model, prism.train_windows(StandIn(), 20, 8), *prism.val_queries(StandIn(), 5, 8, "cpu"),
+                                {}, cfg, lambda s: None)
+    assert again["rows"][-1]["per_query"] == rand  # the random windows and the batches: the same draws
+    head = [ln for ln in lines if ln.startswith("attribution, retraining check")]
+    assert len(head) == 6 and head[0].startswith("attribution, retraining check: 3 queries; for each, a method's top 4 "
+                                                 "of the 20 windows left out of 2 epochs of plain SGD (lr 0.1")
+    for ln, r in zip(head[1:], rt["rows"]):
+        assert ln.startswith(f"attribution, retraining check, {r['method']}: Δ {r['delta']:+.4f} ± {r['se']:.4f} nats")
+
+
+def test_retraining_check_needs_a_window_to_train_on():
+    cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
+                 attr_retrain=2, attr_retrain_k=6)
+    model = PRISM(cfg, V).eval()
+    xq = windows_of(2, 8, seed=41)
+    with pytest.raises(prism.RunError, match=r"^--attr-retrain-k 6 leaves no window of the attribution set's 6 to "
+                                             r"train on; use at most 5$"):
+        prism.retrain_check(model, windows_of(6, 8), xq[:, :-1], xq[:, -1], {}, cfg, print)
