@@ -134,20 +134,24 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     names "retraining-based validation of the attribution claims" as the paper's open limitation; the overlaps
     above only compare estimators with each other. For N of the queries, each method's top --attr-retrain-k
     (10) windows are left out of a continued training from the trained weights on the M attribution windows
-    (--attr-retrain-epochs 1 of plain SGD at --attr-retrain-lr 0.1, batches of --batch-size, all parameters,
-    CE, fp32, the same batches in every run, a window left out losing only its own gradient), and so are 10
-    random windows; Δ is the query's loss minus that after the same training with nothing left out. Windows
-    that really helped the query give Δ > 0, above the random ones'. Plain SGD, not AdamW: the scores describe
-    gradient steps, and Adam's per-parameter normalisation makes the response to a changed batch far from
-    linear. Retraining from scratch per query and method is out of a CPU's reach, and its run-to-run noise
-    would swamp 10 windows of 256.
+    (--attr-retrain-epochs 1 of plain SGD at --attr-retrain-lr 0.1, --attr-retrain-batch windows a step, by
+    default the model's training batch; all parameters, CE, fp32, the same batches in every run, a window left
+    out losing only its own gradient), and so are 10 random windows; Δ is the query's loss minus that after the
+    same training with nothing left out. Windows that really helped the query give Δ > 0, above the random
+    ones'. Each method is also compared with the cached one query by query (a paired difference: the queries'
+    own spread cancels). Plain SGD, not AdamW: with SGD a left-out window removes its own gradient and nothing
+    else, while Adam divides every step by a running gradient scale that the left-out window is part of.
+    Retraining from scratch per query and method is out of a CPU's reach, and its run-to-run noise would swamp
+    10 windows of 256. At one epoch the check is close to first order, where TracIn's score is its own linear
+    prediction (below); curvature-based scores (exact, EK-FAC) describe the response at convergence, which
+    --attr-retrain-epochs approaches.
     The dense methods (TracIn, its sketch, EK-FAC's measurement) take the query's gradient of W z, the loss's
     value (query_ce): the head's logits equal W z under every routing, but under detach-zhat and detach-r
     autograd through the head adds ẑ's routed share, a surrogate that trains P and that a training step does not
     change the query's loss by. With the loss's gradient, leaving windows out of one small SGD step moves the
-    query's loss by lr/(M·T) times their TracIn scores (a test); until 2026-12-05 the dense methods used the
-    head's gradient, which the check's test showed off by about 2× on a tiny model. The prototype-space methods
-    keep the head's gradient by design: the loss's own gradient in P is zero (§2.3).
+    query's loss by lr/(B·T) times their TracIn scores (a test, which also shows the head's gradient off under
+    both routings); until 2026-12-05 the dense methods used the head's gradient. The prototype-space methods keep
+    the head's gradient by design: the loss's own gradient in P is zero (§2.3).
   * Suppression keywords default to `auto`: of the words (4+ letters) that live cards are about, the one the
     model generates most, so that the default run suppresses prototypes that fire, measured on a word whose
     rate can move (a fixed word such as "lord" matched only a dead card of the CPU preset: a no-op). The word is
@@ -317,7 +321,8 @@ class Config:
     attr_retrain: int = field(default=0, metadata={"help": "queries to check by retraining (0: off): each method's top --attr-retrain-k windows for the query left out of a continued training on the attribution set, against as many random windows (the paper's open limitation)"})
     attr_retrain_k: int = field(default=10, metadata={"help": "windows each method leaves out per query in the retraining check"})
     attr_retrain_epochs: int = field(default=1, metadata={"help": "epochs over the attribution set in each continued training of the retraining check"})
-    attr_retrain_lr: float = field(default=0.1, metadata={"help": "the retraining check's plain-SGD learning rate (batches of --batch-size windows)"})
+    attr_retrain_lr: float = field(default=0.1, metadata={"help": "the retraining check's plain-SGD learning rate"})
+    attr_retrain_batch: int = field(default=0, metadata={"help": "windows per step in the retraining check (0: the model's training --batch-size, the checkpoint's under --no-train)"})
     suppress_keywords: str = field(default="auto", metadata={"help": "WORD[,WORD..]: suppress prototypes whose live cards match; auto: of the words live cards are about, the one generated most (not when --suppress is typed alone); '' off"})
     suppress: str = field(default="", metadata={"help": "ID[,ID..]: suppress these prototypes"})
     suppress_factor: float = field(default=0.0, metadata={"help": "kept fraction of suppressed terms (0 drops, <0 pushes away)"})
@@ -343,7 +348,8 @@ ARCH_KEYS = ("head", "layers", "d_model", "heads", "n_protos", "topk", "act", "r
              "tokenizer", "compact", "max_tokens")
 ANALYSIS_KEYS = ("cards", "card_windows", "attribution", "attr_seqs", "attr_queries", "attr_ctx", "attr_damping",
                  "attr_curvature", "attr_exact_curvature", "attr_s", "attr_fisher_samples", "ekfac", "attr_retrain",
-                 "attr_retrain_k", "attr_retrain_epochs", "attr_retrain_lr", "suppress_keywords", "suppress",
+                 "attr_retrain_k", "attr_retrain_epochs", "attr_retrain_lr", "attr_retrain_batch", "suppress_keywords",
+                 "suppress",
                  "suppress_factor", "controller", "controller_l1", "sample", "sample_tokens", "temperature")
 RUNTIME_KEYS = ("head", "preset", "device", "dtype", "compile", "kernels", "out_dir", "cache_dir", "resume", "train",
                 "twin", "bench", "report") + ANALYSIS_KEYS
@@ -2727,16 +2733,13 @@ def flat_param_grad(loss, params) -> torch.Tensor:
     return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float() for g, p in zip(grads, params)])
 
 
-def query_ce(model: PRISM, x, y):
-    """The query's loss: CE of the last position's prediction (x [1, T], target y), as the plain W z of that
-    position alone (the other positions' logits would cost time and change nothing). The prototype head's logits
-    have this value under every --resid-grad, but not its gradient: under detach-zhat and detach-r autograd through
-    the head adds ẑ's routed share, a surrogate that trains P. The dense methods ask how a training step changes
-    the query's loss, and to first order that is the step dotted with the gradient of the loss's value (TracIn's
-    identity; tests/test_prism_attribution.py checks it against continued training): W z's gradient. The
-    training side keeps the head's gradient, the step the model really takes."""
-    z = model.hidden(x)[:, -1:]
-    return F.cross_entropy(F.linear(z, model.wte.weight)[0, -1:].float(), y.reshape(1))
+def query_ce(model: PRISM, x, y, reduction: str = "mean"):
+    """The queries' loss: CE of each row's last-position prediction (x [B, T], targets y [B]) as the plain W z of
+    that position alone (the other positions' logits would cost time and change nothing). The head's logits have
+    this value, but under detach-zhat and detach-r not this gradient, which is the one a training step changes the
+    loss by (module docstring, the retraining check)."""
+    z = model.hidden(x)[:, -1]
+    return F.cross_entropy(F.linear(z, model.wte.weight).float(), y.reshape(-1), reduction=reduction)
 
 
 def sketched_dense_scores(model: PRISM, windows, xq, yq, nbytes: int, seed: int = 0) -> dict:
@@ -2815,9 +2818,9 @@ def ekfac_scores(model: PRISM, windows, xq, yq, log, damping: Optional[float] = 
                     y = torch.multinomial(torch.softmax(logits.detach(), -1), 1).squeeze(1)
             return F.cross_entropy(logits, y.reshape(-1), reduction="sum")
 
-        def compute_measurement(self, batch, model):  # the loss's own gradient, as query_ce's
+        def compute_measurement(self, batch, model):  # the loss's own gradient, as for the other dense methods
             x, y = batch
-            return F.cross_entropy(F.linear(model.hidden(x)[:, -1], model.wte.weight).float(), y, reduction="sum")
+            return query_ce(model, x, y, reduction="sum")
 
     device = model.P.device
     task = LanguageModelTask()
@@ -2884,21 +2887,21 @@ def chance_overlap(n: int, M: int) -> float:
 
 # The retraining check (spec §5.1: "retraining-based validation of the attribution claims is still needed", the
 # paper's own limitation). A high I(m, q) claims that window m helped prediction q, so training without m should
-# leave q's loss higher. Retraining from scratch per query and method is out of reach, and its run-to-run noise
-# would swamp k windows; the check continues training the trained model on the M attribution windows instead,
-# all parameters, plain SGD, fp32, no dropout, the same batches in every run: once with nothing left out, once with
-# each method's top k for q left out, once with k random windows left out. A window left out is dropped from its
-# batch while the batch's CE sum is still divided by its full size, so exactly that window's gradient is removed.
+# leave q's loss higher. The check continues training the trained model on the M attribution windows (why not
+# from scratch, why plain SGD: the module docstring), all parameters, fp32, no dropout, the same batches in every
+# run: once with nothing left out, once with each method's top k for q left out, once with k random windows left
+# out. A window left out is dropped from its batch while the batch's CE sum is still divided by the batch size
+# (the short last batch's too), so exactly that window's gradient is removed and every window weighs the same.
 # Δ = L_q(left out) − L_q(nothing left out): top-k windows that really were q's proponents give Δ > 0, above the
-# random windows'. Plain SGD, not the AdamW that trained: the scores are first- and second-order statements about
-# gradient steps, and Adam's per-parameter normalisation makes the response to a changed batch far from linear (in
-# a probe with the checkpoint's moments, random windows moved q as much as any method's). CE only: the auxiliary
-# losses are batch-level (R1's nearest token to each prototype), so no single window can be left out of them.
+# random windows'. CE only: the auxiliary losses are batch-level (R1's nearest token to each prototype), so no
+# single window can be left out of them. On CUDA the scatters' atomics make two runs differ in the last bits:
+# the nothing-left-out run is repeated, and the gap between the two is logged as Δ's noise floor.
 
 def retrain_query_losses(work: PRISM, start: dict, windows, left_out, xq, yq, order, lr: float,
                          batch: int) -> torch.Tensor:
     """Continue training `work` from the state dict `start` on windows [M, T+1] without the rows `left_out`, in the
-    fixed batch order `order` [epochs, M], by plain SGD at lr; -> the queries' losses CE(yq | xq) [Q] after."""
+    fixed batch order `order` [epochs, M], by plain SGD at lr on the mean CE per window over `batch` windows;
+    -> the queries' losses CE(yq | xq) [Q] after."""
     work.load_state_dict(start)
     work.eval()  # no dropout: every run sees the same function
     keep = torch.ones(len(windows), dtype=torch.bool, device=windows.device)
@@ -2913,12 +2916,12 @@ def retrain_query_losses(work: PRISM, start: dict, windows, left_out, xq, yq, or
                     continue
                 w = windows[kept]
                 logits = work(w[:, :-1]).float()
-                loss = F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten()) * len(kept) / len(b)
+                loss = F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten()) * len(kept) / batch
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
     with torch.no_grad():
-        return torch.stack([query_ce(work, xq[j:j + 1], yq[j]) for j in range(len(xq))])
+        return query_ce(work, xq, yq, reduction="none")
 
 
 def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, log) -> dict:
@@ -2936,18 +2939,23 @@ def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, lo
     order = torch.stack([torch.randperm(M, generator=gen) for _ in range(cfg.attr_retrain_epochs)])
     work = copy.deepcopy(model)  # the runs train a copy: the analyses after this one see the trained model
     start = {key: v.clone() for key, v in model.state_dict().items()}
+    batch = cfg.attr_retrain_batch or cfg.batch_size
     done = {}  # left-out set -> the picked queries' losses (two methods' equal top-k train once)
     t0 = time.time()
+
+    def train_without(left_out):
+        return retrain_query_losses(work, start, windows, left_out, xq[picked], yq[picked], order,
+                                    cfg.attr_retrain_lr, batch)
 
     def losses(left_out):
         key = frozenset(int(m) for m in left_out)
         if key not in done:
-            done[key] = retrain_query_losses(work, start, windows, key, xq[picked], yq[picked], order,
-                                             cfg.attr_retrain_lr, cfg.batch_size)
+            done[key] = train_without(key)
         return done[key]
     base = losses(())
+    noise = float((train_without(()) - base).abs().max())  # a repeat: the arithmetic's own run-to-run gap
     with torch.no_grad():
-        before = torch.stack([query_ce(model, xq[j:j + 1], yq[j]) for j in picked])
+        before = query_ce(model, xq[picked], yq[picked], reduction="none")
     deltas = {name: [] for name in rankings}
     deltas["random windows"] = []
     for i, j in enumerate(picked):
@@ -2955,26 +2963,42 @@ def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, lo
             deltas[name].append(float(losses(scores[j].topk(k).indices)[i] - base[i]))
         deltas["random windows"].append(float(losses(torch.randperm(M, generator=gen)[:k])[i] - base[i]))
     rand = deltas["random windows"]
+    first = next(iter(rankings), None)  # the cached method: every other one is also compared with it, query by query
+
+    def mean_se(d):
+        mean = sum(d) / len(d)
+        return mean, (sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5 if len(d) > 1 else None
 
     def row(name, d):
-        mean = sum(d) / len(d)
-        se = (sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5 if len(d) > 1 else None
-        return {"method": name, "delta": mean, "se": se, "per_query": d,
-                "above random": None if name == "random windows" else sum(x > r for x, r in zip(d, rand))}
+        mean, se = mean_se(d)
+        out = {"method": name, "delta": mean, "se": se, "per_query": d,
+               "above random": None if name == "random windows" else sum(x > r for x, r in zip(d, rand))}
+        if name not in (first, "random windows"):  # paired: the queries' own spread cancels, unlike two SEs
+            diff = [x - c for x, c in zip(d, deltas[first])]
+            out["vs first"] = dict(zip(("delta", "se"), mean_se(diff)), above=sum(x > 0 for x in diff))
+        return out
     rows = [row(name, d) for name, d in deltas.items()]
     out = {"queries": picked, "k": k, "seqs": M, "epochs": cfg.attr_retrain_epochs, "lr": cfg.attr_retrain_lr,
-           "batch": cfg.batch_size, "shift": float((base - before).mean()), "runs": len(done),
+           "batch": batch, "first": first, "shift": float((base - before).mean()), "noise": noise,
+           "runs": len(done) + 1,
            "seconds": time.time() - t0, "rows": rows}
-    log(f"attribution, retraining check: {len(picked)} queries; for each, a method's top {k} of the {M} windows left "
+    queries = f"{len(picked)} quer{'ies' if len(picked) > 1 else 'y'}"
+    log(f"attribution, retraining check: {queries}; for each, a method's top {k} of the {M} windows left "
         f"out of {cfg.attr_retrain_epochs} epoch{'s' * (cfg.attr_retrain_epochs > 1)} of plain SGD (lr "
-        f"{cfg.attr_retrain_lr:g}, batches of {cfg.batch_size}, all parameters, CE) continued from the trained "
+        f"{cfg.attr_retrain_lr:g}, batches of {batch}, all parameters, CE) continued from the trained "
         f"weights; Δ = the query's loss minus that after the same training with nothing left out (which moved the "
-        f"queries' loss by {out['shift']:+.4f} nats on average); {len(done)} runs, {out['seconds']:.0f}s")
+        f"queries' loss by {out['shift']:+.4f} nats on average; repeated, it gave the same losses to "
+        f"{noise:.1e} nats, Δ's noise floor); {out['runs']} runs, {out['seconds']:.0f}s")
+
+    def pm(mean, se):
+        return f"{mean:+.4f}" + (f" ± {se:.4f}" if se is not None else "")
     for r in rows:
-        se = f" ± {r['se']:.4f}" if r["se"] is not None else ""
         above = "" if r["above random"] is None else \
             f", above the random windows' in {r['above random']}/{len(picked)} queries"
-        log(f"attribution, retraining check, {r['method']}: Δ {r['delta']:+.4f}{se} nats (mean ± standard error "
+        if "vs first" in r:
+            v = r["vs first"]
+            above += f"; minus {first}'s, query by query: {pm(v['delta'], v['se'])}, above it in {v['above']}/{len(picked)}"
+        log(f"attribution, retraining check, {r['method']}: Δ {pm(r['delta'], r['se'])} nats (mean ± standard error "
             f"over the queries){above}")
     return out
 
@@ -3848,15 +3872,21 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                          "non-zero eigenvalue; the gradients reused):</p>" + table_html(rows, list(rows[0])))
         if a.get("retrain"):
             rt = a["retrain"]
-            rows = [{"left out": r["method"], "Δ query loss (nats)": f"{r['delta']:+.4f}",
-                     "± standard error": "" if r["se"] is None else f"{r['se']:.4f}",
-                     "queries above random": "" if r["above random"] is None else
-                     f"{r['above random']}/{len(rt['queries'])}"} for r in rt["rows"]]
-            parts.append(f"<p>Retraining check ({len(rt['queries'])} queries): each method's top {rt['k']} of the "
-                         f"{rt['seqs']} windows left out of {rt['epochs']} epoch(s) of plain SGD (lr {rt['lr']:g}, "
-                         f"batches of {rt['batch']}) continued from the trained weights; Δ is the query's loss minus "
-                         "that after the same training with nothing left out (proponents left out: Δ &gt; 0, above "
-                         "the random windows').</p>" + table_html(rows, list(rows[0])))
+            n = len(rt["queries"])
+
+            def pm(v):
+                return "" if v is None else f"{v['delta']:+.4f}" + ("" if v["se"] is None else f" ± {v['se']:.4f}")
+            rows = [{"left out": r["method"], "Δ query loss (nats)": pm(r),
+                     "queries above random": "" if r["above random"] is None else f"{r['above random']}/{n}",
+                     f"Δ minus {rt['first']}'s, paired": pm(r.get("vs first")),
+                     "queries above it": f"{r['vs first']['above']}/{n}" if "vs first" in r else ""}
+                    for r in rt["rows"]]
+            parts.append(f"<p>Retraining check ({n} quer{'ies' if n > 1 else 'y'}): each method's top {rt['k']} "
+                         f"of the {rt['seqs']} windows left out of {rt['epochs']} epoch(s) of plain SGD (lr "
+                         f"{rt['lr']:g}, batches of {rt['batch']}) continued from the trained weights; Δ is the "
+                         "query's loss minus that after the same training with nothing left out (proponents left "
+                         f"out: Δ &gt; 0, above the random windows'; noise floor {rt['noise']:.1e} nats).</p>"
+                         + table_html(rows, list(rows[0])))
         if a.get("cache_s"):
             parts.append(f"<p>The cache's S = E[δδᵀ]: {html.escape(a['cache_s']['label'])} "
                          f"(--attr-s {html.escape(a['cache_s']['s'])}).</p>")
@@ -3972,6 +4002,9 @@ def validate(cfg: Config) -> None:
               (cfg.attr_retrain_k >= 1, "--attr-retrain-k must be >= 1"),
               (1 <= cfg.attr_retrain_epochs <= 1000, "--attr-retrain-epochs must be in [1, 1000]"),
               (0 < cfg.attr_retrain_lr <= 1e3, "--attr-retrain-lr must be in (0, 1e3]"),
+              (cfg.attr_retrain_batch >= 0, "--attr-retrain-batch must be >= 0 (0: the training --batch-size)"),
+              (cfg.attr_retrain == 0 or cfg.attr_retrain_k < cfg.attr_seqs,
+               "--attr-retrain-k must be below --attr-seqs (the check trains on the windows not left out)"),
               (abs(cfg.suppress_factor) <= 100, "--suppress-factor must be in [-100, 100] (1 keeps the terms, 0 drops "
                                                 "them, -1 pushes away)"),
               (0 < cfg.attr_damping <= 1e6, "--attr-damping must be in (0, 1e6]"), (cfg.controller_l1 >= 0, "--controller-l1 must be >= 0"),
@@ -4023,7 +4056,7 @@ def unused_flags(cfg: Config, explicit) -> list[str]:
                                          "attr_exact_curvature", "attr_s", "ekfac", "attr_retrain")},
            **{k: (attribution_runs(cfg) and cfg.attr_retrain > 0, "no retraining check: --attr-retrain 0, "
                   "--no-attribution or --head dense") for k in ("attr_retrain_k", "attr_retrain_epochs",
-                                                                 "attr_retrain_lr")},
+                                                                 "attr_retrain_lr", "attr_retrain_batch")},
            "attr_fisher_samples": (attribution_runs(cfg) and "fisher" in (cfg.attr_exact_curvature, cfg.attr_s),
                                    "no sampled curvature: --attr-exact-curvature and --attr-s empirical, "
                                    "--no-attribution or --head dense"),

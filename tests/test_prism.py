@@ -892,6 +892,9 @@ def test_resume_checks_the_seeding_of_a_prism_that_starts_from_step_0(tmp_path, 
     (["--attr-retrain-k", "0"], 1, "--attr-retrain-k must be >= 1"),
     (["--attr-retrain-epochs", "1001"], 1, "--attr-retrain-epochs must be in [1, 1000]"),
     (["--attr-retrain-lr", "0"], 1, "--attr-retrain-lr must be in (0, 1e3]"),
+    (["--attr-retrain-batch", "-1"], 1, "--attr-retrain-batch must be >= 0 (0: the training --batch-size)"),
+    (["--attr-retrain", "2", "--attr-seqs", "10", "--attr-retrain-k", "10"], 1,
+     "--attr-retrain-k must be below --attr-seqs (the check trains on the windows not left out)"),
     (["--suppress-factor", "nan"], 1, "--suppress-factor must be in [-100, 100]"),
     (["--suppress-factor", "1e30"], 1, "--suppress-factor must be in [-100, 100]"),
     (["--heads", "0"], 1, "error: --heads must be >= 1"),
@@ -1026,7 +1029,8 @@ def test_unused_flags_are_noted():
     # the retraining check's settings need the check: --attr-retrain 0 (its default) leaves them idle
     assert notes({"attr_retrain_k", "attr_retrain_epochs", "attr_retrain_lr"}) == \
         ["note: --attr-retrain-k", "note: --attr-retrain-epochs", "note: --attr-retrain-lr"]
-    assert notes({"attr_retrain_k", "attr_retrain_lr"}, attr_retrain=4) == []
+    assert notes({"attr_retrain_k", "attr_retrain_lr", "attr_retrain_batch"}, attr_retrain=4) == []
+    assert notes({"attr_retrain_batch"}) == ["note: --attr-retrain-batch"]
     assert notes({"attr_retrain", "attr_retrain_k"}, attribution=False, attr_retrain=4) == \
         ["note: --attr-retrain", "note: --attr-retrain-k"]
     assert notes({"suppress_factor"}, suppress_keywords="") == ["note: --suppress-factor"]

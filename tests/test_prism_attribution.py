@@ -989,8 +989,8 @@ def test_ekfac_with_huge_damping_is_gradient_similarity(assert_close):
 
 def manual_sgd(model, windows, left_out, order, lr, batch):
     """The retraining check's continued training written apart from it: per-window gradients of each window's mean
-    CE by autograd, summed over the windows a batch keeps and divided by the batch's full size, one SGD step per
-    batch. -> the trained copy."""
+    CE by autograd, summed over the windows a batch keeps and divided by the batch size (a short last batch's too:
+    every window weighs lr/batch), one SGD step per batch. -> the trained copy."""
     import copy
     m = copy.deepcopy(model).eval()
     params = [p for p in m.parameters() if p.requires_grad]
@@ -1006,15 +1006,15 @@ def manual_sgd(model, windows, left_out, order, lr, batch):
                         s += g
             with torch.no_grad():
                 for p, s in zip(params, step):
-                    p -= lr * s / len(b)
+                    p -= lr * s / batch
     return m
 
 
 @pytest.mark.parametrize("resid_grad", ["detach-zhat", "full"])
 def test_retraining_leaves_out_exactly_those_windows(resid_grad, assert_close):
     """retrain_query_losses against per-window SGD written out: two epochs in two shuffled orders, batches of 4
-    over 10 windows (a short last batch), three windows left out, one of them alone in a batch... the query losses
-    after agree, and `work` starts again from `start` on every call."""
+    over 10 windows (a short last batch of 2), three windows left out, two of them the first epoch's whole last
+    batch (no step there); the query losses after agree, and `work` starts again from `start` on every call."""
     import copy
     model = tiny(resid_grad)
     w = windows_of(10, 8, seed=21)
@@ -1022,7 +1022,10 @@ def test_retraining_leaves_out_exactly_those_windows(resid_grad, assert_close):
     order = torch.stack([torch.randperm(10, generator=torch.Generator().manual_seed(s)) for s in (1, 2)])
     start = {k: v.clone() for k, v in model.state_dict().items()}
     work = copy.deepcopy(model)
-    for left_out in ({3, 7, int(order[0, 8])}, set()):
+    last = order[0, 8:].tolist()  # the first epoch's short last batch
+    left = {next(i for i in range(10) if i not in last), *last}
+    assert len(left) == 3
+    for left_out in (left, set()):
         got = prism.retrain_query_losses(work, start, w, left_out, xq[:, :-1], xq[:, -1], order, 0.5, 4)
         ref = manual_sgd(model, w, left_out, order, 0.5, 4)
         with torch.no_grad():
@@ -1033,12 +1036,12 @@ def test_retraining_leaves_out_exactly_those_windows(resid_grad, assert_close):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in start.items())  # the model itself is untouched
 
 
-@pytest.mark.parametrize("resid_grad", ["detach-zhat", "full"])
+@pytest.mark.parametrize("resid_grad", ["detach-zhat", "detach-r", "full"])
 def test_retraining_effect_is_tracin_to_first_order(resid_grad, assert_close):
     """One small SGD step over the whole set: leaving out R changes the query's loss by (lr/M)·Σ_{m∈R} ∇L_q·∇CE̅_m
     to first order, i.e. lr/(M·T) times the dense TracIn scores (∇ of the summed CE) of the windows left out: the
-    check measures what the scores claim, in their units. Under detach-zhat only with the query's loss gradient
-    of W z (query_ce); autograd through the routed head gives another gradient (the dense baseline's test)."""
+    check measures what the scores claim, in their units. Under detach-zhat and detach-r only with the query's
+    loss gradient of W z (query_ce): the same prediction from autograd through the routed head is off."""
     import copy
     model = tiny(resid_grad)
     M, T = 12, 8
@@ -1048,24 +1051,33 @@ def test_retraining_effect_is_tracin_to_first_order(resid_grad, assert_close):
     order = torch.arange(M)[None]
     start = {k: v.clone() for k, v in model.state_dict().items()}
     work = copy.deepcopy(model)
-    lr = 1e-2
+    lr = 3e-3  # second-order terms grow with lr, fp32's rounding of the losses with 1/lr
     base = prism.retrain_query_losses(work, start, w, (), xq[:, :-1], xq[:, -1], order, lr, M).double()
+    params = [p for p in model.parameters() if p.requires_grad]
+    head_q = torch.stack([prism.flat_param_grad(F.cross_entropy(model(xq[j:j + 1, :-1])[0, -1], xq[j, -1]), params)
+                          for j in range(2)]).double()
+    g_m = torch.stack([prism.flat_param_grad(F.cross_entropy(model(w[m:m + 1, :-1])[0], w[m, 1:]), params)
+                       for m in range(M)]).double()  # each window's mean CE, as the continued training takes it
     for left_out in ([0, 5], [2, 3, 11]):
         got = prism.retrain_query_losses(work, start, w, left_out, xq[:, :-1], xq[:, -1], order, lr, M).double()
         assert_close(f"Δ with {left_out} left out", lr / (M * T) * scores[:, left_out].sum(1), got - base, ratio=2e-2)
+        routed = lr / M * (head_q @ g_m[left_out].T).sum(1)
+        err = (routed - (got - base)).norm() / (got - base).norm()
+        assert (err < 2e-2) == (resid_grad == "full"), err
 
 
 def test_retraining_check_rows(monkeypatch):
     """The check over the experiment's rankings: the picked queries, one row per ranking and the random windows, Δ
     and its standard error from the per-query values, the above-random counts, equal left-out sets trained once,
     the same figures on a second call, the model left as it was, and the log lines."""
+    import copy
     cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
                  attr_seqs=20, attr_queries=5, attr_retrain=3, attr_retrain_k=4, batch_size=6, attr_retrain_epochs=2)
     model = PRISM(cfg, V).eval()
     start = {k: v.clone() for k, v in model.state_dict().items()}
     calls = []
     real = prism.retrain_query_losses
-    monkeypatch.setattr(prism, "retrain_query_losses", lambda *a: calls.append(a[3]) or real(*a))
+    monkeypatch.setattr(prism, "retrain_query_losses", lambda *a: calls.append((a[3], a[8])) or real(*a))
     lines = []
     res = prism.attribution_experiment(model, None, StandIn(), cfg, lines.append)
     rt = res["retrain"]
@@ -1081,8 +1093,25 @@ def test_retraining_check_rows(monkeypatch):
         if r["method"] != "random windows":
             assert r["above random"] == sum(x > y for x, y in zip(r["per_query"], rand))
     assert rt["rows"][-1]["above random"] is None
-    assert len(calls) == len(set(calls)) == rt["runs"] and frozenset() in calls  # each left-out set trained once
-    assert all(len(c) == 4 for c in calls if c)
+    left = [frozenset(c[0]) for c in calls]  # each left-out set trained once, nothing left out twice: the noise
+    assert left.count(frozenset()) == 2 and len(set(left)) == len(left) - 1 == rt["runs"] - 1
+    assert all(len(c) == 4 for c in left if c) and {c[1] for c in calls} == {6} == {rt["batch"]}  # --batch-size
+    assert rt["noise"] == 0  # on the CPU the repeat is bit-identical
+    # the shift: the nothing-left-out training's query losses against the model's own
+    xq, yq = prism.val_queries(StandIn(), 5, 8, "cpu")
+    gen = torch.Generator().manual_seed(cfg.seed)  # the batches: one shuffle per epoch from --seed
+    base = real(copy.deepcopy(model), start, prism.train_windows(StandIn(), 20, 8), (), xq[[0, 2, 4]], yq[[0, 2, 4]],
+                torch.stack([torch.randperm(20, generator=gen) for _ in range(2)]), 0.1, 6)
+    with torch.no_grad():
+        before = prism.query_ce(model, xq[[0, 2, 4]], yq[[0, 2, 4]], reduction="none")
+    assert rt["shift"] == pytest.approx(float((base - before).mean()), rel=1e-5)
+    cached = rt["rows"][0]["per_query"]  # each other method minus the cached one, query by query
+    assert "vs first" not in rt["rows"][0] and "vs first" not in rt["rows"][-1] and rt["first"] == names[0]
+    for r in rt["rows"][1:-1]:
+        diff = torch.tensor([x - c for x, c in zip(r["per_query"], cached)], dtype=torch.float64)
+        assert r["vs first"]["delta"] == pytest.approx(diff.mean().item())
+        assert r["vs first"]["se"] == pytest.approx((diff.std() / 3 ** 0.5).item())
+        assert r["vs first"]["above"] == int((diff > 0).sum())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in start.items())
     again = prism.retrain_check(model, prism.train_windows(StandIn(), 20, 8), *prism.val_queries(StandIn(), 5, 8, "cpu"),
                                 {}, cfg, lambda s: None)
@@ -1090,8 +1119,32 @@ def test_retraining_check_rows(monkeypatch):
     head = [ln for ln in lines if ln.startswith("attribution, retraining check")]
     assert len(head) == 6 and head[0].startswith("attribution, retraining check: 3 queries; for each, a method's top 4 "
                                                  "of the 20 windows left out of 2 epochs of plain SGD (lr 0.1")
+    assert f"repeated, it gave the same losses to 0.0e+00 nats, Δ's noise floor); {rt['runs']} runs" in head[0]
+    assert rt["runs"] <= 2 + 3 * 5  # nothing left out twice, then 3 queries × (4 rankings + random), fewer if equal
     for ln, r in zip(head[1:], rt["rows"]):
         assert ln.startswith(f"attribution, retraining check, {r['method']}: Δ {r['delta']:+.4f} ± {r['se']:.4f} nats")
+        if "vs first" in r:
+            v = r["vs first"]
+            assert ln.endswith(f"; minus PRISM cached (block)'s, query by query: {v['delta']:+.4f} ± {v['se']:.4f}, "
+                               f"above it in {v['above']}/3")
+    # a batch of its own (--attr-retrain-batch), and the report's table
+    other = prism.retrain_check(model, prism.train_windows(StandIn(), 20, 8), xq, yq, {}, 
+                                dataclasses.replace(cfg, attr_retrain=1, attr_retrain_batch=20), lambda s: None)
+    assert other["batch"] == 20 and other["queries"] == [0]
+    from pathlib import Path
+    import tempfile
+    table = {"summary": "s", "table": [{"method": names[0], "sequences scored": 20.0, "sequences scored (min)": 20}]}
+    with tempfile.TemporaryDirectory() as tmp:
+        html = prism.write_report(Path(tmp), cfg, {"attribution": {**table, "retrain": rt}},
+                                  {}).read_text()
+        one = prism.write_report(Path(tmp), cfg, {"attribution": {**table, "retrain": other}},
+                                 {}).read_text()
+    assert "Retraining check (3 queries): each method&#x27;s top 4 of the 20 windows left out of 2 epoch(s)" in html \
+        or "Retraining check (3 queries): each method's top 4 of the 20 windows left out of 2 epoch(s)" in html
+    assert "Retraining check (1 query)" in one
+    for r in rt["rows"]:
+        cells = f"<td>{r['method']}</td><td>{r['delta']:+.4f} ± {r['se']:.4f}</td>"
+        assert cells in html, cells
 
 
 def test_retraining_check_needs_a_window_to_train_on():
