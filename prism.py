@@ -348,9 +348,9 @@ ARCH_KEYS = ("head", "layers", "d_model", "heads", "n_protos", "topk", "act", "r
              "tokenizer", "compact", "max_tokens")
 ANALYSIS_KEYS = ("cards", "card_windows", "attribution", "attr_seqs", "attr_queries", "attr_ctx", "attr_damping",
                  "attr_curvature", "attr_exact_curvature", "attr_s", "attr_fisher_samples", "ekfac", "attr_retrain",
-                 "attr_retrain_k", "attr_retrain_epochs", "attr_retrain_lr", "attr_retrain_batch", "suppress_keywords",
-                 "suppress",
-                 "suppress_factor", "controller", "controller_l1", "sample", "sample_tokens", "temperature")
+                 "attr_retrain_k", "attr_retrain_epochs", "attr_retrain_lr", "attr_retrain_batch",
+                 "suppress_keywords", "suppress", "suppress_factor", "controller", "controller_l1", "sample",
+                 "sample_tokens", "temperature")
 RUNTIME_KEYS = ("head", "preset", "device", "dtype", "compile", "kernels", "out_dir", "cache_dir", "resume", "train",
                 "twin", "bench", "report") + ANALYSIS_KEYS
 MERGED_KEYS = tuple(f.name for f in fields(Config) if f.name not in RUNTIME_KEYS)
@@ -2788,8 +2788,8 @@ def ekfac_scores(model: PRISM, windows, xq, yq, log, damping: Optional[float] = 
     """Step 5 (optional): EK-FAC influence (Grosse et al. 2023) through kronfluence, over the backbone's Linear
     modules (kronfluence tracks nn.Linear/Conv2d: the tied embedding/head and P are outside its view; the MLP
     and attention projections are the usual EK-FAC set). Factors are fitted on the M training windows (true
-    Fisher: targets sampled from the model), train loss = summed CE, measurement = the query's CE (query_ce's W z); damping
-    None is kronfluence's heuristic, 0.1 × the mean eigenvalue per module. A deep copy is prepared
+    Fisher: targets sampled from the model), train loss = summed CE, measurement = the query's CE (query_ce's
+    W z); damping None is kronfluence's heuristic, 0.1 × the mean eigenvalue per module. A deep copy is prepared
     (kronfluence wraps modules in place); the global RNG is restored afterwards. -> None if not installed."""
     try:
         from kronfluence.analyzer import Analyzer, prepare_model
@@ -2980,8 +2980,7 @@ def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, lo
     rows = [row(name, d) for name, d in deltas.items()]
     out = {"queries": picked, "k": k, "seqs": M, "epochs": cfg.attr_retrain_epochs, "lr": cfg.attr_retrain_lr,
            "batch": batch, "first": first, "shift": float((base - before).mean()), "noise": noise,
-           "runs": len(done) + 1,
-           "seconds": time.time() - t0, "rows": rows}
+           "runs": len(done) + 1, "seconds": time.time() - t0, "rows": rows}
     queries = f"{len(picked)} quer{'ies' if len(picked) > 1 else 'y'}"
     log(f"attribution, retraining check: {queries}; for each, a method's top {k} of the {M} windows left "
         f"out of {cfg.attr_retrain_epochs} epoch{'s' * (cfg.attr_retrain_epochs > 1)} of plain SGD (lr "
@@ -2997,7 +2996,8 @@ def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, lo
             f", above the random windows' in {r['above random']}/{len(picked)} queries"
         if "vs first" in r:
             v = r["vs first"]
-            above += f"; minus {first}'s, query by query: {pm(v['delta'], v['se'])}, above it in {v['above']}/{len(picked)}"
+            above += (f"; minus {first}'s, query by query: {pm(v['delta'], v['se'])}, above it in "
+                      f"{v['above']}/{len(picked)}")
         log(f"attribution, retraining check, {r['method']}: Δ {pm(r['delta'], r['se'])} nats (mean ± standard error "
             f"over the queries){above}")
     return out

@@ -1113,8 +1113,8 @@ def test_retraining_check_rows(monkeypatch):
         assert r["vs first"]["se"] == pytest.approx((diff.std() / 3 ** 0.5).item())
         assert r["vs first"]["above"] == int((diff > 0).sum())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in start.items())
-    again = prism.retrain_check(model, prism.train_windows(StandIn(), 20, 8), *prism.val_queries(StandIn(), 5, 8, "cpu"),
-                                {}, cfg, lambda s: None)
+    again = prism.retrain_check(model, prism.train_windows(StandIn(), 20, 8),
+                                *prism.val_queries(StandIn(), 5, 8, "cpu"), {}, cfg, lambda s: None)
     assert again["rows"][-1]["per_query"] == rand  # the random windows and the batches: the same draws
     head = [ln for ln in lines if ln.startswith("attribution, retraining check")]
     assert len(head) == 6 and head[0].startswith("attribution, retraining check: 3 queries; for each, a method's top 4 "
@@ -1122,13 +1122,14 @@ def test_retraining_check_rows(monkeypatch):
     assert f"repeated, it gave the same losses to 0.0e+00 nats, Δ's noise floor); {rt['runs']} runs" in head[0]
     assert rt["runs"] <= 2 + 3 * 5  # nothing left out twice, then 3 queries × (4 rankings + random), fewer if equal
     for ln, r in zip(head[1:], rt["rows"]):
-        assert ln.startswith(f"attribution, retraining check, {r['method']}: Δ {r['delta']:+.4f} ± {r['se']:.4f} nats")
+        assert ln.startswith(f"attribution, retraining check, {r['method']}: Δ {r['delta']:+.4f} ± {r['se']:.4f} "
+                             "nats")
         if "vs first" in r:
             v = r["vs first"]
             assert ln.endswith(f"; minus PRISM cached (block)'s, query by query: {v['delta']:+.4f} ± {v['se']:.4f}, "
                                f"above it in {v['above']}/3")
     # a batch of its own (--attr-retrain-batch), and the report's table
-    other = prism.retrain_check(model, prism.train_windows(StandIn(), 20, 8), xq, yq, {}, 
+    other = prism.retrain_check(model, prism.train_windows(StandIn(), 20, 8), xq, yq, {},
                                 dataclasses.replace(cfg, attr_retrain=1, attr_retrain_batch=20), lambda s: None)
     assert other["batch"] == 20 and other["queries"] == [0]
     from pathlib import Path
