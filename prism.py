@@ -141,16 +141,17 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     ones'. Each method is also compared with the cached one query by query (a paired difference: the queries'
     own spread cancels). Plain SGD, not AdamW: with SGD a left-out window removes its own gradient and nothing
     else, while Adam divides every step by a running gradient scale that the left-out window is part of.
-    Retraining from scratch per query and method is out of a CPU's reach, and its run-to-run noise would swamp
-    10 windows of 256. At one epoch the check is close to first order, where TracIn's score is its own linear
-    prediction (below); curvature-based scores (exact, EK-FAC) describe the response at convergence, which
-    --attr-retrain-epochs approaches.
+    Retraining from scratch per query and method is out of a CPU's reach, and we would expect its run-to-run
+    noise to swamp 10 windows of 256. In one small step TracIn's score is the check's own linear prediction
+    (below), so a short check should favour it; curvature-based scores (exact, EK-FAC) are meant for the
+    response at convergence, which more --attr-retrain-epochs approach (an expectation, not measured here).
     The dense methods (TracIn, its sketch, EK-FAC's measurement) take the query's gradient of W z, the loss's
-    value (query_ce): the head's logits equal W z under every routing, but under detach-zhat and detach-r
-    autograd through the head adds ẑ's routed share, a surrogate that trains P and that a training step does not
-    change the query's loss by. With the loss's gradient, leaving windows out of one small SGD step moves the
+    value (query_ce): the head's logits equal W z under every routing, but not their gradient: under
+    detach-zhat autograd through the head adds ẑ's routed share, and under detach-r the backbone's gradient
+    comes through that share alone; a surrogate that trains P, not what a training step changes the query's
+    loss by. With the loss's gradient, leaving windows out of one small SGD step moves the
     query's loss by lr/(B·T) times their TracIn scores (a test, which also shows the head's gradient off under
-    both routings); until 2026-12-05 the dense methods used the head's gradient. The prototype-space methods keep
+    both routings); before the twenty-third session (2026-12-05) the dense methods used the head's gradient. The prototype-space methods keep
     the head's gradient by design: the loss's own gradient in P is zero (§2.3).
   * Suppression keywords default to `auto`: of the words (4+ letters) that live cards are about, the one the
     model generates most, so that the default run suppresses prototypes that fire, measured on a word whose

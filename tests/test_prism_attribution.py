@@ -1131,7 +1131,7 @@ def test_retraining_check_rows(monkeypatch):
     # a batch of its own (--attr-retrain-batch), and the report's table
     other = prism.retrain_check(model, prism.train_windows(StandIn(), 20, 8), xq, yq, {},
                                 dataclasses.replace(cfg, attr_retrain=1, attr_retrain_batch=20), lambda s: None)
-    assert other["batch"] == 20 and other["queries"] == [0]
+    assert other["batch"] == 20 and other["queries"] == [0] and calls[-1][1] == 20  # what the training got
     from pathlib import Path
     import tempfile
     table = {"summary": "s", "table": [{"method": names[0], "sequences scored": 20.0, "sequences scored (min)": 20}]}
@@ -1145,7 +1145,32 @@ def test_retraining_check_rows(monkeypatch):
     assert "Retraining check (1 query)" in one
     for r in rt["rows"]:
         cells = f"<td>{r['method']}</td><td>{r['delta']:+.4f} ± {r['se']:.4f}</td>"
+        if "vs first" in r:
+            v = r["vs first"]
+            cells += f"<td>{r['above random']}/3</td><td>{v['delta']:+.4f} ± {v['se']:.4f}</td><td>{v['above']}/3</td>"
         assert cells in html, cells
+
+
+def test_retraining_noise_floor_is_the_repeat_gap(monkeypatch):
+    """The nothing-left-out training runs twice; the largest gap between the two is the logged noise floor (on
+    the CPU 0, so a stand-in that perturbs the repeat shows the plumbing)."""
+    cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
+                 attr_retrain=2, attr_retrain_k=2, batch_size=4)
+    model = PRISM(cfg, V).eval()
+    real, empties = prism.retrain_query_losses, []
+
+    def perturbed(*a):
+        out = real(*a)
+        if not a[3]:
+            empties.append(1)
+            return out + 0.25 * (len(empties) == 2)  # the repeat
+        return out
+    monkeypatch.setattr(prism, "retrain_query_losses", perturbed)
+    lines = []
+    xq = windows_of(2, 8, seed=51)
+    rt = prism.retrain_check(model, windows_of(8, 8, seed=52), xq[:, :-1], xq[:, -1], {}, cfg, lines.append)
+    assert len(empties) == 2 and rt["noise"] == pytest.approx(0.25)
+    assert "repeated, it gave the same losses to 2.5e-01 nats, Δ's noise floor)" in lines[0]
 
 
 def test_retraining_check_needs_a_window_to_train_on():
