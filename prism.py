@@ -153,10 +153,10 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     value (query_ce): the head's logits equal W z under every routing, but not their gradient: under
     detach-zhat autograd through the head adds ẑ's routed share, and under detach-r the backbone's gradient
     comes through that share alone; a surrogate that trains P, not what a training step changes the query's
-    loss by. With the loss's gradient, leaving windows out of one small SGD step moves the
-    query's loss by lr/(B·T) times their TracIn scores (a test, which also shows the head's gradient off under
-    both routings); before the twenty-third session (2026-12-05) the dense methods used the head's gradient. The prototype-space methods keep
-    the head's gradient by design: the loss's own gradient in P is zero (§2.3).
+    loss by. With the loss's gradient, leaving windows out of one small SGD step moves the query's loss by
+    lr/(B·T) times their TracIn scores (a test, which also shows the head's gradient off under both routings);
+    before the twenty-third session (2026-12-05) the dense methods used the head's gradient. The prototype-space
+    methods keep the head's gradient by design: the loss's own gradient in P is zero (§2.3).
   * Suppression keywords default to `auto`: of the words (4+ letters) that live cards are about, the one the
     model generates most, so that the default run suppresses prototypes that fire, measured on a word whose
     rate can move (a fixed word such as "lord" matched only a dead card of the CPU preset: a no-op). The word is
@@ -199,6 +199,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import datetime
 import html
 import io
@@ -206,6 +207,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 from collections import Counter
@@ -2809,7 +2811,6 @@ def ekfac_scores(model: PRISM, windows, xq, yq, log, damping: Optional[float] = 
     if "RANK" in os.environ:  # kronfluence's accelerate state would join the (already closed) torchrun group
         log("EK-FAC: skipped under torchrun (kronfluence would start a process group); run it single-process")
         return None
-    import copy
     import logging
     import tempfile
     import warnings
@@ -2883,6 +2884,12 @@ def overlap_text(o: dict) -> str:
     return f"{o['top-10 overlap']:.2f}/{o['top-100 overlap']:.2f}"
 
 
+def plus_minus(mean: float, se: Optional[float]) -> str:
+    """A mean and its standard error as the log and report print them: "+0.0266 ± 0.0104" (the mean alone when
+    there is no error: a single query)."""
+    return f"{mean:+.4f}" + (f" ± {se:.4f}" if se is not None else "")
+
+
 def chance_overlap(n: int, M: int) -> float:
     """topn_overlap's expectation for a ranking drawn at random: each of the reference's top n is among the random
     top n with probability n/M, so the expected overlap is n/M (n capped at M, as there). The level an overlap
@@ -2933,8 +2940,6 @@ def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, lo
     """The retraining check over --attr-retrain queries (evenly spread over the Q), each ranking in `rankings`
     ({name: scores [Q, M]}) and k random windows per query: Δ per query, its mean and standard error over the
     queries, and in how many queries a method's Δ is above the random windows'. The model is left as it was."""
-    import copy
-
     M, k, n = len(windows), cfg.attr_retrain_k, min(cfg.attr_retrain, len(xq))
     if k >= M:
         raise RunError(f"--attr-retrain-k {k} leaves no window of the attribution set's {M} to train on; "
@@ -2971,8 +2976,7 @@ def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, lo
     first = next(iter(rankings), None)  # the cached method: every other one is also compared with it, query by query
 
     def mean_se(d):
-        mean = sum(d) / len(d)
-        return mean, (sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5 if len(d) > 1 else None
+        return statistics.fmean(d), statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else None
 
     def row(name, d):
         mean, se = mean_se(d)
@@ -2993,18 +2997,15 @@ def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, lo
         f"weights; Δ = the query's loss minus that after the same training with nothing left out (which moved the "
         f"queries' loss by {out['shift']:+.4f} nats on average; repeated, it gave the same losses to "
         f"{noise:.1e} nats, Δ's noise floor); {out['runs']} runs, {out['seconds']:.0f}s")
-
-    def pm(mean, se):
-        return f"{mean:+.4f}" + (f" ± {se:.4f}" if se is not None else "")
     for r in rows:
         above = "" if r["above random"] is None else \
             f", above the random windows' in {r['above random']}/{len(picked)} queries"
         if "vs first" in r:
             v = r["vs first"]
-            above += (f"; minus {first}'s, query by query: {pm(v['delta'], v['se'])}, above it in "
+            above += (f"; minus {first}'s, query by query: {plus_minus(v['delta'], v['se'])}, above it in "
                       f"{v['above']}/{len(picked)}")
-        log(f"attribution, retraining check, {r['method']}: Δ {pm(r['delta'], r['se'])} nats (mean ± standard error "
-            f"over the queries){above}")
+        log(f"attribution, retraining check, {r['method']}: Δ {plus_minus(r['delta'], r['se'])} nats (mean ± "
+            f"standard error over the queries){above}")
     return out
 
 
@@ -3114,6 +3115,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     sk = sketched_dense_scores(model, windows, xq, yq, cache.nbytes(), seed=cfg.seed)
     sketch_name = "dense TracIn, CountSketch cache at matched memory"
     add_row(sketch_name, sk["scores"], 1e3 * sk["seconds"], sk["bytes"], M, sk["setup"])
+    compared = [cached_name, "prototype-space exact", "dense TracIn (all parameters)", sketch_name]  # one row each
     # 5. EK-FAC
     vs_ekfac = None
     if cfg.ekfac:
@@ -3127,8 +3129,8 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
             add_row(f"EK-FAC (kronfluence), batch of {Q} queries", ek["scores"], 1e3 * ek["seconds"] / Q, ek["bytes"],
                     M, ek["setup"], batched=True)
             # the paper also reports overlap with EK-FAC's rankings (spec §5.1): every other ranking against it
-            vs_ekfac = {name: overlaps(ranked[name], ek["scores"]) for name in
-                        (cached_name, "prototype-space exact", "dense TracIn (all parameters)", sketch_name)}
+            vs_ekfac = {name: overlaps(ranked[name], ek["scores"]) for name in compared}
+            compared.append(rows[-1]["method"])
     # what each method's memory figure counts (the tensors it holds, on every device)
     memory_notes = {cached_name: "the cache (index, A_ii, S's eigenbasis; A's for kfac)",
                      "prototype-space exact": {
@@ -3215,9 +3217,7 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     # 6. the retraining check (off by default: a continued training per query and method)
     retrain = None
     if cfg.attr_retrain:
-        names = [cached_name, "prototype-space exact", "dense TracIn (all parameters)", sketch_name] + [
-            r["method"] for r in rows if r["method"].startswith("EK-FAC")]
-        retrain = retrain_check(model, windows, xq, yq, {name: ranked[name] for name in names}, cfg, log)
+        retrain = retrain_check(model, windows, xq, yq, {name: ranked[name] for name in compared}, cfg, log)
     # the first query's most influential training windows, decoded (for the report)
     tok = data.tokenizer
     first = ranked[cached_name][0]
@@ -3878,12 +3878,10 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         if a.get("retrain"):
             rt = a["retrain"]
             n = len(rt["queries"])
-
-            def pm(v):
-                return "" if v is None else f"{v['delta']:+.4f}" + ("" if v["se"] is None else f" ± {v['se']:.4f}")
-            rows = [{"left out": r["method"], "Δ query loss (nats)": pm(r),
+            rows = [{"left out": r["method"], "Δ query loss (nats)": plus_minus(r["delta"], r["se"]),
                      "queries above random": "" if r["above random"] is None else f"{r['above random']}/{n}",
-                     f"Δ minus {rt['first']}'s, paired": pm(r.get("vs first")),
+                     f"Δ minus {rt['first']}'s, paired": plus_minus(r["vs first"]["delta"], r["vs first"]["se"])
+                     if "vs first" in r else "",
                      "queries above it": f"{r['vs first']['above']}/{n}" if "vs first" in r else ""}
                     for r in rt["rows"]]
             parts.append(f"<p>Retraining check ({n} quer{'ies' if n > 1 else 'y'}): each method's top {rt['k']} "

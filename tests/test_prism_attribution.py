@@ -1066,7 +1066,7 @@ def test_retraining_effect_is_tracin_to_first_order(resid_grad, assert_close):
         assert (err < 2e-2) == (resid_grad == "full"), err
 
 
-def test_retraining_check_rows(monkeypatch):
+def test_retraining_check_rows(monkeypatch, tmp_path):
     """The check over the experiment's rankings: the picked queries, one row per ranking and the random windows, Δ
     and its standard error from the per-query values, the above-random counts, equal left-out sets trained once,
     the same figures on a second call, the model left as it was, and the log lines."""
@@ -1132,14 +1132,9 @@ def test_retraining_check_rows(monkeypatch):
     other = prism.retrain_check(model, prism.train_windows(StandIn(), 20, 8), xq, yq, {},
                                 dataclasses.replace(cfg, attr_retrain=1, attr_retrain_batch=20), lambda s: None)
     assert other["batch"] == 20 and other["queries"] == [0] and calls[-1][1] == 20  # what the training got
-    from pathlib import Path
-    import tempfile
     table = {"summary": "s", "table": [{"method": names[0], "sequences scored": 20.0, "sequences scored (min)": 20}]}
-    with tempfile.TemporaryDirectory() as tmp:
-        html = prism.write_report(Path(tmp), cfg, {"attribution": {**table, "retrain": rt}},
-                                  {}).read_text()
-        one = prism.write_report(Path(tmp), cfg, {"attribution": {**table, "retrain": other}},
-                                 {}).read_text()
+    html = prism.write_report(tmp_path, cfg, {"attribution": {**table, "retrain": rt}}, {}).read_text()
+    one = prism.write_report(tmp_path, cfg, {"attribution": {**table, "retrain": other}}, {}).read_text()
     assert "Retraining check (3 queries): each method&#x27;s top 4 of the 20 windows left out of 2 epoch(s)" in html \
         or "Retraining check (3 queries): each method's top 4 of the 20 windows left out of 2 epoch(s)" in html
     assert "Retraining check (1 query)" in one
