@@ -143,12 +143,16 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     else, while Adam divides every step by a running gradient scale that the left-out window is part of.
     Retraining from scratch per query and method is out of a CPU's reach, and we would expect its run-to-run
     noise to swamp 10 windows of 256. In one small step TracIn's score is the check's own linear prediction
-    (below), so a short check should favour it; curvature-based scores (exact, EK-FAC) are meant for the
-    response at convergence, which more --attr-retrain-epochs approach (an expectation). On the CPU preset's
-    checkpoint (2026-12-05) every method's top 10 raised the query's loss above random windows' on average, at 1
-    epoch over 16 queries and at 4 over 8: cached +0.027 and +0.056 nats, exact +0.034 and +0.064, EK-FAC +0.045
-    and +0.080, dense TracIn +0.080 and +0.108, random +0.002 and -0.006 (README: the table rows and the paired
-    comparisons).
+    (below), and there TracIn's top k is the largest predicted Δ by construction, so a short check could favour
+    it; curvature-based scores (exact, EK-FAC) are meant for the response at convergence, which more
+    --attr-retrain-epochs approach (an expectation). So that prediction is logged beside every Δ, lr·epochs/(B·T)
+    times the left-out windows' dense TracIn scores, with its fit to the measured Δ over every (method, query)
+    pair (correlation, and the least-squares slope through 0). On the CPU preset's checkpoint (2026-12-05) every
+    method's top 10 raised the query's loss above random windows' on average, at 1 epoch over 16 queries and at
+    4 over 8: cached +0.027 and +0.056 nats, exact +0.034 and +0.064, EK-FAC +0.045 and +0.080, dense TracIn
+    +0.080 and +0.108, random +0.002 and -0.006 (README: the table rows and the paired comparisons). Both runs
+    are far from first order (correlation 0.50 and 0.49, measured ≈ 0.21 × predicted), yet the methods rank as
+    their predictions do; at lr 0.01 the fit is 0.97, slope 0.65.
     The dense methods (TracIn, its sketch, EK-FAC's measurement) take the query's gradient of W z, the loss's
     value (query_ce): the head's logits equal W z under every routing, but not their gradient: under
     detach-zhat autograd through the head adds ẑ's routed share, and under detach-r the backbone's gradient
@@ -2936,10 +2940,14 @@ def retrain_query_losses(work: PRISM, start: dict, windows, left_out, xq, yq, or
         return query_ce(work, xq, yq, reduction="none")
 
 
-def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, log) -> dict:
+def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, log,
+                  tracin: Optional[torch.Tensor] = None) -> dict:
     """The retraining check over --attr-retrain queries (evenly spread over the Q), each ranking in `rankings`
     ({name: scores [Q, M]}) and k random windows per query: Δ per query, its mean and standard error over the
-    queries, and in how many queries a method's Δ is above the random windows'. The model is left as it was."""
+    queries, and in how many queries a method's Δ is above the random windows'. With `tracin` (dense TracIn's
+    scores [Q, M]) also the check's first-order prediction of every Δ, lr·epochs/(B·T) × the left-out windows'
+    TracIn scores (B the batch, T the window's targets: the check's loss is each window's summed CE / (B·T)), and
+    how well it fits the measured Δ. The model is left as it was."""
     M, k, n = len(windows), cfg.attr_retrain_k, min(cfg.attr_retrain, len(xq))
     if k >= M:
         raise RunError(f"--attr-retrain-k {k} leaves no window of the attribution set's {M} to train on; "
@@ -2968,10 +2976,19 @@ def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, lo
         before = query_ce(model, xq[picked], yq[picked], reduction="none")
     deltas = {name: [] for name in rankings}
     deltas["random windows"] = []
+    left = {name: [] for name in deltas}  # the sets left out, per query: for the first-order prediction
     for i, j in enumerate(picked):
         for name, scores in rankings.items():
-            deltas[name].append(float(losses(scores[j].topk(k).indices)[i] - base[i]))
-        deltas["random windows"].append(float(losses(torch.randperm(M, generator=gen)[:k])[i] - base[i]))
+            left[name].append(scores[j].topk(k).indices)
+        left["random windows"].append(torch.randperm(M, generator=gen)[:k])
+        for name in deltas:
+            deltas[name].append(float(losses(left[name][-1])[i] - base[i]))
+    # to first order the check removes lr/(B·T)·Σ_{m∈S} ∇ΣCE_m once per epoch from the descent, so Δ ≈ that
+    # times ∇L_q (a test): TracIn's scores in the check's own units
+    scale = cfg.attr_retrain_lr * cfg.attr_retrain_epochs / (batch * (windows.shape[1] - 1))
+    predicted = None if tracin is None else {
+        name: [scale * float(tracin[j, s.to(tracin.device)].sum()) for j, s in zip(picked, sets)]
+        for name, sets in left.items()}
     rand = deltas["random windows"]
     first = next(iter(rankings), None)  # the cached method: every other one is also compared with it, query by query
 
@@ -2985,11 +3002,19 @@ def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, lo
         if name not in (first, "random windows"):  # paired: the queries' own spread cancels, unlike two SEs
             diff = [x - c for x, c in zip(d, deltas[first])]
             out["vs first"] = dict(zip(("delta", "se"), mean_se(diff)), above=sum(x > 0 for x in diff))
+        if predicted is not None:
+            out["predicted"], out["predicted_per_query"] = statistics.fmean(predicted[name]), predicted[name]
         return out
     rows = [row(name, d) for name, d in deltas.items()]
     out = {"queries": picked, "k": k, "seqs": M, "epochs": cfg.attr_retrain_epochs, "lr": cfg.attr_retrain_lr,
            "batch": batch, "first": first, "shift": float((base - before).mean()), "noise": noise,
-           "runs": len(done) + 1, "seconds": time.time() - t0, "rows": rows}
+           "runs": len(done) + 1, "seconds": time.time() - t0, "rows": rows, "first_order": None}
+    if predicted is not None:  # every (method, query) pair: measured Δ against its prediction
+        xs = [x for name in deltas for x in predicted[name]]
+        ys = [y for name in deltas for y in deltas[name]]
+        if len(set(xs)) > 1 and len(set(ys)) > 1:  # a correlation needs spread in both
+            out["first_order"] = {"pairs": len(xs), "r": statistics.correlation(xs, ys),
+                                  "slope": statistics.linear_regression(xs, ys, proportional=True).slope}
     queries = f"{len(picked)} quer{'ies' if len(picked) > 1 else 'y'}"
     log(f"attribution, retraining check: {queries}; for each, a method's top {k} of the {M} windows left "
         f"out of {cfg.attr_retrain_epochs} epoch{'s' * (cfg.attr_retrain_epochs > 1)} of plain SGD (lr "
@@ -2997,9 +3022,17 @@ def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, lo
         f"weights; Δ = the query's loss minus that after the same training with nothing left out (which moved the "
         f"queries' loss by {out['shift']:+.4f} nats on average; repeated, it gave the same losses to "
         f"{noise:.1e} nats, Δ's noise floor); {out['runs']} runs, {out['seconds']:.0f}s")
+    if out["first_order"] is not None:
+        fo = out["first_order"]
+        log(f"attribution, retraining check, first order: the prediction lr·epochs/(B·T) × the left-out windows' "
+            f"dense TracIn scores vs the measured Δ over the {fo['pairs']} (method, query) pairs: correlation "
+            f"{fo['r']:.3f}, measured = {fo['slope']:.3f} × predicted (least squares through 0); near 1 and 1, the "
+            "check is in TracIn's linear regime, where TracIn's own top k is the largest predicted Δ by construction")
     for r in rows:
         above = "" if r["above random"] is None else \
             f", above the random windows' in {r['above random']}/{len(picked)} queries"
+        if "predicted" in r:
+            above += f", first-order prediction {r['predicted']:+.4f}"
         if "vs first" in r:
             v = r["vs first"]
             above += (f"; minus {first}'s, query by query: {plus_minus(v['delta'], v['se'])}, above it in "
@@ -3217,7 +3250,8 @@ def run_attribution(model: PRISM, data, cfg: Config, log) -> dict:
     # 6. the retraining check (off by default: a continued training per query and method)
     retrain = None
     if cfg.attr_retrain:
-        retrain = retrain_check(model, windows, xq, yq, {name: ranked[name] for name in compared}, cfg, log)
+        retrain = retrain_check(model, windows, xq, yq, {name: ranked[name] for name in compared}, cfg, log,
+                                tracin=ranked["dense TracIn (all parameters)"])
     # the first query's most influential training windows, decoded (for the report)
     tok = data.tokenizer
     first = ranked[cached_name][0]
@@ -3880,6 +3914,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
             n = len(rt["queries"])
             rows = [{"left out": r["method"], "Δ query loss (nats)": plus_minus(r["delta"], r["se"]),
                      "queries above random": "" if r["above random"] is None else f"{r['above random']}/{n}",
+                     **({"first-order prediction (nats)": f"{r['predicted']:+.4f}"} if "predicted" in r else {}),
                      f"Δ minus {rt['first']}'s, paired": plus_minus(r["vs first"]["delta"], r["vs first"]["se"])
                      if "vs first" in r else "",
                      "queries above it": f"{r['vs first']['above']}/{n}" if "vs first" in r else ""}
@@ -3888,8 +3923,14 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                          f"of the {rt['seqs']} windows left out of {rt['epochs']} epoch(s) of plain SGD (lr "
                          f"{rt['lr']:g}, batches of {rt['batch']}) continued from the trained weights; Δ is the "
                          "query's loss minus that after the same training with nothing left out (proponents left "
-                         f"out: Δ &gt; 0, above the random windows'; noise floor {rt['noise']:.1e} nats).</p>"
-                         + table_html(rows, list(rows[0])))
+                         f"out: Δ &gt; 0, above the random windows'; noise floor {rt['noise']:.1e} nats)."
+                         + ("" if not rt.get("first_order") else
+                            " The first-order prediction is lr·epochs/(B·T) × the left-out windows' dense TracIn "
+                            f"scores; over the {rt['first_order']['pairs']} (method, query) pairs the measured Δ "
+                            f"correlates with it at {rt['first_order']['r']:.3f}, measured = "
+                            f"{rt['first_order']['slope']:.3f} × predicted (near 1 and 1: TracIn's linear regime, "
+                            "where TracIn's top k has the largest prediction by construction).")
+                         + "</p>" + table_html(rows, list(rows[0])))
         if a.get("cache_s"):
             parts.append(f"<p>The cache's S = E[δδᵀ]: {html.escape(a['cache_s']['label'])} "
                          f"(--attr-s {html.escape(a['cache_s']['s'])}).</p>")

@@ -2,6 +2,7 @@
 prototype-space baseline (Woodbury, with the empirical or the sampled true Fisher), the dense TracIn baseline and
 the experiment, each against a brute-force reference on a tiny model."""
 import dataclasses
+import statistics
 import sys
 
 import numpy as np
@@ -1113,17 +1114,37 @@ def test_retraining_check_rows(monkeypatch, tmp_path):
         assert r["vs first"]["se"] == pytest.approx((diff.std() / 3 ** 0.5).item())
         assert r["vs first"]["above"] == int((diff > 0).sum())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in start.items())
+    # the first-order prediction: lr·epochs/(B·T) × the left-out windows' dense TracIn scores; for TracIn's own row
+    # its top 4, for the random row the windows drawn after the batches' shuffles
+    tracin = prism.dense_scores(model, prism.train_windows(StandIn(), 20, 8), xq, yq)[0]
+    scale = 0.1 * 2 / (6 * 8)
+    assert rt["rows"][2]["predicted_per_query"] == pytest.approx(
+        [scale * float(tracin[j].topk(4).values.sum()) for j in (0, 2, 4)], rel=1e-5)
+    assert rt["rows"][-1]["predicted_per_query"] == pytest.approx(
+        [scale * float(tracin[j, torch.randperm(20, generator=gen)[:4]].sum()) for j in (0, 2, 4)], rel=1e-5)
+    assert all(r["predicted"] == pytest.approx(statistics.fmean(r["predicted_per_query"])) for r in rt["rows"])
+    xs = np.array([x for r in rt["rows"] for x in r["predicted_per_query"]])
+    ys = np.array([y for r in rt["rows"] for y in r["per_query"]])
+    fo = rt["first_order"]
+    assert fo["pairs"] == 15 and fo["r"] == pytest.approx(np.corrcoef(xs, ys)[0, 1])
+    assert fo["slope"] == pytest.approx(xs @ ys / (xs @ xs))
     again = prism.retrain_check(model, prism.train_windows(StandIn(), 20, 8),
                                 *prism.val_queries(StandIn(), 5, 8, "cpu"), {}, cfg, lambda s: None)
     assert again["rows"][-1]["per_query"] == rand  # the random windows and the batches: the same draws
     head = [ln for ln in lines if ln.startswith("attribution, retraining check")]
-    assert len(head) == 6 and head[0].startswith("attribution, retraining check: 3 queries; for each, a method's top 4 "
+    assert len(head) == 7 and head[0].startswith("attribution, retraining check: 3 queries; for each, a method's top 4 "
                                                  "of the 20 windows left out of 2 epochs of plain SGD (lr 0.1")
     assert f"repeated, it gave the same losses to 0.0e+00 nats, Δ's noise floor); {rt['runs']} runs" in head[0]
     assert rt["runs"] <= 2 + 3 * 5  # nothing left out twice, then 3 queries × (4 rankings + random), fewer if equal
-    for ln, r in zip(head[1:], rt["rows"]):
+    assert head[1] == (f"attribution, retraining check, first order: the prediction lr·epochs/(B·T) × the left-out "
+                       f"windows' dense TracIn scores vs the measured Δ over the 15 (method, query) pairs: correlation "
+                       f"{fo['r']:.3f}, measured = {fo['slope']:.3f} × predicted (least squares through 0); near 1 "
+                       "and 1, the check is in TracIn's linear regime, where TracIn's own top k is the largest "
+                       "predicted Δ by construction")
+    for ln, r in zip(head[2:], rt["rows"]):
         assert ln.startswith(f"attribution, retraining check, {r['method']}: Δ {r['delta']:+.4f} ± {r['se']:.4f} "
                              "nats")
+        assert f", first-order prediction {r['predicted']:+.4f}" in ln
         if "vs first" in r:
             v = r["vs first"]
             assert ln.endswith(f"; minus PRISM cached (block)'s, query by query: {v['delta']:+.4f} ± {v['se']:.4f}, "
@@ -1142,8 +1163,29 @@ def test_retraining_check_rows(monkeypatch, tmp_path):
         cells = f"<td>{r['method']}</td><td>{r['delta']:+.4f} ± {r['se']:.4f}</td>"
         if "vs first" in r:
             v = r["vs first"]
-            cells += f"<td>{r['above random']}/3</td><td>{v['delta']:+.4f} ± {v['se']:.4f}</td><td>{v['above']}/3</td>"
+            cells += (f"<td>{r['above random']}/3</td><td>{r['predicted']:+.4f}</td><td>{v['delta']:+.4f} ± "
+                      f"{v['se']:.4f}</td><td>{v['above']}/3</td>")
         assert cells in html, cells
+    assert f"correlates with it at {rt['first_order']['r']:.3f}, measured = {rt['first_order']['slope']:.3f} × " \
+           "predicted" in html
+    assert "first-order prediction" not in one and "correlates" not in one  # no TracIn scores given: no column
+
+
+def test_retraining_check_first_order_fit():
+    """At a small lr the check is in TracIn's linear regime: its prediction lr·epochs/(B·T) × the left-out windows'
+    dense TracIn scores fits the measured Δ (correlation and least-squares slope near 1) over several batches
+    and epochs; a scale off by the epochs, B or T would put the slope at 1/2, 2 or 8."""
+    cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
+                 attr_retrain=3, attr_retrain_k=3, batch_size=4, attr_retrain_epochs=2, attr_retrain_lr=3e-3)
+    model = tiny()
+    w = windows_of(12, 8, seed=61)
+    xq = windows_of(3, 8, seed=62)
+    tracin = prism.dense_scores(model, w, xq[:, :-1], xq[:, -1])[0]
+    every_fourth = (torch.arange(12) % 4 == 0).float().expand(3, 12)  # a fixed set, whatever the query
+    rankings = {"TracIn": tracin, "TracIn reversed": -tracin, "every fourth": every_fourth}
+    rt = prism.retrain_check(model, w, xq[:, :-1], xq[:, -1], rankings, cfg, lambda s: None, tracin=tracin)
+    fo = rt["first_order"]
+    assert fo["pairs"] == 12 and fo["r"] > 0.99 and fo["slope"] == pytest.approx(1, abs=0.05), fo
 
 
 def test_retraining_noise_floor_is_the_repeat_gap(monkeypatch):
