@@ -148,11 +148,11 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     --attr-retrain-epochs approach (an expectation). So that prediction is logged beside every Δ, lr·epochs/(B·T)
     times the left-out windows' dense TracIn scores, with its fit to the measured Δ over every (method, query)
     pair (correlation, and the least-squares slope through 0). On the CPU preset's checkpoint (2026-12-05) every
-    method's top 10 raised the query's loss above random windows' on average, at 1 epoch over 16 queries and at
-    4 over 8: cached +0.027 and +0.056 nats, exact +0.034 and +0.064, EK-FAC +0.045 and +0.080, dense TracIn
-    +0.080 and +0.108, random +0.002 and -0.006 (README: the table rows and the paired comparisons). Both runs
-    are far from first order (correlation 0.50 and 0.49, measured ≈ 0.21 × predicted), yet the methods rank as
-    their predictions do; at lr 0.01 the fit is 0.97, slope 0.65.
+    method's top 10 raised the query's loss above random windows' on average, over 16 queries at 1 epoch and at
+    4: cached +0.027 and +0.058 nats, exact +0.034 and +0.064, EK-FAC +0.045 and +0.089, dense TracIn +0.080
+    and +0.127, random +0.002 and -0.001 (README: the table rows and the paired comparisons). Both runs are far
+    from first order (correlation 0.50 and 0.10, measured ≈ 0.21 and 0.06 × predicted), yet the methods' means
+    rank as their predictions do; at lr 0.01 the fit is 0.97, slope 0.65.
     The dense methods (TracIn, its sketch, EK-FAC's measurement) take the query's gradient of W z, the loss's
     value (query_ce): the head's logits equal W z under every routing, but not their gradient: under
     detach-zhat autograd through the head adds ẑ's routed share, and under detach-r the backbone's gradient
