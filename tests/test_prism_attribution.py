@@ -1174,7 +1174,7 @@ def test_retraining_check_rows(monkeypatch, tmp_path):
 def test_retraining_check_first_order_fit():
     """At a small lr the check is in TracIn's linear regime: its prediction lr·epochs/(B·T) × the left-out windows'
     dense TracIn scores fits the measured Δ (correlation and least-squares slope near 1) over several batches
-    and epochs; a scale off by the epochs, B or T would put the slope at 1/2, 2 or 8."""
+    and epochs; a scale off by the epochs (2), B (4) or T (8) would put the slope that far from 1."""
     cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
                  attr_retrain=3, attr_retrain_k=3, batch_size=4, attr_retrain_epochs=2, attr_retrain_lr=3e-3)
     model = tiny()
