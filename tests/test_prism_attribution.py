@@ -1,6 +1,7 @@
 """prism.py's training-data attribution (spec §5.3): the cache, its block and Kronecker-factored scores, the exact
 prototype-space baseline (Woodbury, with the empirical or the sampled true Fisher), the dense TracIn baseline and
 the experiment, each against a brute-force reference on a tiny model."""
+import copy
 import dataclasses
 import statistics
 import sys
@@ -674,7 +675,6 @@ def test_dense_baseline_is_the_dot_product_of_flattened_gradients(resid_grad, as
     """Dense TracIn: each training window's gradient as the model trains (the head's routing) dotted with the
     query's loss gradient, the gradient of its value: the same model routed "full" (logits W z in value and
     gradient), which under the other routings differs from autograd through the head."""
-    import copy
     model = tiny(resid_grad)
     plain = copy.deepcopy(model)
     plain.cfg = dataclasses.replace(model.cfg, resid_grad="full")
@@ -698,9 +698,7 @@ def test_dense_baseline_is_the_dot_product_of_flattened_gradients(resid_grad, as
     gq, through_head = [], []
     for j in range(3):
         loss = F.cross_entropy(plain(xq[j:j + 1, :-1])[0, -1], xq[j, -1])
-        grads = torch.autograd.grad(loss, list(plain.parameters()), allow_unused=True)  # P: none, as in W z
-        gq.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
-                             for g, p in zip(grads, plain.parameters())]).double())
+        gq.append(prism.flat_param_grad(loss, list(plain.parameters())).double())  # P: zeros, as in W z
         through_head.append(grad_of(F.cross_entropy(model(xq[j:j + 1, :-1])[0, -1], xq[j, -1])))
     model.zero_grad(set_to_none=True)
     ref = torch.stack([torch.stack([q @ m for m in gm]) for q in gq])
@@ -992,7 +990,6 @@ def manual_sgd(model, windows, left_out, order, lr, batch):
     """The retraining check's continued training written apart from it: per-window gradients of each window's mean
     CE by autograd, summed over the windows a batch keeps and divided by the batch size (a short last batch's too:
     every window weighs lr/batch), one SGD step per batch. -> the trained copy."""
-    import copy
     m = copy.deepcopy(model).eval()
     params = [p for p in m.parameters() if p.requires_grad]
     for epoch in order:
@@ -1016,7 +1013,6 @@ def test_retraining_leaves_out_exactly_those_windows(resid_grad, assert_close):
     """retrain_query_losses against per-window SGD written out: two epochs in two shuffled orders, batches of 4
     over 10 windows (a short last batch of 2), three windows left out, two of them the first epoch's whole last
     batch (no step there); the query losses after agree, and `work` starts again from `start` on every call."""
-    import copy
     model = tiny(resid_grad)
     w = windows_of(10, 8, seed=21)
     xq = windows_of(3, 8, seed=22)
@@ -1043,7 +1039,6 @@ def test_retraining_effect_is_tracin_to_first_order(resid_grad, assert_close):
     to first order, i.e. lr/(M·T) times the dense TracIn scores (∇ of the summed CE) of the windows left out: the
     check measures what the scores claim, in their units. Under detach-zhat and detach-r only with the query's
     loss gradient of W z (query_ce): the same prediction from autograd through the routed head is off."""
-    import copy
     model = tiny(resid_grad)
     M, T = 12, 8
     w = windows_of(M, T, seed=31)
@@ -1071,7 +1066,6 @@ def test_retraining_check_rows(monkeypatch, tmp_path):
     """The check over the experiment's rankings: the picked queries, one row per ranking and the random windows, Δ
     and its standard error from the per-query values, the above-random counts, equal left-out sets trained once,
     the same figures on a second call, the model left as it was, and the log lines."""
-    import copy
     cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
                  attr_seqs=20, attr_queries=5, attr_retrain=3, attr_retrain_k=4, batch_size=6, attr_retrain_epochs=2)
     model = PRISM(cfg, V).eval()
