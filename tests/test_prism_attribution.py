@@ -3,6 +3,7 @@ prototype-space baseline (Woodbury, with the empirical or the sampled true Fishe
 the experiment, each against a brute-force reference on a tiny model."""
 import copy
 import dataclasses
+import html
 import statistics
 import sys
 
@@ -797,7 +798,83 @@ class StandIn:
 
 
 @pytest.mark.parametrize("curvature", ["block", "kfac"])
-def test_experiment_table(curvature):
+def test_fixed_a_spectrum_against_the_explicit_curvature(curvature, assert_close):
+    """fixed_a_spectrum against the explicit K·d × K·d curvature H (A_ii·S blocks, or A ⊗ S from the cache's
+    factors): the weighted error ratio by a dense solve, sqrt(tr E(H + λI)⁻¹Eᵀ / tr G(H + λI)⁻¹Gᵀ), and each
+    band's directions, energy shares and |e|/|g| from H's own eigendecomposition; the error is the exact gradients
+    (build_exact) minus the cache's fixed-a ones, over the training windows and, apart, the queries. Read a window
+    at a time, the same figures."""
+    model = tiny()
+    K, d = model.P.shape
+    M, damping, grid = 16, 1e-2, (1e-3, 0.3, 10.0)
+    w = windows_of(M, 8, seed=7)
+    cache = prism.build_attr_cache(model, w, curvature, damping=damping)
+    ex = prism.build_exact(model, w, damping=damping)
+    xq = windows_of(3, 8, seed=8)
+    states = [tuple(t[0] for t in prism.query_state(model, xq[q:q + 1, :-1], xq[q:q + 1, -1])) for q in range(3)]
+    grads = [prism.exact_query_grad(model, xq[q, :-1], xq[q, -1]) for q in range(3)]
+    out = prism.fixed_a_spectrum(cache, ex, states, grads, damping, grid=grid)
+    assert out == prism.fixed_a_spectrum(cache, ex, states, grads, damping, grid=grid, chunk=K * d)
+    assert set(out) == {"lam0", "block", *(["kfac"] if curvature == "kfac" else [])}
+    S = (cache.Q_S.double() * cache.lam_S.double()) @ cache.Q_S.double().T
+    A = {"block": torch.diag(cache.A_diag.double())}
+    if curvature == "kfac":
+        A["kfac"] = (cache.Q_A.double() * cache.lam_A.double()) @ cache.Q_A.double().T
+    G = dense_rows(ex.index, M, K).reshape(M, -1)
+    E = G - dense_rows(cache.index, M, K).reshape(M, -1)
+    Gq = torch.stack(grads).double().reshape(3, -1)
+    Gq_c = torch.zeros(3, K, d, dtype=torch.float64)
+    for q, (idx, a, delta) in enumerate(states):
+        Gq_c[q, idx] = a[:, None].double() * delta.double()  # a = 0 rows stay 0
+    Eq = Gq - Gq_c.reshape(3, -1)
+    assert E.abs().max() > 0 and Eq.abs().max() > 0  # the exact gradients see a's dependence on P: e is not 0
+    lam0 = cache.lam / damping
+    assert out["lam0"] == lam0
+    for name, A_ in A.items():
+        H = torch.kron(A_, S)
+        sweep = out[name]["sweep"]
+        assert [r["attr_damping"] for r in sweep] == sorted(set(grid) | {damping})
+        for r in sweep:
+            Hl = H + r["attr_damping"] * lam0 * torch.eye(K * d, dtype=torch.float64)
+
+            def weighted(X):
+                return (X * torch.linalg.solve(Hl, X.T).T).sum()
+            assert_close(f"{name} train {r['attr_damping']}", (weighted(E) / weighted(G)).sqrt(),
+                         torch.tensor(r["train"], dtype=torch.float64), ratio=1e-4)
+            assert_close(f"{name} query {r['attr_damping']}", (weighted(Eq) / weighted(Gq)).sqrt(),
+                         torch.tensor(r["query"], dtype=torch.float64), ratio=1e-4)
+        mu, V = torch.linalg.eigh(H)
+        eG, eE, eqG, eqE = ((X @ V).pow(2).sum(0) for X in (G, E, Gq, Eq))
+        bands = out[name]["bands"]
+        edges = [None, *sorted(grid), None]
+        assert [tuple(b["band"]) for b in bands] == list(zip(edges[:-1], edges[1:]))
+        assert sum(b["directions"] for b in bands) == K * d
+        for b in bands:
+            lo, hi = b["band"]
+            m = torch.ones(K * d, dtype=torch.bool)
+            if lo is not None:
+                m &= mu >= lo * lam0
+            if hi is not None:
+                m &= mu < hi * lam0
+            assert b["directions"] == int(m.sum()), (name, b["band"])
+            for key, want in (("gradient share", eG[m].sum() / eG.sum()), ("error share", eE[m].sum() / eE.sum()),
+                              ("train", (eE[m].sum() / eG[m].sum()).sqrt()),
+                              ("query", (eqE[m].sum() / eqG[m].sum()).sqrt())):
+                if b[key] is None:  # a band where no gradient lies
+                    assert eqG[m].sum() < 1e-12 * eqG.sum() if key == "query" else eG[m].sum() < 1e-12 * eG.sum()
+                else:
+                    assert_close(f"{name} {b['band']} {key}", want, torch.tensor(b[key], dtype=torch.float64),
+                                 ratio=1e-4, atol=1e-9)
+    # the log: one line per curvature, each band's label and figures
+    lines = prism.spectrum_lines(out)
+    assert len(lines) == len(A)
+    for ln, name in zip(lines, A):
+        assert f"in the {name} curvature's eigenbasis" in ln
+        assert f"{out[name]['sweep'][0]['train']:.2f}, " in ln and "<0.001 " in ln and ">=10 " in ln
+
+
+@pytest.mark.parametrize("curvature", ["block", "kfac"])
+def test_experiment_table(curvature, tmp_path):
     cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
                  attr_seqs=30, attr_queries=4, attr_curvature=curvature, attr_damping=1e-2)
     model = PRISM(cfg, V).eval()
@@ -831,7 +908,22 @@ def test_experiment_table(curvature):
     assert exact["top-10 overlap"] == 1 and exact["top-100 overlap"] == 1  # n capped at M = 30: all of them
     sweep = res["damping_sweep"]  # the grid, with the run's own 1e-2 among it
     assert [r["attr_damping"] for r in sweep] == sorted(set(prism.ATTR_DAMPING_SWEEP) | {1e-2})
-    assert len(lines) == 8 + len(sweep) and lines[5] == res["summary"]
+    spectrum = prism.spectrum_lines(res["fixed_a_spectrum"])  # block's, and kfac's when the cache is kfac
+    assert len(spectrum) == 1 + (curvature == "kfac") and set(res["fixed_a_spectrum"]) == {
+        "lam0", "block", *(["kfac"] if curvature == "kfac" else [])}
+    assert len(lines) == 8 + len(sweep) + len(spectrum) and lines[5] == res["summary"]
+    assert lines[8 + len(sweep):] == spectrum
+    # the report: per curvature, the sentence with the weighted ratios and one row per band, every cell
+    html_text = prism.write_report(tmp_path, cfg, {"attribution": res}, {}).read_text()
+    for name in ("block", "kfac")[:len(spectrum)]:
+        s = res["fixed_a_spectrum"][name]
+        assert f"in the {name} curvature H's eigenbasis" in html_text
+        r = s["sweep"][0]
+        assert f"{r['train']:.2f} ({r['query']:.2f} for the queries) at {r['attr_damping']:g}" in html_text
+        for b in s["bands"]:
+            cells = [prism.band_label(*b["band"]), str(b["directions"]), prism.percent(b["gradient share"]),
+                     prism.percent(b["error share"])] + ["n/a" if b[k] is None else f"{b[k]:.2f}" for k in ("train", "query")]
+            assert "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>" in html_text, cells
     assert res["reference_redraw"] is None  # the default empirical reference draws nothing: no re-draw to measure
     assert res["vs_ekfac"] is None  # no --ekfac: nothing to compare with
     # the diagnostics: gradients alone (no curvature; the cache's curvature in both) and curvature alone
