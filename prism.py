@@ -97,11 +97,12 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     (pairs)·V·d², CPU-preset sizes). On the CPU preset's checkpoint (2026-12-05, λ = 0.1) the block curvature
     alone keeps 0.47 of its top-10 and kfac's co-usage curvature 0.82: the co-usage the blocks drop is most of
     their loss. The overlaps measure agreement with the chosen reference. The kfac cache itself keeps less
-    (0.48), because its fixed-a gradients err most where A ⊗ S is small. Every run logs that error e = g − g^c
-    in the cache's curvature's eigenbasis (fixed_a_spectrum). On that checkpoint, weighted as the ranking at λ
-    weights it, |e|/|g| is 0.21-0.23 in the block basis at every damping swept, and 0.51 at 1e-3, 0.38 at 0.1
-    in kfac's. There the directions with eigenvalues 1e-3 to 1e-2 of the damping's scale hold 0.09 % of Σ|g|²
-    but 1.0 % of Σ|e|² (|e|/|g| 0.66 within them).
+    (0.48). Every run logs its fixed-a gradients' error e = g − g^c in the cache's curvature's eigenbasis
+    (fixed_a_spectrum). On that checkpoint, over the training windows and weighted as the ranking at λ weights
+    it, |e|/|g| is 0.21–0.23 in the block basis at every damping swept, but 0.51 at 1e-3 and 0.38 at 0.1 in
+    kfac's. The error is largest in kfac's directions with eigenvalues 1e-3 to 1e-2 of the damping's scale,
+    which the inverse weights up as λ falls: they hold 0.09 % of Σ|g|² but 1.0 % of Σ|e|² (|e|/|g| 0.66 within
+    them).
     The cache's S is spec §5.3's E[δδᵀ] of the true-label δ (--attr-s empirical, the default); --attr-s fisher takes the δ̃ of targets drawn from the model
     instead, K-FAC's true-Fisher factor, with the exact fisher reference's draws (same --seed). On the CPU preset's
     checkpoint against the true-Fisher reference (2026-12-03) the two agree to a query or two: cached 0.49/0.67
@@ -2727,11 +2728,11 @@ def fixed_a_spectrum(cache: AttrCache, ex: ExactAttr, states, query_grads, dampi
     for (idx, a, _), g_q in zip(states, query_grads):
         used[idx[a > 0]] = True
         used |= g_q.ne(0).any(-1)
-    live = used.nonzero().squeeze(1)
+    rows = used.nonzero().squeeze(1)
     pos = torch.full((K,), -1, dtype=torch.long, device=device)
-    pos[live] = torch.arange(len(live), device=device)
+    pos[rows] = torch.arange(len(rows), device=device)
     kfac = cache.curvature == "kfac"
-    Q_A = cache.Q_A[live] if kfac else None  # [L, K]: A's eigenvectors' entries on the used rows
+    Q_A = cache.Q_A[rows] if kfac else None  # [L, K]: A's eigenvectors' entries on the used rows
 
     def energies(pairs):
         """pairs: (exact, fixed-a) gradient batches [n, L, d] -> {curvature: (Σ (vᵀg)², Σ (vᵀe)²), each [K, d]}."""
@@ -2740,14 +2741,14 @@ def fixed_a_spectrum(cache: AttrCache, ex: ExactAttr, states, query_grads, dampi
         for g, g_c in pairs:
             for j, x in enumerate((g, g - g_c)):
                 u = x @ cache.Q_S  # rows in S's eigenbasis
-                out["block"][j][live] += u.double().pow(2).sum(0)
+                out["block"][j][rows] += u.double().pow(2).sum(0)
                 if kfac:  # Q_Aᵀ over the rows: [n, K, d], within the chunk
                     out["kfac"][j] += torch.einsum("la,nld->nad", Q_A, u).double().pow(2).sum(0)
         return out
 
     def window_rows(index, proto, m0, m1):
         sel = (index.seq >= m0) & (index.seq < m1)
-        x = torch.zeros(m1 - m0, len(live), d, device=device)
+        x = torch.zeros(m1 - m0, len(rows), d, device=device)
         x[index.seq[sel].long() - m0, pos[proto[sel]]] = index.G[sel]
         return x
     protos = (ex.index.proto_of_rows(), cache.index.proto_of_rows())
@@ -2756,13 +2757,14 @@ def fixed_a_spectrum(cache: AttrCache, ex: ExactAttr, states, query_grads, dampi
                       window_rows(cache.index, protos[1], m0, min(m0 + step, ex.M))) for m0 in range(0, ex.M, step))
 
     def query_rows(idx, a, delta, g_q):
-        g_c = torch.zeros(1, len(live), d, device=device)
+        g_c = torch.zeros(1, len(rows), d, device=device)
         g_c[0, pos[idx[a > 0]]] = a[a > 0, None] * delta
-        return g_q[live][None].float(), g_c
+        return g_q[rows][None].float(), g_c
     query = energies(query_rows(*state, g_q) for state, g_q in zip(states, query_grads))
     lam0 = cache.lam / damping
-    eig = {"block": cache.A_diag[:, None] * cache.lam_S[None], "kfac": cache.lam_A[:, None] * cache.lam_S[None]
-           if kfac else None}
+    eig = {"block": cache.A_diag[:, None] * cache.lam_S[None]}  # μ per direction, [K, d]
+    if kfac:
+        eig["kfac"] = cache.lam_A[:, None] * cache.lam_S[None]
 
     def ratio(num, den):
         return math.sqrt(num / den) if den > 0 else None
@@ -2793,35 +2795,6 @@ def fixed_a_spectrum(cache: AttrCache, ex: ExactAttr, states, query_grads, dampi
                           "query": ratio(qE[m].sum().item(), qG[m].sum().item())})
         out[name] = {"sweep": sweep, "bands": bands}
     return out
-
-def band_label(lo: Optional[float], hi: Optional[float]) -> str:
-    """A band of μ/λ₀ as text: "<0.001", "0.001-0.01", ">=10"."""
-    return f"<{hi:g}" if lo is None else f">={lo:g}" if hi is None else f"{lo:g}-{hi:g}"
-
-
-def percent(x: Optional[float]) -> str:
-    """A share as a percentage to two significant digits (a band can hold 0.0042 % of the energy), n/a for None."""
-    return "n/a" if x is None else f"{100 * x:.2g}%"
-
-
-def spectrum_lines(spectrum: dict) -> list[str]:
-    """fixed_a_spectrum's result as log lines, one per curvature."""
-    def figures(xs):
-        return ", ".join("n/a" if x is None else f"{x:.2f}" for x in xs)
-    lines = []
-    for name in ("block", "kfac"):
-        if name not in spectrum:
-            continue
-        s = spectrum[name]
-        bands = "; ".join(f"{band_label(*b['band'])} {figures([b['train']])} ({figures([b['query']])}), "
-                          f"{percent(b['gradient share'])} of Σ|g|²" for b in s["bands"])
-        lines.append(f"attribution, the fixed-a gradients' error e = g - g^c in the {name} curvature's eigenbasis: "
-                     f"|e|/|g| weighted by (H + λI)⁻¹ {figures(r['train'] for r in s['sweep'])} over the training "
-                     f"windows ({figures(r['query'] for r in s['sweep'])} over the queries) at --attr-damping "
-                     + ", ".join(f"{r['attr_damping']:g}" for r in s["sweep"])
-                     + f"; by band of eigenvalue μ/λ₀ (λ₀ {spectrum['lam0']:.3g}, the damping's scale), |e|/|g| "
-                     f"within it (queries'), its share of Σ|g|²: {bands}")
-    return lines
 
 def exact_query_grad(model: PRISM, xq, yq):
     """The query's exact prototype-space gradient ∇_P CE of its one prediction (xq [T], target yq) -> [K, d]."""
@@ -3013,6 +2986,35 @@ def overlap_text(o: dict) -> str:
     """An overlaps() dict as the log and report print it: "0.54/0.71" (top-10/top-100)."""
     return f"{o['top-10 overlap']:.2f}/{o['top-100 overlap']:.2f}"
 
+
+def band_label(lo: Optional[float], hi: Optional[float]) -> str:
+    """A band of μ/λ₀ as text: "<0.001", "0.001-0.01", ">=10"."""
+    return f"<{hi:g}" if lo is None else f">={lo:g}" if hi is None else f"{lo:g}-{hi:g}"
+
+
+def percent(x: Optional[float]) -> str:
+    """A share as a percentage to two significant digits (a band can hold 0.0042 % of the energy), n/a for None."""
+    return "n/a" if x is None else f"{100 * x:.2g}%"
+
+
+def spectrum_lines(spectrum: dict) -> list[str]:
+    """fixed_a_spectrum's result as log lines, one per curvature."""
+    def figures(xs):
+        return ", ".join("n/a" if x is None else f"{x:.2f}" for x in xs)
+    lines = []
+    for name in ("block", "kfac"):
+        if name not in spectrum:
+            continue
+        s = spectrum[name]
+        bands = "; ".join(f"{band_label(*b['band'])} {figures([b['train']])} ({figures([b['query']])}), "
+                          f"{percent(b['gradient share'])} of Σ|g|²" for b in s["bands"])
+        lines.append(f"attribution, the fixed-a gradients' error e = g - g^c in the {name} curvature's eigenbasis: "
+                     f"|e|/|g| weighted by (H + λI)⁻¹ {figures(r['train'] for r in s['sweep'])} over the training "
+                     f"windows ({figures(r['query'] for r in s['sweep'])} over the queries) at --attr-damping "
+                     + ", ".join(f"{r['attr_damping']:g}" for r in s["sweep"])
+                     + f"; by band of eigenvalue μ/λ₀ (λ₀ {spectrum['lam0']:.3g}, the damping's scale), |e|/|g| "
+                     f"within it (queries'), its share of Σ|g|²: {bands}")
+    return lines
 
 def plus_minus(mean: float, se: Optional[float]) -> str:
     """A mean and its standard error as the log and report print them: "+0.0266 ± 0.0104" (the mean alone when
@@ -4041,15 +4043,15 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                     for r in a["damping_sweep"]]
             parts.append("<p>The same rankings at other dampings (each method's λ relative to its own curvature's mean "
                          "non-zero eigenvalue; the gradients reused):</p>" + table_html(rows, list(rows[0])))
-        for name, s in (a.get("fixed_a_spectrum") or {}).items():
-            if name == "lam0":
+        for curv, s in (a.get("fixed_a_spectrum") or {}).items():
+            if curv == "lam0":
                 continue
             rows = [{"μ/λ₀": band_label(*b["band"]), "directions": b["directions"],
                      "share of Σ|g|²": percent(b["gradient share"]), "share of Σ|e|²": percent(b["error share"]),
                      **{f"|e|/|g|, {who}": "n/a" if b[key] is None else f"{b[key]:.2f}"
                         for key, who in (("train", "training windows"), ("query", "queries"))}} for b in s["bands"]]
             parts.append(f"<p>Where the cache's fixed-a gradients g^c differ from the exact ones g, e = g − g^c, in the "
-                         f"{name} curvature H's eigenbasis, by band of eigenvalue μ over λ₀ = "
+                         f"{curv} curvature H's eigenbasis, by band of eigenvalue μ over λ₀ = "
                          f"{a['fixed_a_spectrum']['lam0']:.3g} (the damping's scale: at --attr-damping x the damping "
                          "dominates the directions below x). Weighted by (H + λI)⁻¹ as the ranking weights them, "
                          "|e|/|g| is " + ", ".join(

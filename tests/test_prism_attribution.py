@@ -797,24 +797,45 @@ class StandIn:
         return self.split[split]
 
 
+def nested_close(a, b, rel=1e-12):
+    """Two results of nested dicts and lists equal, floats to a relative `rel` (another summation order)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(nested_close(a[k], b[k], rel) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(nested_close(x, y, rel) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= rel * max(abs(a), abs(b))
+    return a == b
+
+
 @pytest.mark.parametrize("curvature", ["block", "kfac"])
-def test_fixed_a_spectrum_against_the_explicit_curvature(curvature, assert_close):
+@pytest.mark.parametrize("n_protos,topk,M,T", [(12, 3, 16, 8), (24, 3, 3, 2)])
+def test_fixed_a_spectrum_against_the_explicit_curvature(curvature, n_protos, topk, M, T, assert_close):
     """fixed_a_spectrum against the explicit K·d × K·d curvature H (A_ii·S blocks, or A ⊗ S from the cache's
     factors): the weighted error ratio by a dense solve, sqrt(tr E(H + λI)⁻¹Eᵀ / tr G(H + λI)⁻¹Gᵀ), and each
     band's directions, energy shares and |e|/|g| from H's own eigendecomposition; the error is the exact gradients
-    (build_exact) minus the cache's fixed-a ones, over the training windows and, apart, the queries. Read a window
-    at a time, the same figures."""
-    model = tiny()
+    (build_exact) minus the cache's fixed-a ones, over the training windows and, apart, the queries. The second
+    case leaves prototypes unused and has queries on prototypes no window uses (the function reads only the used
+    rows). Read a window at a time, or two of three, the same figures."""
+    model = tiny(n_protos=n_protos, topk=topk, ctx=T)
     K, d = model.P.shape
-    M, damping, grid = 16, 1e-2, (1e-3, 0.3, 10.0)
-    w = windows_of(M, 8, seed=7)
+    damping, grid = 1e-2, (1e-3, 0.3, 10.0)
+    w = windows_of(M, T, seed=7)
     cache = prism.build_attr_cache(model, w, curvature, damping=damping)
     ex = prism.build_exact(model, w, damping=damping)
-    xq = windows_of(3, 8, seed=8)
+    xq = windows_of(3, T, seed=8)
     states = [tuple(t[0] for t in prism.query_state(model, xq[q:q + 1, :-1], xq[q:q + 1, -1])) for q in range(3)]
     grads = [prism.exact_query_grad(model, xq[q, :-1], xq[q, -1]) for q in range(3)]
+    if n_protos == 24:  # the case it is for: unused rows, and rows that only a query uses
+        windows_use = cache.index.indptr.diff() > 0
+        query_use = torch.zeros(K, dtype=torch.bool)
+        for (idx, a, _), g_q in zip(states, grads):
+            query_use[idx[a > 0]] = True
+            query_use |= g_q.ne(0).any(-1)
+        assert not (windows_use | query_use).all() and (query_use & ~windows_use).any()
     out = prism.fixed_a_spectrum(cache, ex, states, grads, damping, grid=grid)
-    assert out == prism.fixed_a_spectrum(cache, ex, states, grads, damping, grid=grid, chunk=K * d)
+    for chunk in (K * d, 2 * K * d):  # a window per chunk; two, the last chunk short when M is odd
+        assert nested_close(out, prism.fixed_a_spectrum(cache, ex, states, grads, damping, grid=grid, chunk=chunk))
     assert set(out) == {"lam0", "block", *(["kfac"] if curvature == "kfac" else [])}
     S = (cache.Q_S.double() * cache.lam_S.double()) @ cache.Q_S.double().T
     A = {"block": torch.diag(cache.A_diag.double())}
@@ -914,7 +935,9 @@ def test_experiment_table(curvature, tmp_path):
     assert len(lines) == 8 + len(sweep) + len(spectrum) and lines[5] == res["summary"]
     assert lines[8 + len(sweep):] == spectrum
     # the report: per curvature, the sentence with the weighted ratios and one row per band, every cell
-    html_text = prism.write_report(tmp_path, cfg, {"attribution": res}, {}).read_text()
+    report = prism.write_report(tmp_path, cfg, {"attribution": res}, {})
+    assert report.name == "report.html"  # the report's own name, whatever the tables inside it are called
+    html_text = report.read_text()
     for name in ("block", "kfac")[:len(spectrum)]:
         s = res["fixed_a_spectrum"][name]
         assert f"in the {name} curvature H's eigenbasis" in html_text
