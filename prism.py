@@ -166,7 +166,9 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     loss by. With the loss's gradient, leaving windows out of one small SGD step moves the query's loss by
     lr/(B·T) times their TracIn scores (a test, which also shows the head's gradient off under both routings);
     before the twenty-third session (2026-12-05) the dense methods used the head's gradient. The prototype-space
-    methods keep the head's gradient by design: the loss's own gradient in P is zero (§2.3).
+    methods keep the head's gradient by design: the loss's own gradient in P is zero (§2.3). P reaches the check
+    only through the continued training, by ẑ's share of the backbone's gradient (detach-zhat, detach-r); under
+    full the check's losses do not depend on P at all (a test).
   * Suppression keywords default to `auto`: of the words (4+ letters) that live cards are about, the one the
     model generates most, so that the default run suppresses prototypes that fire, measured on a word whose
     rate can move (a fixed word such as "lord" matched only a dead card of the CPU preset: a no-op). The word is

@@ -1149,6 +1149,36 @@ def test_retraining_leaves_out_exactly_those_windows(resid_grad, assert_close):
 
 
 @pytest.mark.parametrize("resid_grad", ["detach-zhat", "detach-r", "full"])
+def test_retraining_depends_on_p_only_through_the_training(resid_grad, assert_close):
+    """The query's loss is CE of W z: at fixed weights it does not depend on the prototypes P at all, so to first
+    order the check sees a window only through its backbone gradient. P enters through the continued training
+    (CE alone): under full the backbone's CE gradient is the dense head's and the losses after it do not depend
+    on P either (to rounding); under detach-zhat the backbone also gets ẑ's share through the cosines in a, and
+    under detach-r only that share, so there other values of P give other losses."""
+    model = tiny(resid_grad)
+    w = windows_of(10, 8, seed=23)
+    xq = windows_of(3, 8, seed=24)
+    order = torch.stack([torch.randperm(10, generator=torch.Generator().manual_seed(s)) for s in (3, 4)])
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    other = {**start, "P": torch.randn(start["P"].shape, generator=torch.Generator().manual_seed(25))}
+    work = copy.deepcopy(model)
+    for s in (start, other):  # at fixed weights: the same query losses, whatever P holds
+        work.load_state_dict(s)
+        with torch.no_grad():
+            at_start = prism.query_ce(work, xq[:, :-1], xq[:, -1], reduction="none")
+        if s is start:
+            first = at_start
+        assert torch.equal(at_start, first)
+    for left_out in (set(), {1, 4, 7}):
+        losses = [prism.retrain_query_losses(work, s, w, left_out, xq[:, :-1], xq[:, -1], order, 0.5, 4)
+                  for s in (start, other)]
+        if resid_grad == "full":
+            assert_close(f"query losses, other P, {sorted(left_out)} left out", losses[0], losses[1], ratio=1e-5)
+        else:
+            assert (losses[0] - losses[1]).abs().max() > 1e-2, left_out
+
+
+@pytest.mark.parametrize("resid_grad", ["detach-zhat", "detach-r", "full"])
 def test_retraining_effect_is_tracin_to_first_order(resid_grad, assert_close):
     """One small SGD step over the whole set: leaving out R changes the query's loss by (lr/M)·Σ_{m∈R} ∇L_q·∇CE̅_m
     to first order, i.e. lr/(M·T) times the dense TracIn scores (∇ of the summed CE) of the windows left out: the
