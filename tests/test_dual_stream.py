@@ -103,6 +103,31 @@ def test_ffn_equals_its_matrices(up, down):
         assert torch.equal(f(xs.flatten(-2)), ref.flatten(-2))
 
 
+def test_initial_write_scales_behind_the_sweeps_ordering():
+    """The README's reading of the sweep (identity and dense the worst two-stream models) rests on the attention
+    branch's write into x_t at step 0, at the CPU preset's sizes: with N(0, 0.02) weights the dense branch writes
+    about ten times the Kronecker one's rms (its maps sum d inputs per output, the A's H), 9-13x over four seeds;
+    identity, with no V or O map, writes averages of the normalised x_t, rms about 0.2 against the embedding's
+    0.02 (over 1,000 token ids; with a few dozen, tokens repeat within a window and their averages grow)."""
+    ratios, identity = [], []
+    for seed in range(4):
+        rms = {}
+        for mixing in ("dense", "kronecker", "identity"):
+            cfg = replace(Config(), **ds.CPU_PRESET, mixing=mixing, kernels="torch")
+            torch.manual_seed(seed)
+            model = DualStream(cfg, 1000).eval()
+            block = model.blocks[0]
+            with torch.no_grad():
+                x_t = model.wte(torch.randint(0, 1000, (4, cfg.ctx), generator=torch.Generator().manual_seed(seed)))
+                write = block.attn(block.ln_1(x_t), block.ln_v(x_t))  # token-factor, x_e = 0 at the first block
+            rms[mixing] = write.pow(2).mean().sqrt().item()
+            assert abs(x_t.pow(2).mean().sqrt().item() - 0.02) < 0.002
+        ratios.append(rms["dense"] / rms["kronecker"])
+        identity.append(rms["identity"])
+    assert all(8 < r < 14 for r in ratios), ratios
+    assert all(0.18 < r < 0.24 for r in identity), identity
+
+
 def test_an_empty_or_flat_batch_is_a_clear_error():
     m = tiny_model()
     check_bad_token_batches(m, m.generate)
