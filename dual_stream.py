@@ -5,8 +5,9 @@ J. C. Kerce and A. Fox, arXiv 2603.07461 (2026). No code was released; the block
 reference document (gpt-oss-interpretability, `neuro-symb-v2`). Spec used here: shared/papers/dual_stream.md.
 
 The residual stream is split in two, x = x_t + x_e. The token stream x_t starts as the token embeddings and only
-attention writes to it; the context stream x_e starts at zero and only the FFNs write to it. Both read the sum
-through a channel-aware LayerNorm (CLN: statistics per head slice). Per block (spec §1, §9):
+attention writes to it; the context stream x_e starts at zero and only the FFNs write to it. Q, K and the FFN read
+the sum through a channel-aware LayerNorm (CLN: statistics per head slice), V the token stream through its own
+(2). Per block (spec §1, §9):
 
     (1) h     = CLN_1(x_t + x_e)                              Q and K read the combined state (dense projections)
     (2) v     = Mix_V( CLN_v(x_t) )                           V reads the token stream (--v-source)

@@ -25,8 +25,9 @@ recurrence: per layer a cache (N, M, the conv's last 4 values) and an O(1) step 
 
 What differs from the official code, and why
   * The EMA is exact at every length. The official code computes the discounted sums as
-    β^t Σ_{s≤t} u_s / (β^s + 1e-12) with a cumsum; once β^t falls below ~1e-12 the prefix mean collapses to 0
-    (β = 0.9: wrong past ~240 tokens, 0 by ~512; β = 0.5: by ~64). `--ema official` reproduces that shortcut
+    β^t Σ_{s≤t} u_s / (β^s + 1e-12) with a cumsum; as β^t nears ~1e-12 the prefix mean goes wrong, then collapses
+    to 0 (β = 0.9: off by over 1 % past ~230 tokens, below 1e-3 of the exact value from ~480; β = 0.5: past ~35,
+    from ~75). `--ema official` reproduces that shortcut
     to match the paper's numbers; tests/test_protot_op.py::test_official_shortcut_collapses shows where it fails
     and the exact scan does not. Every figure in the README was measured with `--ema exact` (spec §9.1).
   * Layer 0 reads with its write gate and has no W_r (the official code builds an unused one; the parameter
@@ -2723,7 +2724,8 @@ def run(cfg: Config, explicit) -> int:
                 f"{change_line(r)}; perplexity on {PPL_WINDOWS} val windows {r['ppl']:.2f} "
                 f"{r['ppl_change']:+.2%}")
     if cfg.robustness:
-        rob_models = dict(models)
+        # --compare over two budgets: the asked mixer's model alone, then the other's checkpoint is refused below
+        rob_models = {cfg.mixer: models[cfg.mixer]} if differ else dict(models)
         other = "attention" if "attention" not in rob_models else "proto"
         oc = replace(cfg, mixer=other)
         if len(rob_models) == 1 and ckpt_path(oc).exists():  # the other mixer's checkpoint, when not in memory

@@ -577,6 +577,10 @@ def test_resume_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     assert "ratio" not in json.loads((tmp_path / "analysis.json").read_text())
     assert "perplexity ratio not computed: ProtoT and attention were trained on different budgets (step 20 vs 5)" \
         in (tmp_path / "log-proto-attention.txt").read_text()
+    rc, err = call_main(protot.main, ["--no-train", "--compare", *quiet, "--robustness"], capsys, monkeypatch)
+    assert rc == 0, err  # the pair in memory is no one budget either: ProtoT's robustness alone, and why
+    assert set(json.loads((tmp_path / "analysis.json").read_text())["robustness"]["typo"]) == {"pairs", "proto"}
+    assert "robustness: not comparing with attention (" in (tmp_path / "log-proto-attention.txt").read_text()
     # nor does robustness set the two side by side (it loads the other mixer's checkpoint when it finds one)
     rc, err = call_main(protot.main, ["--no-train", *quiet, "--robustness"], capsys, monkeypatch)
     assert rc == 0, err
