@@ -97,10 +97,10 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     take 100 steps of Captum's default rule, also Gauss-Legendre; the pad baseline pads the template's tokens too, as
     the official script, but keeps BOS). The activations come from the prompted pass ("over the whole prompted
     string"), but the rows are the passage's own words only: under causal attention the template's prefix states are
-    identical in every passage, and on the unfiltered dev set ~20 template rows would join every sentence's
-    mean-pooled r and its salient-word candidates (choice; the data section's prompt comment). §6.1's excluded last
-    token is then the template's end, so the passage's last word may be the salient one. The cache key holds the
-    prompt.
+    identical in every passage, and on the unfiltered dev set the template's rows (two dozen or more) would join
+    every sentence's mean-pooled r and its salient-word candidates (choice; the data section's prompt comment).
+    §6.1's excluded last token is then the template's end, so the passage's last word may be the salient one. The
+    cache key holds the prompt.
     --decoder-prompt none: the bare passage, and a linear head trained on the frozen LM's mean-pooled top-layer
     token states (fit_head), what this file did before. Encoders ignore the switch (a typed one is noted).
   * Adam with L2 weight decay 1e-4 on the weights (not the biases; the codebook is a buffer; --optimizer adamw for
@@ -124,8 +124,8 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     batch skipped: 18 steps an epoch) 3000 steps are 167 epochs, above §4's cap of 100: cosine needs a fixed
     length in advance and keeps the final weights, so the length errs long (the CPU preset's 200 steps of 32 on
     540 passages are about 12 epochs). --early-stop counts evaluations (every --eval-interval steps), not
-    epochs, and is 0 (off) unless set, also under plateau. The paper's schedule there: --schedule plateau
-    --eval-interval 20 --plateau-patience 5 --early-stop 15 --max-iters 2000.
+    epochs, and is 0 (off) unless set, also under plateau. The paper's schedule there, an evaluation per epoch and
+    at most 100 epochs: --schedule plateau --eval-interval 18 --plateau-patience 5 --early-stop 15 --max-iters 1800.
   * k-means codebook init on the training x_l before step 0 (on at most --init-rows rows), rank 0 computes and
     broadcasts; the quantiser's `initialised` buffer makes --resume and --no-train skip it.
   * The step lines keep every glassbox script's format; their "tok/s" counts word rows (a token here is one row).
@@ -135,8 +135,8 @@ Data and training (spec §4, §5; the data section's comments give the reasons):
     chance; the centred one removes only the variation along ê, so the random control says something.
   * IG baseline: --ig-baseline pad (default: the words replaced by [PAD], [CLS] and [SEP] kept, Captum's BERT
     recipe) | id0 (token id 0 at every position, the specials too: Captum's default, which the official encoder
-    script leaves in place; [PAD] for BERT, <s> for RoBERTa) | zeros (0 states; breaks completeness, see
-    integrated_gradients). The spec names a pad baseline for the LLMs only.
+    script leaves in place; [PAD] for BERT, <s> for RoBERTa) | zeros (0 states; breaks completeness where the
+    model's biases are zero, see integrated_gradients). The spec names a pad baseline for the LLMs only.
   * SAE baseline (§6.4): a top-k SAE (k = 32, no L1) by default; the official one is ReLU + 1e-4·L1, which
     `--sae-k 0 --sae-l1 1e-4` trains. Top-k sets the sparsity directly, where an L1 weight tuned for RoBERTa's
     layer 8 would give another sparsity on MiniLM's differently scaled activations. Only the cross-layer SAE
@@ -1189,8 +1189,8 @@ class SourceModel:
 # running the model on the prompted string, so each word's state has seen the instruction before it; the rows are
 # the passage's own words only, the template's words are not rows. In a causal LM the template's prefix states
 # are the same in every passage (they cannot see it), so its rows would be identical copies in every sentence;
-# the dev set is unfiltered, so ~20 template rows would join every dev sentence's mean-pooled r (§6.1 step 3) and
-# its salient-word candidates; and pos, words and the cards keep meaning "the passage's word i" as for encoders.
+# the dev set is unfiltered, so the template's rows (two dozen words or more) would join every dev sentence's
+# mean-pooled r (§6.1 step 3) and its salient-word candidates; and pos, words and the cards keep meaning "the passage's word i" as for encoders.
 
 # dataset -> (template, the label names the template's classes are written for, in class order)
 PROMPTS = {
@@ -2962,10 +2962,10 @@ def integrated_gradients(src: SourceModel, head: nn.Module, input_ids: list[int]
     recipe: [CLS] [PAD] … [PAD] [SEP]; with a prompt the template's tokens are padded too, BOS kept: the official
     decoder script pads every position, BOS included, §6.1's "pad baseline"); `id0` = every token, the specials
     too, replaced by token id 0 (Captum's default input baseline, which the official encoder script takes:
-    [PAD] … [PAD] for BERT, <s> … <s> for RoBERTa); `zeros` = 0 (in a post-LN model
-    the blocks above are scale-invariant along the straight path from 0 except within ~LN-eps of α = 0, so f
-    nearly jumps there, the quadrature misses it and completeness fails: measured on the tiny test BERT, Σa ≈ 0
-    against a gap of 0.48; use pad).
+    [PAD] … [PAD] for BERT, <s> … <s> for RoBERTa); `zeros` = 0 (in a post-LN model whose biases are zero the
+    blocks above are scale-invariant along the straight path from 0 except within ~LN-eps of α = 0, so f nearly
+    jumps there, the quadrature misses it and completeness fails: on the tiny test BERT as initialised Σa ≈ 0
+    whatever the gap; with non-zero biases, as trained models have, the sum converges; a test shows both).
     -> dict(attr [T] (raw, unnormalised), target, f_x, f_base)."""
     import numpy as np
 

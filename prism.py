@@ -201,9 +201,9 @@ Commands
 Expected (CPU preset, 2 cores): `python prism.py` takes about 4 minutes on 2026-12-04's machine (3 min 56 s;
 about 7 on 2026-12-03's) for the twin, PRISM and every analysis, with the same figures in every run on one machine;
 at the present code PRISM's val loss ends 1.55% above the twin's (6.80 vs 6.70 nats, cl100k compacted to 19,447
-ids, 410k training tokens each; +0.61% with --revive-dead), and a cached attribution query is 2.1 x 10^3 times
-faster than dense TracIn for one query alone (133x per query in a batch of 16, 21x against dense TracIn from a
-gradient sketch of the cache's size); the cached ranking keeps 0.54/0.71 of the exact (empirical-Fisher)
+ids, 410k training tokens each; +0.61% with --revive-dead), and (2026-12-05's run) a cached attribution query is
+2.2 x 10^3 times faster than dense TracIn for one query alone (143x per query in a batch of 16, 21x against dense
+TracIn from a gradient sketch of the cache's size); the cached ranking keeps 0.54/0.71 of the exact (empirical-Fisher)
 top-10/top-100 at the default damping (0.41/0.65 at 1e-3, the default before 2026-12-05; 2026-12-05's run took
 4 min 57 s, part of it beside a test job). The README's PRISM table has every figure, and the earlier code's.
 """
@@ -2103,6 +2103,7 @@ ATTR_CHUNK = 2 ** 24  # elements of the largest temporary (N×V probabilities, p
 ATTR_TOKENS = 16384   # tokens per batched forward pass
 # relative dampings every attribution run also ranks at (damping_sweep): how much of the cached-vs-exact gap is
 # the choice of λ. Cheap: the gradients are reused, only the exact reference's N×N factor is redone per value
+# (ggn: its conjugate-gradient solve)
 ATTR_DAMPING_SWEEP = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
 GGN_MAX_BYTES = 8 * 2**30  # --attr-exact-curvature ggn refuses to build past this peak (blocks, per-pair sums; float64)
 

@@ -1,5 +1,6 @@
 """Tests of clvq_vae.py's analyses section: baselines (§6.4), concept-ablation fidelity (§6.1), concept cards and
 the coherence proxy (§7, §6.2), and --bench. Offline, CPU, on a tiny random BERT built in tmp_path."""
+import copy
 from dataclasses import replace
 
 import pytest
@@ -56,8 +57,9 @@ def _texts(n, seed=0):
 @pytest.mark.parametrize("baseline", ["pad", "id0"])
 def test_ig_is_complete(bert, baseline):
     """Σ_t a_t = f(x) - f(baseline) (completeness), with enough Gauss-Legendre steps, through a real HF model.
-    (The token baselines: from the zero baseline a post-LN block is scale-invariant along the path except within
-    ~LN-eps of α = 0, a near-jump no quadrature resolves; integrated_gradients' docstring says so.)"""
+    (The token baselines: from the zero baseline this model's post-LN blocks, whose biases are zero, are
+    scale-invariant along the path except within ~LN-eps of α = 0, a near-jump no quadrature resolves; the next
+    test.)"""
     torch.manual_seed(1)
     head = torch.nn.Linear(32, 2).requires_grad_(False)
     enc = bert.tokenizer("the cats unbelievably sat on my mat !", return_special_tokens_mask=True)
@@ -89,6 +91,31 @@ def test_token_baselines_replace_the_words_or_every_token(bert):
         f_base[baseline] = ig["f_base"]
         assert ig["f_base"] == pytest.approx(f[0, ig["target"]].item(), rel=1e-5, abs=1e-6), baseline
     assert abs(f_base["pad"] - f_base["id0"]) > 1e-4  # here [PAD] is id 0: they differ at [CLS] and [SEP] only
+
+
+def test_zeros_baseline_misses_the_gap_only_with_zero_biases(bert):
+    """integrated_gradients' note on --ig-baseline zeros, measured: the tiny BERT as initialised has zero biases,
+    so from the zero baseline every post-LN block above l is scale-invariant along the path (but within ~LN-eps
+    of α = 0) and the sum of the attributions misses the gap (Σa ≈ 0); with non-zero biases, as a trained model
+    has, the path is not scale-invariant and the same steps close the gap."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(32, 2).requires_grad_(False)
+    enc = bert.tokenizer("the cats unbelievably sat on my mat !", return_special_tokens_mask=True)
+
+    def missed(src):
+        ig = cv.integrated_gradients(src, head, enc["input_ids"], enc["special_tokens_mask"], layer=1, steps=40,
+                                     baseline="zeros", batch=16)
+        gap = ig["f_x"] - ig["f_base"]
+        assert abs(gap) > 1e-2
+        return abs(ig["attr"].sum().item() - gap) / abs(gap)
+    assert all(p.abs().max() == 0 for n, p in bert.model.named_parameters() if n.endswith(".bias"))
+    assert missed(bert) > 0.9
+    biased = copy.deepcopy(bert)
+    with torch.no_grad():
+        for n, p in biased.model.named_parameters():
+            if n.endswith(".bias"):
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(2))
+    assert missed(biased) < 1e-2
 
 
 def test_ig_too_few_steps_is_visibly_incomplete(bert):
