@@ -20,11 +20,11 @@ Corpora
                 entirely in italics (`_Enter ..._`, `*Exeunt.*`, `_[Aside]_`) and every bracketed editorial span
                 inside a speech is removed; act/scene headings are removed; inline italics keep their words.
                 A paragraph that is neither a speaker nor all italics joins the current speaker's speech, even
-                after a heading: in the package's text, 19 such paragraphs of the 38 plays (processions,
-                scene descriptions, a name split over two lines) follow a heading, so they read as the
-                previous scene's last speaker's lines (kept so: fixing it would move every token count).
+                after a heading: in the package's text some such paragraphs (processions, scene descriptions, a
+                name split over two lines) follow a heading, so they read as the previous scene's last
+                speaker's lines (kept so: fixing it would move every token count).
                 One document per play, each with its title and genre (the package's folders). Split by play:
-                VAL_PLAYS (4 of 38, one per large genre, ~10%) are held out.
+                VAL_PLAYS (4 of 38, one each of comedies, histories, romances, tragedies; ~10%) are held out.
   tinystories   roneneldan/TinyStories (train / validation), streamed, `--max-tokens` train budget.
   fineweb-edu   HuggingFaceFW/fineweb-edu, config sample-10BT, streamed; every 20th document goes to val (val's
                 budget is a twentieth of train's, so both passes read about as many records).
@@ -98,7 +98,8 @@ DATASETS = ("shakespeare", "tinystories", "fineweb-edu")
 TOKENIZERS = ("cl100k", "gpt2", "bytes")
 LABELED = ("shakespeare", "ag_news", "imdb")
 GENRES = ("comedies", "histories", "problems", "roman", "romances", "tragedies")
-# Held-out plays: one per large genre, 4 of 38 (~10%); fixed names so the split reads in one line.
+# Held-out plays: one each of comedies, histories, romances and tragedies, 4 of 38 (~10%); fixed names so the split
+# reads in one line.
 VAL_PLAYS = ("twelfth-night", "henry-v", "the-tempest", "macbeth")
 OFFLINE_CHOICES = "offline choices: --dataset shakespeare (embedded) or a local path (.txt, folder of .txt, .jsonl)"
 
@@ -249,17 +250,17 @@ def load_local(path: str | Path) -> list[Document]:
         docs = [Document(_read_text(f), f.stem) for f in files]
     elif path.suffix == ".jsonl":
         docs = []
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            for i, line in enumerate(fh):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)["text"]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise DataError(f"{path}:{i + 1}: not a JSON object with a 'text' field") from None
-                if not isinstance(text, str):
-                    raise DataError(f"{path}:{i + 1}: 'text' is a {type(text).__name__}, not a string")
-                docs.append(Document(text, f"{path.stem}:{i + 1}"))
+        # the encoding check of a .txt file, then lines split on "\n" alone (a JSON string may hold U+2028 raw)
+        for i, line in enumerate(_read_text(path).split("\n")):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)["text"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise DataError(f"{path}:{i + 1}: not a JSON object with a 'text' field") from None
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{i + 1}: 'text' is a {type(text).__name__}, not a string")
+            docs.append(Document(text, f"{path.stem}:{i + 1}"))
     else:  # one file: the last ~10% of its characters is val, cut at the nearest line boundary if one is near
         text = _read_text(path)
         at = int(len(text) * 0.9)

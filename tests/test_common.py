@@ -454,6 +454,14 @@ def test_local_path_errors(tmp_path, monkeypatch):
     for name in ("noise.txt", "latin1.txt"):
         with pytest.raises(DataError, match=rf"{name}: \d+% of its characters are not UTF-8"):
             common.prepare(str(tmp_path / name), cache_dir=tmp_path / "cache")
+    # a .jsonl file gets the same check (its JSON strings in Latin-1; a NUL byte), not a decode into U+FFFD
+    lines = "".join(json.dumps({"text": "été à Orléans, où ça déçoit"}, ensure_ascii=False) + "\n" for _ in range(50))
+    (tmp_path / "latin1.jsonl").write_bytes(lines.encode("latin-1"))
+    (tmp_path / "nul.jsonl").write_bytes(lines.encode() + b'{"text": "a\x00b"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl: \d+% of its characters are not UTF-8"):
+        common.prepare(str(tmp_path / "latin1.jsonl"), cache_dir=tmp_path / "cache")
+    with pytest.raises(DataError, match=r"nul.jsonl holds NUL bytes"):
+        common.prepare(str(tmp_path / "nul.jsonl"), cache_dir=tmp_path / "cache")
     assert not any((tmp_path / "cache").glob("*/meta.json"))
     assert common._read_text(_write(tmp_path / "stray.txt", b"words " * 100 + b"\xff")).endswith("\ufffd")
     assert common._read_text(_write(tmp_path / "short.txt", "3 \u20ac".encode()[:-1])) == "3 \ufffd"  # a cut euro sign
