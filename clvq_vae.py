@@ -1366,6 +1366,10 @@ def load_source_model(name: str = DEFAULT_MODEL, device="cpu", causal_lm: bool =
         raise DataError(f"model '{name}' could not be loaded ({type(e).__name__}: {first[:200]})") from None
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(f"model {name} has no fast tokenizer; word alignment needs character offsets")
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if len(tokenizer) < vocab // 2:  # a folder without its tokenizer files: transformers builds one of specials only
+        raise DataError(f"model {name}'s tokenizer has {len(tokenizer):,} tokens against the model's vocab_size "
+                        f"{vocab:,}: its tokenizer files (tokenizer.json, vocab.txt, ...) are missing or not its own")
     (lm if lm is not None else model).to(device).eval().requires_grad_(False)
     if kind == "encoder" and tokenizer.cls_token_id is None:
         raise DataError(f"encoder {name} has no [CLS]/<s> token; the sentence-start row (§5.1) needs one")
@@ -3876,6 +3880,8 @@ def validate(cfg: Config, explicit=()) -> None:
               (cfg.weight_decay >= 0, "--weight-decay must be >= 0"), (cfg.grad_clip >= 0, "--grad-clip must be >= 0"),
               (cfg.out_dir.strip() != "", "--out-dir is empty (. names the current folder)"),
               (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file"),
+              (cfg.cache_dir is None or cfg.cache_dir.strip() != "",
+               "--cache-dir is empty (. names the current folder; leave it out for the default)"),
               # the analyses' options
               (cfg.kmeans_iters >= 1 and cfg.kmeans_restarts >= 1, "--kmeans-iters and --kmeans-restarts must be >= 1"),
               (0 <= cfg.sae_k <= cfg.sae_latents, "--sae-k must be in [0, --sae-latents] (0: the ReLU SAE)"),

@@ -263,11 +263,15 @@ def load_local(path: str | Path) -> list[Document]:
             docs.append(Document(text, f"{path.stem}:{i + 1}"))
     else:  # one file: the last ~10% of its characters is val, cut at the nearest line boundary if one is near
         text = _read_text(path)
+        if not text.strip():
+            raise DataError(f"{path} holds no text (only whitespace)")
         at = int(len(text) * 0.9)
         near = [c for c in (text.rfind("\n", 0, at) + 1, text.find("\n", at) + 1)
                 if 0 < c < len(text) and abs(c - at) <= 0.05 * len(text)]
         cut = min(near, key=lambda c: abs(c - at)) if near else at  # a title line then one long line: at 90%
         return [Document(text[:cut], path.stem, split="train"), Document(text[cut:], path.stem, split="val")]
+    if docs and not any(d.text.strip() for d in docs):
+        raise DataError(f"{path} holds no text (only whitespace)")
     if len(docs) < 2:
         raise DataError(f"{path}: need at least two documents (one for train, one for val)")
     for i, d in enumerate(docs):
@@ -582,6 +586,8 @@ def prepare(dataset: str = "shakespeare", tokenizer: str = "cl100k", compact="tr
         raise DataError(f"unknown tokenizer '{tokenizer}'; choose one of {', '.join(TOKENIZERS)}")
     if max_tokens is not None and max_tokens < 2:
         raise DataError(f"--max-tokens must be at least 2, not {max_tokens}")
+    if cache_dir is not None and not str(cache_dir).strip():  # "" would fall back to the default unseen
+        raise DataError("--cache-dir is empty (. names the current folder; leave it out for the default)")
     slug, fingerprint = _corpus_spec(dataset, max_tokens)
     spec = dict(format=FORMAT_VERSION, corpus=slug, fingerprint=fingerprint, tokenizer=tokenizer,
                 compact=compact, max_tokens=max_tokens, split=_split_rule(dataset))
@@ -925,9 +931,14 @@ def preset_banner(cfg, explicit, device, minutes: str, preset: dict, runtime_key
 
 
 def memory_error(e: BaseException) -> typing.Optional[str]:
-    """The one-line message a script prints for an allocation failure, or None for any other exception: CUDA's
-    OutOfMemoryError, the CPU allocator's RuntimeError ("can't allocate memory") and Python's MemoryError all
-    mean the sizes asked for do not fit this machine, not a bug."""
+    """The one-line message a script prints for an exception that is the machine's or the paths' and not a bug, or
+    None for any other: an allocation failure (CUDA's OutOfMemoryError, the CPU allocator's RuntimeError "can't
+    allocate memory", Python's MemoryError: the sizes asked for do not fit this machine), or a file the system
+    refuses (an OSError on a path: an output name taken by a folder, no permission, a full or read-only disk)."""
+    if isinstance(e, OSError) and e.filename is not None:
+        where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else str(e.filename)
+        return (f"{where}: {e.strerror or type(e).__name__}; check that path (--out-dir, --cache-dir), its "
+                "permissions and the free space")
     text = str(e).strip()
     if not (isinstance(e, (torch.OutOfMemoryError, MemoryError))
             or isinstance(e, RuntimeError) and "can't allocate memory" in text):

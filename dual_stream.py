@@ -1637,15 +1637,16 @@ def head_sweep_table(models: dict, ppl: dict, spec: dict) -> list[dict]:
 
 
 def parse_alphas(spec: str) -> list[float]:
-    """'1,2,4,8,16' -> [1.0, 2.0, ...]; α in (0, 1e6] (a one-line error otherwise): far above that α·q·kᵀ
-    overflows fp32 and every figure would be NaN."""
+    """'1,2,4,8,16' -> [1.0, 2.0, ...], each α once, in the order given; α in [1e-6, 1e6] (a one-line error
+    otherwise): far above that α·q·kᵀ overflows fp32, and far below it an α under fp32's smallest number is 0, so
+    every figure would be NaN."""
     try:
         alphas = [float(a) for a in spec.split(",")] if spec.strip() else []  # '' is off; 1,,2 an error
     except ValueError:
         raise RunError(f"--amplify {spec!r}: expected comma-separated numbers such as 1,2,4,8,16") from None
-    if any(not 0 < a <= 1e6 for a in alphas):
-        raise RunError(f"--amplify {spec!r}: every α must be in (0, 1e6]")
-    return alphas
+    if any(not 1e-6 <= a <= 1e6 for a in alphas):
+        raise RunError(f"--amplify {spec!r}: every α must be in [1e-6, 1e6]")
+    return list(dict.fromkeys(alphas))
 
 
 @torch.no_grad()

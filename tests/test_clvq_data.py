@@ -296,6 +296,14 @@ def test_broken_model_folder_is_one_line(tmp_path):
     with pytest.raises(DataError) as e:
         C.load_source_model(str(tmp_path))
     assert "\n" not in str(e.value) and "could not be loaded" in str(e.value)
+    # weights and config without the tokenizer's files: transformers makes a tokenizer of the specials alone, which
+    # would turn every word into [UNK] and train on it; refused instead
+    folder = _save_tiny_bert(tmp_path / "no-tokenizer")
+    for f in folder.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            f.unlink()
+    with pytest.raises(DataError, match=rf"tokenizer has \d+ tokens against the model's vocab_size {len(VOCAB)}"):
+        C.load_source_model(str(folder))
 
 
 # ---------------------------------------------------------------- fine-tuning the source encoder (§5.3)

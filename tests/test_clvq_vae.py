@@ -485,6 +485,7 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     (["--weight-decay", "1e300"], 1, "--weight-decay must be a finite number of at most 3.4e+38"),
     (["--dec-layers", "100000000000000000000"], 1, "--dec-layers must be in [1, 1024]"),
     (["--out-dir", ""], 1, "--out-dir is empty (. names the current folder)"),
+    (["--cache-dir", " "], 1, "--cache-dir is empty (. names the current folder; leave it out for the default)"),
     (["--init-rows", "4"], 1, "--init-rows must be at least --codebook-size"),
     (["--baselines", "kmeans,pca"], 1, "--baselines: unknown pca; a comma list of kmeans, vq, sae"),
     (["--baselines", "kmeans,,vq"], 1, "--baselines 'kmeans,,vq': an empty item in the comma list"),
@@ -506,7 +507,8 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, tiny_bert, cache_dir, args,
     model = [] if "--model" in args else ["--model", tiny_bert]
     out = [] if "--out-dir" in args else ["--out-dir", str(tmp_path)]
     cache = str(tmp_path / "cache") if "--finetune-lr" in args else str(cache_dir)  # nothing poisoned is kept
-    rc, err = call_main(cv.main, [*TINY, *model, *args, *out, "--cache-dir", cache], capsys, monkeypatch)
+    cache = [] if "--cache-dir" in args else ["--cache-dir", cache]
+    rc, err = call_main(cv.main, [*TINY, *model, *args, *out, *cache], capsys, monkeypatch)
     assert rc == code and needle in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
 

@@ -462,6 +462,17 @@ def test_local_path_errors(tmp_path, monkeypatch):
         common.prepare(str(tmp_path / "latin1.jsonl"), cache_dir=tmp_path / "cache")
     with pytest.raises(DataError, match=r"nul.jsonl holds NUL bytes"):
         common.prepare(str(tmp_path / "nul.jsonl"), cache_dir=tmp_path / "cache")
+    with pytest.raises(DataError, match=r"--cache-dir is empty"):
+        common.prepare("shakespeare", tokenizer="bytes", cache_dir="")
+    # whitespace alone is no corpus (it would tokenise into a few ids and train on them)
+    (tmp_path / "blank.txt").write_text("  \n\t \n" * 3)
+    (tmp_path / "blank.jsonl").write_text('{"text": "   "}\n{"text": "\\n\\n"}\n')
+    (tmp_path / "blank").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "blank" / name).write_text(" \n")
+    for name in ("blank.txt", "blank.jsonl", "blank"):
+        with pytest.raises(DataError, match=rf"{name} holds no text \(only whitespace\)"):
+            common.prepare(str(tmp_path / name), cache_dir=tmp_path / "cache")
     assert not any((tmp_path / "cache").glob("*/meta.json"))
     assert common._read_text(_write(tmp_path / "stray.txt", b"words " * 100 + b"\xff")).endswith("\ufffd")
     assert common._read_text(_write(tmp_path / "short.txt", "3 \u20ac".encode()[:-1])) == "3 \ufffd"  # a cut euro sign

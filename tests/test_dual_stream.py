@@ -130,6 +130,10 @@ def test_initial_write_scales_at_step_0():
     assert all(8 < d[0] / k[0] < 14 for d, k in zip(rel["dense"], rel["kronecker"])), rel
 
 
+def test_amplify_takes_each_alpha_once_in_order():
+    assert ds.parse_alphas("4,1,4,16") == [4.0, 1.0, 16.0] and ds.parse_alphas(" ") == []
+
+
 def test_an_empty_or_flat_batch_is_a_clear_error():
     m = tiny_model()
     check_bad_token_batches(m, m.generate)
@@ -1165,8 +1169,9 @@ def test_resume_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     (["--d-model", "30", "--heads", "6"], 1, "the head size d_model/heads must be even"),
     (["--amplify", "1,x"], 1, "--amplify '1,x': expected comma-separated numbers"),
     (["--amplify", ",,"], 1, "--amplify ',,': expected comma-separated numbers"),  # '' is off; ,, a typo
-    (["--amplify", "1,-2"], 1, "every α must be in (0, 1e6]"),
-    (["--amplify", "1,1e300"], 1, "every α must be in (0, 1e6]"),
+    (["--amplify", "1,-2"], 1, "every α must be in [1e-6, 1e6]"),
+    (["--amplify", "1,1e300"], 1, "every α must be in [1e-6, 1e6]"),
+    (["--amplify", "1,1e-46"], 1, "every α must be in [1e-6, 1e6]"),  # 0 in fp32: NaN figures
     (["--no-train"], 1, "error: no checkpoint at"),
     (["--no-train", "--sweep"], 1, "no --sweep checkpoints in"),
     (["--no-train", "--head-sweep"], 1, "(run --head-sweep first)"),

@@ -14,7 +14,7 @@ import pytest
 from dataclasses import replace
 
 import common
-from conftest import check_save_is_atomic
+from conftest import call_main, check_save_is_atomic
 import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -568,6 +568,29 @@ def test_memory_error_message():
         "out of memory (CUDA out of memory. Tried 2 GiB.);")
     assert common.memory_error(MemoryError()).startswith("out of memory (MemoryError);")
     assert common.memory_error(RuntimeError("expected a tensor")) is None and common.memory_error(ValueError()) is None
+    # a path the system refuses: one line naming it (a checkpoint's rename names both ends), not a traceback
+    assert common.memory_error(IsADirectoryError(21, "Is a directory", "out/report.html")).startswith(
+        "out/report.html: Is a directory; check that path")
+    assert common.memory_error(OSError(21, "Is a directory", "out/ckpt.pt.tmp", None, "out/ckpt.pt")).startswith(
+        "out/ckpt.pt.tmp -> out/ckpt.pt: Is a directory;")
+    assert common.memory_error(ConnectionError("reset")) is None  # an OSError on no path is not the paths'
+
+
+@pytest.mark.parametrize("script", ["protot", "prism", "dual_stream", "clvq_vae"])
+def test_a_path_the_system_refuses_is_one_line(script, capsys, monkeypatch):
+    """Each script's main turns an OSError on a path (an output name taken by a folder, a rename onto one) into one
+    line and exit 1, as it does an out-of-memory error; any other exception stays a traceback (a bug)."""
+    module = __import__(script)
+
+    def refuse(cfg, explicit):
+        raise OSError(21, "Is a directory", "out/ckpt.pt.tmp", None, "out/ckpt.pt")
+    monkeypatch.setattr(module, "run", refuse)
+    rc, err = call_main(module.main, [], capsys, monkeypatch)
+    assert rc == 1 and err == "error: out/ckpt.pt.tmp -> out/ckpt.pt: Is a directory; check that path (--out-dir, " \
+        "--cache-dir), its permissions and the free space\n", err
+    monkeypatch.setattr(module, "run", lambda cfg, explicit: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        module.main([])
 
 
 @pytest.mark.parametrize("script", ("protot", "prism", "dual_stream"))
