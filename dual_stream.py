@@ -1393,6 +1393,13 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     if damaged:
         raise RunError(f"{path} is a damaged checkpoint ({', '.join(damaged)}: not what save_checkpoint writes); "
                        "delete it or retrain")
+    try:  # a file renamed by hand: its name says one architecture, its contents another (the rows would say both)
+        held = ckpt_path(replace(Config(train=False), **{k: saved[k] for k in ARCH_KEYS if k in saved})).name
+    except (TypeError, ValueError):  # stored values no variant takes: stored_config_error below names them
+        held = path.name
+    if held != path.name:
+        raise RunError(f"{path} holds the model of {held}, not the architecture its name says; rename it back or "
+                       "retrain")
 
     def typed_otherwise(keys) -> str:  # "k=stored (asked typed)" for each typed key that differs from the checkpoint
         return ", ".join(f"{k}={saved.get(k, getattr(Config, k))!r} (asked {getattr(cfg, k)!r})" for k in keys
