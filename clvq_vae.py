@@ -1891,6 +1891,10 @@ def setup_device(cfg: Config):
     The decoder dtype is bf16 on CUDA (--dtype bfloat16, or auto on a GPU with native bf16), else None (fp32): only
     the decoder runs under autocast, the encoder is fp32 and the distances, top-k and EMA are fp32 whatever it is
     (spec §4, §10.12)."""
+    from common import torchrun_problem
+
+    if (problem := torchrun_problem()) is not None:  # RANK set by hand, or torchrun's other variables missing
+        raise RunError(problem)
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, local_rank, world = 0, 0, 1
     if cfg.device == "auto":

@@ -930,6 +930,28 @@ def preset_banner(cfg, explicit, device, minutes: str, preset: dict, runtime_key
             + "; --preset paper runs the paper-scale configuration (the docstring says where it departs)")
 
 
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_problem() -> typing.Optional[str]:
+    """The scripts take a set RANK (other than -1) to mean torchrun started them (nanoGPT's test). None when RANK is
+    unset or torchrun's variables are all there and well formed; otherwise the one-line error to stop with: a RANK
+    set by hand without the rest would fail in the rendezvous with a traceback, and one that is no number at int()."""
+    rank = os.environ.get("RANK", "-1").strip()
+    if rank == "-1":
+        return None
+    missing = [v for v in TORCHRUN_VARS if not os.environ.get(v, "").strip()]
+    if missing:
+        return (f"RANK is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: start a "
+                "multi-process run with torchrun (torchrun --standalone --nproc_per_node=N SCRIPT), or unset RANK")
+    for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
+        if not os.environ[v].strip().isdigit():
+            return f"{v}={os.environ[v]!r} is not a non-negative integer; torchrun sets it (or unset RANK)"
+    if int(rank) >= int(os.environ["WORLD_SIZE"]):
+        return f"RANK={rank} is not below WORLD_SIZE={os.environ['WORLD_SIZE']}"
+    return None
+
+
 def memory_error(e: BaseException) -> typing.Optional[str]:
     """The one-line message a script prints for an exception that is the machine's or the paths' and not a bug, or
     None for any other: an allocation failure (CUDA's OutOfMemoryError, the CPU allocator's RuntimeError "can't

@@ -1069,6 +1069,10 @@ DDP_TIMEOUT_HOURS = 2  # the process group's collective timeout; prepare big cor
 
 def setup_device(cfg: Config):
     """-> (device, autocast context, DDP info). torchrun sets RANK/LOCAL_RANK/WORLD_SIZE (nanoGPT's detection)."""
+    from common import torchrun_problem
+
+    if (problem := torchrun_problem()) is not None:  # RANK set by hand, or torchrun's other variables missing
+        raise RunError(problem)
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, local_rank, world = 0, 0, 1
     if cfg.device == "auto":
@@ -1397,7 +1401,7 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         held = ckpt_path(replace(Config(train=False), **{k: saved[k] for k in ARCH_KEYS if k in saved})).name
     except (TypeError, ValueError):  # stored values no variant takes: stored_config_error below names them
         held = path.name
-    if held != path.name:
+    if path.name.startswith("ckpt-") and held != path.name:  # a path named otherwise claims no architecture
         raise RunError(f"{path} holds the model of {held}, not the architecture its name says; rename it back or "
                        "retrain")
 

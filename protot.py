@@ -1188,6 +1188,10 @@ DDP_TIMEOUT_HOURS = 2  # the process group's collective timeout; prepare big cor
 
 def setup_device(cfg: Config):
     """-> (device, autocast context, DDP info). torchrun sets RANK/LOCAL_RANK/WORLD_SIZE (nanoGPT's detection)."""
+    from common import torchrun_problem
+
+    if (problem := torchrun_problem()) is not None:  # RANK set by hand, or torchrun's other variables missing
+        raise RunError(problem)
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, local_rank, world = 0, 0, 1
     if cfg.device == "auto":

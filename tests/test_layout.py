@@ -576,6 +576,36 @@ def test_memory_error_message():
     assert common.memory_error(ConnectionError("reset")) is None  # an OSError on no path is not the paths'
 
 
+def test_torchrun_variables_are_checked(monkeypatch):
+    """RANK set means torchrun started the process; by hand, without the rest or not a number, it is one line."""
+    for v in common.TORCHRUN_VARS:
+        monkeypatch.delenv(v, raising=False)
+    assert common.torchrun_problem() is None
+    monkeypatch.setenv("RANK", "-1")  # nanoGPT's "not DDP"
+    assert common.torchrun_problem() is None
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert common.torchrun_problem().startswith("RANK is set but LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not: start")
+    full = dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    for k, v in full.items():
+        monkeypatch.setenv(k, v)
+    assert common.torchrun_problem() is None
+    for k, v, start in (("RANK", "abc", "RANK='abc' is not a non-negative integer"),
+                        ("MASTER_PORT", "http", "MASTER_PORT='http' is not"), ("RANK", "2", "RANK=2 is not below")):
+        monkeypatch.setenv(k, v)
+        assert common.torchrun_problem().startswith(start)
+        monkeypatch.setenv(k, full[k])
+
+
+@pytest.mark.parametrize("script", ["protot", "prism", "dual_stream", "clvq_vae"])
+def test_a_rank_set_by_hand_is_one_line(script, capsys, monkeypatch):
+    for v in common.TORCHRUN_VARS:
+        monkeypatch.delenv(v, raising=False)
+    rc, err = call_main(__import__(script).main, ["--no-train"], capsys, monkeypatch, env={"RANK": "abc"})
+    assert rc == 1 and err.startswith("error: RANK is set but LOCAL_RANK, WORLD_SIZE, MASTER_ADDR") and \
+        err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("script", ["protot", "prism", "dual_stream", "clvq_vae"])
 def test_a_path_the_system_refuses_is_one_line(script, capsys, monkeypatch):
     """Each script's main turns an OSError on a path (an output name taken by a folder, a rename onto one) into one
