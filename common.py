@@ -30,7 +30,7 @@ Corpora
                 budget is a twentieth of train's, so both passes read about as many records).
   PATH          a .txt file (one document), a folder of .txt files (one document each, sorted; every 10th to
                 val), or a .jsonl with a `text` field (every 10th line to val), in UTF-8 (a file with NUL bytes,
-                binary or UTF-16, is refused). A single .txt file is split
+                binary or UTF-16, is refused; so is whitespace alone). A single .txt file is split
                 90/10 by characters, at the line boundary nearest to 90% when one lies within 5% of the
                 text, else at 90% itself.
   The cache key holds each corpus' split rule (SPLIT_RULES, and the held-out plays), so a changed rule builds
