@@ -3850,7 +3850,8 @@ def validate(cfg: Config, explicit=()) -> None:
               # only a fresh run seeds the codebook (--resume keeps it, --no-train loads it): without training the
               # K typed here need not be the checkpoint's, so it is not checked against
               (not cfg.train or cfg.resume or cfg.init_rows is None or cfg.init_rows >= cfg.codebook_size,
-               f"--init-rows must be at least --codebook-size ({cfg.codebook_size})"),
+               f"--init-rows ({cfg.init_rows}{'' if 'init_rows' in explicit else ', its default or the preset value'}) "
+               f"must be at least --codebook-size ({cfg.codebook_size})"),
               (1 <= cfg.dec_layers <= MAX_LAYERS, f"--dec-layers must be in [1, {MAX_LAYERS}]"), (cfg.dec_heads >= 1, "--dec-heads must be >= 1"),
               (cfg.dec_ffn >= 1, "--dec-ffn must be >= 1"), (0 <= cfg.dropout < 1, "--dropout must be in [0, 1)"),
               (cfg.layer_l >= 0, "--layer-l must be >= 0 (0 = the embeddings)"),

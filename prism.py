@@ -4458,6 +4458,9 @@ def run(cfg: Config, explicit) -> int:
         d, p = results["ppl"]["dense"]["loss"], results["ppl"]["prism"]["loss"]
         results["gap"] = p / d - 1
         log(f"val loss PRISM {p:.4f} vs dense twin {d:.4f}: {results['gap']:+.2%} (paper: within 5%)")
+    elif cfg.head == "prism" and cfg.twin and "dense" not in models:  # --no-train beside no twin: said once, here
+        log(f"note: no dense twin at {ckpt_path(replace(cfg, head='dense'))}: the val loss gap and the SAE controller "
+            "on the twin are skipped")
     model = models.get("prism")
     if model is None:
         log("--head dense: the prototype analyses (cards, attribution, suppression, controllers) need --head prism")

@@ -1085,6 +1085,8 @@ def test_full_routing_run_attributes(tmp_path, cache_dir, capsys, monkeypatch):
     assert "attribution" not in res and "controller" not in res
     log = (tmp_path / "log-prism.txt").read_text()  # the training run above suppressed nothing
     assert "suppression of " in log or "no live prototype card matches love, heart" in log, log[-2000:]
+    # trained with --no-twin, so no ckpt-dense.pt: the --no-train run (twin on by default) says what it skips
+    assert log.count(f"note: no dense twin at {tmp_path / 'ckpt-dense.pt'}: the val loss gap and the SAE") == 1
 
 
 def test_resume_note_counts_the_seeding_settings_only_before_the_seeding():
