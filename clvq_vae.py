@@ -1190,7 +1190,8 @@ class SourceModel:
 # the passage's own words only, the template's words are not rows. In a causal LM the template's prefix states
 # are the same in every passage (they cannot see it), so its rows would be identical copies in every sentence;
 # the dev set is unfiltered, so the template's rows (two dozen words or more) would join every dev sentence's
-# mean-pooled r (§6.1 step 3) and its salient-word candidates; and pos, words and the cards keep meaning "the passage's word i" as for encoders.
+# mean-pooled r (§6.1 step 3) and its salient-word candidates; and pos, words and the cards keep meaning "the
+# passage's word i" as for encoders.
 
 # dataset -> (template, the label names the template's classes are written for, in class order)
 PROMPTS = {

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -930,13 +931,14 @@ def preset_banner(cfg, explicit, device, minutes: str, preset: dict, runtime_key
             + "; --preset paper runs the paper-scale configuration (the docstring says where it departs)")
 
 
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what the env:// rendezvous reads
 
 
 def torchrun_problem() -> typing.Optional[str]:
     """The scripts take a set RANK (other than -1) to mean torchrun started them (nanoGPT's test). None when RANK is
-    unset or torchrun's variables are all there and well formed; otherwise the one-line error to stop with: a RANK
-    set by hand without the rest would fail in the rendezvous with a traceback, and one that is no number at int()."""
+    unset or the rendezvous' variables are all there and well formed (LOCAL_RANK may be absent, as under some
+    SLURM launches: it defaults to 0); otherwise the one-line error to stop with: a RANK set by hand without the
+    rest would fail in the rendezvous with a traceback, and one that is no number at int()."""
     rank = os.environ.get("RANK", "-1").strip()
     if rank == "-1":
         return None
@@ -945,21 +947,29 @@ def torchrun_problem() -> typing.Optional[str]:
         return (f"RANK is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: start a "
                 "multi-process run with torchrun (torchrun --standalone --nproc_per_node=N SCRIPT), or unset RANK")
     for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        if not os.environ[v].strip().isdigit():
+        if v in os.environ and not os.environ[v].strip().isdigit():
             return f"{v}={os.environ[v]!r} is not a non-negative integer; torchrun sets it (or unset RANK)"
     if int(rank) >= int(os.environ["WORLD_SIZE"]):
         return f"RANK={rank} is not below WORLD_SIZE={os.environ['WORLD_SIZE']}"
     return None
 
 
+# The OSErrors a user's paths and disk cause (a name taken by a folder, a file where a folder goes, no permission, a
+# read-only or full disk, a name too long), not a bug's: a missing file stays a traceback (a path this code got wrong)
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # raised by a write, which names no file
+PATH_ERRNOS = (errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG, *DISK_ERRNOS)
+
+
 def memory_error(e: BaseException) -> typing.Optional[str]:
     """The one-line message a script prints for an exception that is the machine's or the paths' and not a bug, or
     None for any other: an allocation failure (CUDA's OutOfMemoryError, the CPU allocator's RuntimeError "can't
     allocate memory", Python's MemoryError: the sizes asked for do not fit this machine), or a file the system
-    refuses (an OSError on a path: an output name taken by a folder, no permission, a full or read-only disk)."""
-    if isinstance(e, OSError) and e.filename is not None:
-        where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else str(e.filename)
-        return (f"{where}: {e.strerror or type(e).__name__}; check that path (--out-dir, --cache-dir), its "
+    refuses (PATH_ERRNOS: an output name taken by a folder, no permission, a full or read-only disk; a missing file
+    stays a traceback)."""
+    if isinstance(e, OSError) and e.errno in PATH_ERRNOS and (e.filename is not None or e.errno in DISK_ERRNOS):
+        where = (f"{e.filename} -> {e.filename2}: " if e.filename2 is not None else
+                 f"{e.filename}: " if e.filename is not None else "")
+        return (f"{where}{e.strerror or type(e).__name__}; check that path (--out-dir, --cache-dir), its "
                 "permissions and the free space")
     text = str(e).strip()
     if not (isinstance(e, (torch.OutOfMemoryError, MemoryError))

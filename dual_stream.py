@@ -1398,7 +1398,8 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         raise RunError(f"{path} is a damaged checkpoint ({', '.join(damaged)}: not what save_checkpoint writes); "
                        "delete it or retrain")
     try:  # a file renamed by hand: its name says one architecture, its contents another (the rows would say both)
-        held = ckpt_path(replace(Config(train=False), **{k: saved[k] for k in ARCH_KEYS if k in saved})).name
+        named = {k: saved[k] for k in (*ARCH_KEYS, *NAME_KEYS) if k in saved}  # what variant() names the file by
+        held = ckpt_path(replace(Config(train=False), **named)).name
     except (TypeError, ValueError):  # stored values no variant takes: stored_config_error below names them
         held = path.name
     if path.name.startswith("ckpt-") and held != path.name:  # a path named otherwise claims no architecture

@@ -2803,6 +2803,7 @@ def fixed_a_spectrum(cache: AttrCache, ex: ExactAttr, states, query_grads, dampi
         out[name] = {"sweep": sweep, "bands": bands}
     return out
 
+
 def exact_query_grad(model: PRISM, xq, yq):
     """The query's exact prototype-space gradient ∇_P CE of its one prediction (xq [T], target yq) -> [K, d]."""
     with torch.no_grad():
@@ -3022,6 +3023,7 @@ def spectrum_lines(spectrum: dict) -> list[str]:
                      + f"; by band of eigenvalue μ/λ₀ (λ₀ {spectrum['lam0']:.3g}, the damping's scale), |e|/|g| "
                      f"within it (queries'), its share of Σ|g|²: {bands}")
     return lines
+
 
 def plus_minus(mean: float, se: Optional[float]) -> str:
     """A mean and its standard error as the log and report print them: "+0.0266 ± 0.0104" (the mean alone when

@@ -26,7 +26,7 @@ recurrence: per layer a cache (N, M, the conv's last 4 values) and an O(1) step 
 What differs from the official code, and why
   * The EMA is exact at every length. The official code computes the discounted sums as
     β^t Σ_{s≤t} u_s / (β^s + 1e-12) with a cumsum; as β^t nears ~1e-12 the prefix mean goes wrong, then collapses
-    to 0 (β = 0.9: off by over 1 % past ~230 tokens, below 1e-3 of the exact value from ~480; β = 0.5: past ~35,
+    to 0 (β = 0.9: off by over 1 % past ~230 tokens, below 1e-3 of the exact value from ~470; β = 0.5: past ~35,
     from ~75). `--ema official` reproduces that shortcut
     to match the paper's numbers; tests/test_protot_op.py::test_official_shortcut_collapses shows where it fails
     and the exact scan does not. Every figure in the README was measured with `--ema exact` (spec §9.1).

@@ -1275,6 +1275,18 @@ def test_alibi_checkpoint_never_loads_as_rope(tmp_path, cache_dir, capsys, monke
     with pytest.raises(ds.RunError, match=r"trained with pos='rope' \(asked 'alibi'\)"):
         ds.load_checkpoint(rope, cfg, explicit={"pos"})
     assert ds.load_checkpoint(rope, replace(cfg, pos="rope"))[1].pos == "rope"
+    # a setting that names the file without being architecture (--kron-out-init) is the file's own name, not a rename
+    scaled = tiny_cfg(tmp_path, cache_dir, kron_out_init="scaled", max_iters=2, eval_interval=2)
+    ds.train(scaled, common.load_data(cache_dir=cache_dir), torch.device("cpu"), torch.autocast("cpu", enabled=False),
+             DIST, log=lambda m: None)
+    assert "-kron-out-init-scaled-" in ds.ckpt_path(scaled).name
+    assert ds.load_checkpoint(ds.ckpt_path(scaled), scaled)[1].kron_out_init == "scaled"
+    # and an output name taken by a folder is one line from main (the OSError it raises, mapped)
+    (tmp_path / "analysis.json").mkdir()
+    rc, err = call_main(ds.main, ["--no-train", "--pos", "alibi", "--amplify", "", "--no-ablation", "--no-specialization",
+                                  *arch], capsys, monkeypatch)
+    assert rc == 1 and err.startswith(f"error: {tmp_path / 'analysis.json'}: Is a directory; check") and \
+        err.count("\n") == 1, err
 
 
 def test_corrupt_checkpoint_is_one_line(tmp_path, cache_dir):

@@ -574,6 +574,9 @@ def test_memory_error_message():
     assert common.memory_error(OSError(21, "Is a directory", "out/ckpt.pt.tmp", None, "out/ckpt.pt")).startswith(
         "out/ckpt.pt.tmp -> out/ckpt.pt: Is a directory;")
     assert common.memory_error(ConnectionError("reset")) is None  # an OSError on no path is not the paths'
+    assert common.memory_error(OSError(28, "No space left on device")).startswith("No space left on device; check")
+    # a missing file is a path this code got wrong, or a missing program: a traceback, not a hint about --out-dir
+    assert common.memory_error(FileNotFoundError(2, "No such file or directory", "out/x.json")) is None
 
 
 def test_torchrun_variables_are_checked(monkeypatch):
@@ -585,12 +588,15 @@ def test_torchrun_variables_are_checked(monkeypatch):
     assert common.torchrun_problem() is None
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert common.torchrun_problem().startswith("RANK is set but LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not: start")
-    full = dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    assert common.torchrun_problem().startswith("RANK is set but MASTER_ADDR, MASTER_PORT are not: start")
+    full = dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", LOCAL_RANK="1")
     for k, v in full.items():
         monkeypatch.setenv(k, v)
     assert common.torchrun_problem() is None
-    for k, v, start in (("RANK", "abc", "RANK='abc' is not a non-negative integer"),
+    monkeypatch.delenv("LOCAL_RANK")  # a SLURM launch may leave it out: it defaults to 0
+    assert common.torchrun_problem() is None
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for k, v, start in (("RANK", "abc", "RANK='abc' is not a non-negative integer"), ("LOCAL_RANK", "x", "LOCAL_RANK='x'"),
                         ("MASTER_PORT", "http", "MASTER_PORT='http' is not"), ("RANK", "2", "RANK=2 is not below")):
         monkeypatch.setenv(k, v)
         assert common.torchrun_problem().startswith(start)
@@ -602,7 +608,7 @@ def test_a_rank_set_by_hand_is_one_line(script, capsys, monkeypatch):
     for v in common.TORCHRUN_VARS:
         monkeypatch.delenv(v, raising=False)
     rc, err = call_main(__import__(script).main, ["--no-train"], capsys, monkeypatch, env={"RANK": "abc"})
-    assert rc == 1 and err.startswith("error: RANK is set but LOCAL_RANK, WORLD_SIZE, MASTER_ADDR") and \
+    assert rc == 1 and err.startswith("error: RANK is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not") and \
         err.count("\n") == 1, err
 
 

@@ -131,11 +131,11 @@ def test_carry_over_partial_tiles_and_scan_steps():
     check_against_reference(["triton"], inputs, dy, RATIO[torch.float32])
 
 
-@pytest.mark.parametrize("b,exact_until,wrong_from,zero_from", [(0.9, 200, 270, 500), (0.5, 30, 45, 80)])
+@pytest.mark.parametrize("b,exact_until,wrong_from,zero_from", [(0.9, 200, 240, 470), (0.5, 30, 40, 75)])
 def test_official_shortcut_collapses(b, exact_until, wrong_from, zero_from):
     """Spec §1.3: the official β^s-cumsum matches early on, goes wrong once β^t nears its 1e-12 guard and then
-    reads ~0 (the README's and docstring's figures: β = 0.9 wrong past ~230 tokens, ~0 from ~480; β = 0.5 past
-    ~35, ~0 from ~75); the exact forms match the recurrence everywhere."""
+    reads ~0 (the README's and docstring's figures: β = 0.9 off by over 1 % past ~230 tokens, below 1e-3 of the
+    exact value from ~470; β = 0.5 past ~35, from ~75); the exact forms match the recurrence everywhere."""
     (w, v, rho, _), _ = make_inputs(1, 1024, 4, 8)
     beta = torch.full((4,), b, device=DEVICE)
     with torch.no_grad():
@@ -143,7 +143,7 @@ def test_official_shortcut_collapses(b, exact_until, wrong_from, zero_from):
         official = op.prefix_mean_read_official(w, v, rho, beta)
         assert_close(f"official, t < {exact_until}", ref[:, :exact_until], official[:, :exact_until], ratio=1e-3)
         err = (official.double() - ref).norm(dim=-1) / ref.norm(dim=-1)  # [B, T], per position
-        assert (err[:, wrong_from:] > 0.1).all(), f"official shortcut right somewhere past t = {wrong_from}"
+        assert (err[:, wrong_from:] > 0.01).all(), f"official shortcut within 1 % somewhere past t = {wrong_from}"
         late_err = (official[:, zero_from:] - ref[:, zero_from:]).norm() / ref[:, zero_from:].norm()
         assert late_err > 0.999, f"official shortcut at t > {zero_from}: rel err {late_err:.4f}, expected ~1 (collapse)"
         assert (official[:, zero_from:].norm(dim=-1) < 1e-3 * ref[:, zero_from:].norm(dim=-1)).all()
