@@ -2800,7 +2800,7 @@ def main(argv=None) -> int:
     except (RunError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except Exception as e:  # an allocation that does not fit is a size to lower, not a bug: one line
+    except Exception as e:  # an allocation that does not fit, or a path the system refuses, is no bug: one line
         if (message := memory_error(e)) is None:
             raise
         print(f"error: {message}", file=sys.stderr)

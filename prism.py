@@ -3000,6 +3000,11 @@ def band_label(lo: Optional[float], hi: Optional[float]) -> str:
     return f"<{hi:g}" if lo is None else f">={lo:g}" if hi is None else f"{lo:g}-{hi:g}"
 
 
+def ratio_text(x: Optional[float]) -> str:
+    """An |e|/|g| figure as the log and report print it: two decimals, n/a for None (a band that holds no gradient)."""
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def percent(x: Optional[float]) -> str:
     """A share as a percentage to two significant digits (a band can hold 0.0042 % of the energy), n/a for None."""
     return "n/a" if x is None else f"{100 * x:.2g}%"
@@ -3008,7 +3013,7 @@ def percent(x: Optional[float]) -> str:
 def spectrum_lines(spectrum: dict) -> list[str]:
     """fixed_a_spectrum's result as log lines, one per curvature."""
     def figures(xs):
-        return ", ".join("n/a" if x is None else f"{x:.2f}" for x in xs)
+        return ", ".join(map(ratio_text, xs))
     lines = []
     for name in ("block", "kfac"):
         if name not in spectrum:
@@ -4057,7 +4062,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
                 continue
             rows = [{"μ/λ₀": band_label(*b["band"]), "directions": b["directions"],
                      "share of Σ|g|²": percent(b["gradient share"]), "share of Σ|e|²": percent(b["error share"]),
-                     **{f"|e|/|g|, {who}": "n/a" if b[key] is None else f"{b[key]:.2f}"
+                     **{f"|e|/|g|, {who}": ratio_text(b[key])
                         for key, who in (("train", "training windows"), ("query", "queries"))}} for b in s["bands"]]
             parts.append(f"<p>Where the cache's fixed-a gradients g^c differ from the exact ones g, e = g − g^c, in the "
                          f"{curv} curvature H's eigenbasis, by band of eigenvalue μ over λ₀ = "
@@ -4578,7 +4583,7 @@ def main(argv=None) -> int:
     except (RunError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except Exception as e:  # an allocation that does not fit is a size to lower, not a bug: one line
+    except Exception as e:  # an allocation that does not fit, or a path the system refuses, is no bug: one line
         if (message := memory_error(e)) is None:
             raise
         print(f"error: {message}", file=sys.stderr)
