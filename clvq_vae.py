@@ -1892,7 +1892,7 @@ def setup_device(cfg: Config):
     The decoder dtype is bf16 on CUDA (--dtype bfloat16, or auto on a GPU with native bf16), else None (fp32): only
     the decoder runs under autocast, the encoder is fp32 and the distances, top-k and EMA are fp32 whatever it is
     (spec §4, §10.12)."""
-    from common import torchrun_problem
+    from common import rendezvous_note, torchrun_problem
 
     if (problem := torchrun_problem()) is not None:  # RANK set by hand, or torchrun's other variables missing
         raise RunError(problem)
@@ -1907,6 +1907,8 @@ def setup_device(cfg: Config):
 
         # rank 0 alone prepares the data (a token cache to build can take hours) while the others wait at a
         # barrier: NCCL's default 10-minute timeout would abort them
+        if (note := rendezvous_note(DDP_TIMEOUT_HOURS)) is not None:  # ranks started by hand, not by torchrun
+            print(note, file=sys.stderr, flush=True)
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo",
                                 timeout=datetime.timedelta(hours=DDP_TIMEOUT_HOURS))
         rank, local_rank, world = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_world_size()
@@ -2459,6 +2461,8 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
     and its history. With cfg.resume it continues from `ck` (read from out_dir when not given). It trains on the
     training sentences less the --val-frac held out (holdout_split) and validates on those; with --val-frac 0 it
     trains on all of them and validates on dev_acts."""
+    from common import memory_floor_problem
+
     rank, world = dist_info["rank"], dist_info["world"]
     if cfg.batch_size % world:
         raise RunError(f"--batch-size {cfg.batch_size} must be divisible by the {world} ranks")
@@ -2472,6 +2476,9 @@ def train(cfg: Config, train_acts: Activations, dev_acts: Activations, device, d
     b = train_acts.bounds
     lengths = (b[1:] - b[:-1])[torch.tensor(sentences)]
     sampler = SentenceSampler(sentences, lengths.tolist(), cfg.batch_size, cfg.seed)
+    # sizes that cannot fit stop here with one line (a CPU run would be killed with no message)
+    if (problem := memory_floor_problem(lambda: CLVQVAE(cfg), device, lower="--batch-size")) is not None:
+        raise RunError(problem)
     model = build_model(cfg, device)
     optimizer = make_optimizer(model, cfg, device.type)
     step, history = 0, {k: [] for k in HISTORY_KEYS}
@@ -4074,7 +4081,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # an allocation that does not fit, or a path the system refuses, is no bug: one line
-        if (message := memory_error(e)) is None:
+        if (message := memory_error(e, lower="--batch-size")) is None:
             raise
         print(f"error: {message}", file=sys.stderr)
         return 1

@@ -954,18 +954,30 @@ def torchrun_problem() -> typing.Optional[str]:
     return None
 
 
+
+def rendezvous_note(hours: float) -> typing.Optional[str]:
+    """The line a rank started without torchrun prints before it meets the others, or None. torchrun's agent
+    gathers every node before it starts its workers (they find TORCHELASTIC_RUN_ID set) and stops them all when
+    one fails; ranks started by hand (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from a scheduler) wait in
+    init_process_group for every rank, up to the process group's timeout of `hours`, and would say nothing."""
+    if os.environ.get("RANK", "-1").strip() == "-1" or "TORCHELASTIC_RUN_ID" in os.environ:
+        return None
+    e = os.environ
+    return (f"rank {e['RANK']} of {e['WORLD_SIZE']}: waiting for every rank at {e['MASTER_ADDR']}:{e['MASTER_PORT']} "
+            f"(up to {hours:g} h; start them all with the same WORLD_SIZE and MASTER_*, or use torchrun)")
+
 # The OSErrors a user's paths and disk cause (a name taken by a folder, a file where a folder goes, no permission, a
 # read-only or full disk, a name too long), not a bug's: a missing file stays a traceback (a path this code got wrong)
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # raised by a write, which names no file
 PATH_ERRNOS = (errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG, *DISK_ERRNOS)
 
 
-def memory_error(e: BaseException) -> typing.Optional[str]:
+def memory_error(e: BaseException, lower: str = "--batch-size or --ctx") -> typing.Optional[str]:
     """The one-line message a script prints for an exception that is the machine's or the paths' and not a bug, or
     None for any other: an allocation failure (CUDA's OutOfMemoryError, the CPU allocator's RuntimeError "can't
     allocate memory", Python's MemoryError: the sizes asked for do not fit this machine), or a file the system
     refuses (PATH_ERRNOS: an output name taken by a folder, no permission, a full or read-only disk; a missing file
-    stays a traceback)."""
+    stays a traceback). `lower` names the script's flags that shrink a run, besides the model's size."""
     if isinstance(e, OSError) and e.errno in PATH_ERRNOS and (e.filename is not None or e.errno in DISK_ERRNOS):
         where = (f"{e.filename} -> {e.filename2}: " if e.filename2 is not None else
                  f"{e.filename}: " if e.filename is not None else "")
@@ -977,8 +989,71 @@ def memory_error(e: BaseException) -> typing.Optional[str]:
         return None
     first = text.splitlines()[0] if text else type(e).__name__
     first = first.split("DefaultCPUAllocator: ")[-1]  # the CPU allocator's message starts with its C++ assert
-    return (f"out of memory ({first[:200]}); lower --batch-size or --ctx, or the model's size, or use a device "
-            "with more memory")
+    return f"out of memory ({first[:200]}); lower {lower}, or the model's size, or use a device with more memory"
+
+
+MEMINFO, CGROUP = Path("/proc/meminfo"), Path("/sys/fs/cgroup")  # Linux's memory figures (cgroup v2)
+
+
+def available_memory(device: torch.device) -> typing.Optional[int]:
+    """Bytes a run on `device` can still allocate, or None where this cannot be read (MPS, a system without
+    /proc): a CUDA device's free memory plus what PyTorch's caching allocator holds unused (an earlier model's,
+    freed); on CPU Linux's MemAvailable plus free swap, capped by the cgroup v2 limit (memory.max less
+    memory.current, as SLURM and containers set it; the cgroup's own swap is not added)."""
+    if device.type == "cuda":
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
+    if device.type != "cpu":
+        return None
+    try:
+        info = dict(line.split(":", 1) for line in MEMINFO.read_text().splitlines() if ":" in line)
+        free = (int(info["MemAvailable"].split()[0]) + int(info.get("SwapFree", "0 kB").split()[0])) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    try:
+        limit = (CGROUP / "memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int((CGROUP / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def memory_floor(model_fn, tokens: int = 0, vocab: int = 0, width: int = 0, layers: int = 0, bf16: bool = False,
+                 train: bool = True) -> dict[str, int]:
+    """A floor, in bytes per part, under what one training run holds at once, never more than it uses:
+    `model_fn()` built on the meta device (no memory) for its parameter count, at 16 bytes a parameter when
+    training (fp32 weights, their gradients, AdamW's two moments) or 4 otherwise; `tokens` (one rank's
+    batch × ctx) × `vocab` logits at 2 bytes (bf16) or 4; one saved `width`-wide activation per token and layer
+    at the same size."""
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in model_fn().parameters())
+    size = 2 if bf16 else 4
+    return {"weights" + (", gradients and AdamW's moments" if train else ""): n_params * (16 if train else 4),
+            "logits": tokens * vocab * size, "saved activations": tokens * width * layers * size}
+
+
+def memory_floor_problem(model_fn, device: torch.device, *args, lower: str = "--batch-size or --ctx",
+                         **kwargs) -> typing.Optional[str]:
+    """The one-line error for a run whose sizes cannot fit, checked before anything is allocated, or None.
+    A CPU run whose allocations each fit but together exceed the memory is killed by the kernel (exit 137, no
+    message) once it touches the pages; this refuses it up front, and only when memory_floor(model_fn, *args,
+    **kwargs) exceeds available_memory. Ranks that share a CPU (torchrun's LOCAL_WORLD_SIZE) each hold all of
+    it. `lower` as in memory_error."""
+    available = available_memory(device)
+    if available is None:
+        return None
+    parts = memory_floor(model_fn, *args, **kwargs)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    need = sum(parts.values()) * ranks
+    if need <= available:
+        return None
+    def gib(b):
+        return f"{b / 2 ** 30:.3g} GiB" if b < 1000 * 2 ** 30 else f"{b / 2 ** 30:,.0f} GiB"
+    shown = ", ".join(f"{name} {gib(b)}" for name, b in parts.items() if b)
+    return (f"this run needs at least {gib(need)} of memory ({shown}" + (f", × {ranks} ranks" if ranks > 1 else "")
+            + f") and {device} has {gib(available)} free; lower {lower}, or the model's size, or use a device with "
+            "more memory")
 
 
 # -----------------------------------------------------------------------------

@@ -1188,7 +1188,7 @@ DDP_TIMEOUT_HOURS = 2  # the process group's collective timeout; prepare big cor
 
 def setup_device(cfg: Config):
     """-> (device, autocast context, DDP info). torchrun sets RANK/LOCAL_RANK/WORLD_SIZE (nanoGPT's detection)."""
-    from common import torchrun_problem
+    from common import rendezvous_note, torchrun_problem
 
     if (problem := torchrun_problem()) is not None:  # RANK set by hand, or torchrun's other variables missing
         raise RunError(problem)
@@ -1203,6 +1203,8 @@ def setup_device(cfg: Config):
 
         # rank 0 alone prepares the data (a token cache to build can take hours) while the others wait at a
         # barrier: NCCL's default 10-minute timeout would abort them
+        if (note := rendezvous_note(DDP_TIMEOUT_HOURS)) is not None:  # ranks started by hand, not by torchrun
+            print(note, file=sys.stderr, flush=True)
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo",
                                 timeout=datetime.timedelta(hours=DDP_TIMEOUT_HOURS))
         rank, local_rank, world = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_world_size()
@@ -1561,6 +1563,8 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
     as `model.weights_step`), and its history. With cfg.resume it continues from `ck`, the checkpoint already
     loaded by the caller (read from out_dir when not given). `start_rng` is the data streams' state to start
     from: under --compare ProtoT and the baseline train and evaluate on the same batches."""
+    from common import memory_floor_problem
+
     rank, world = dist_info["rank"], dist_info["world"]
     if cfg.batch_size % world:
         raise RunError(f"--batch-size {cfg.batch_size} must be divisible by the {world} ranks")
@@ -1568,6 +1572,12 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
     path = ckpt_path(cfg)
     if start_rng is not None and not cfg.resume:
         data.set_rng_state(start_rng)
+    # sizes that cannot fit stop here with one line (a CPU run would be killed with no message)
+    bf16 = getattr(autocast, "fast_dtype", None) == torch.bfloat16  # a torch.autocast, or a nullcontext (fp32)
+    problem = memory_floor_problem(lambda: ProtoT(cfg, data.vocab_size), device, micro * cfg.ctx,
+                                   data.vocab_size, cfg.d_model, cfg.layers, bf16)
+    if problem is not None:
+        raise RunError(problem)
     model = build_model(cfg, data.vocab_size, device)
     optimizer = make_optimizer(model, cfg, device.type)
     step, best, history = 0, float("inf"), {k: [] for k in HISTORY_KEYS}
@@ -1612,7 +1622,6 @@ def train(cfg: Config, data, device, autocast, dist_info, explicit=(), log=print
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[dist_info["local_rank"]] if device.type == "cuda" else None)
-    bf16 = getattr(autocast, "fast_dtype", None) == torch.bfloat16  # a torch.autocast, or a nullcontext (fp32)
     fpt, peak = flops_per_token(raw, cfg, cfg.ctx), peak_flops(device, bf16)
     tokens_per_step = cfg.batch_size * cfg.ctx
     log(f"{cfg.mixer}: {raw.n_params() / 1e6:.2f}M parameters, vocab {data.vocab_size}, "

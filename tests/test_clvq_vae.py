@@ -515,6 +515,21 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, tiny_bert, cache_dir, args,
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+
+def test_sizes_that_cannot_fit_stop_before_training(tmp_path, tiny_bert, cache_dir, capsys, monkeypatch):
+    """A CLVQ-VAE whose weights, gradients and AdamW's moments exceed the memory ends in one line before it is
+    built, naming the flag clvq has (--batch-size; no --ctx), and writes no checkpoint."""
+    import common
+
+    monkeypatch.setattr(common, "available_memory", lambda device: 2 ** 10)  # the tiny model takes ~0.1 MB
+    monkeypatch.setattr(cv, "build_model", lambda *a: pytest.fail("built a model that cannot fit"))
+    rc, err = call_main(cv.main, [*TINY, "--model", tiny_bert, "--out-dir", str(tmp_path), "--cache-dir",
+                                  str(cache_dir)], capsys, monkeypatch)
+    assert rc == 1 and err.count("\n") == 1 and err.startswith("error: this run needs at least "), err
+    assert "(weights, gradients and AdamW's moments " in err and "and cpu has 9.54e-07 GiB free; lower " \
+        "--batch-size, or the model's size" in err, err
+    assert not list(tmp_path.glob("*.pt"))
+
 def test_tiny_run_end_to_end(tmp_path, tiny_bert, cache_dir):
     """`python clvq_vae.py` as a user runs it, every analysis on: falling loss in the repo's log format, the eval
     lines, checkpoints of both variants, results and report."""
