@@ -1019,17 +1019,16 @@ def available_memory(device: torch.device) -> typing.Optional[int]:
     return free
 
 
-def memory_floor(model_fn, tokens: int = 0, vocab: int = 0, width: int = 0, layers: int = 0, bf16: bool = False,
-                 train: bool = True) -> dict[str, int]:
+def memory_floor(model_fn, tokens: int = 0, vocab: int = 0, width: int = 0, layers: int = 0,
+                 bf16: bool = False) -> dict[str, int]:
     """A floor, in bytes per part, under what one training run holds at once, never more than it uses:
-    `model_fn()` built on the meta device (no memory) for its parameter count, at 16 bytes a parameter when
-    training (fp32 weights, their gradients, AdamW's two moments) or 4 otherwise; `tokens` (one rank's
-    batch × ctx) × `vocab` logits at 2 bytes (bf16) or 4; one saved `width`-wide activation per token and layer
-    at the same size."""
+    `model_fn()` built on the meta device (no memory) for its parameter count, at 16 bytes a parameter (fp32
+    weights, their gradients, AdamW's two moments); `tokens` (one rank's batch × ctx) × `vocab` logits at 2 bytes
+    (bf16) or 4; one saved `width`-wide activation per token and layer at the same size."""
     with torch.device("meta"):
         n_params = sum(p.numel() for p in model_fn().parameters())
     size = 2 if bf16 else 4
-    return {"weights" + (", gradients and AdamW's moments" if train else ""): n_params * (16 if train else 4),
+    return {"weights, gradients and AdamW's moments": 16 * n_params,
             "logits": tokens * vocab * size, "saved activations": tokens * width * layers * size}
 
 
