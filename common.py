@@ -67,8 +67,11 @@ sequentially so every token is predicted exactly once (exact perplexity).
 Labeled text: `load_labeled("shakespeare")` gives passages labeled with their play's genre (split by play as
 above); `ag_news` and `imdb` come from the hub.
 
-Also here, because every script's `main()` needs it: `parse_config`, which turns a config dataclass into
-argparse flags (`--layers 6`), with one-line errors for unknown flags and bad values.
+Also here, because every script's `main()` or training loop needs them: `parse_config`, which turns a config dataclass into
+argparse flags (`--layers 6`), with one-line errors for unknown flags and bad values; and the checks that turn the
+machine's limits into one line instead of a traceback or a silent kill: `torchrun_problem` and `rendezvous_note`
+(DDP's variables), `memory_floor_problem` (sizes that cannot fit, refused before the model is built) and
+`memory_error` (an allocation or a path the system refuses).
 """
 from __future__ import annotations
 
@@ -954,7 +957,6 @@ def torchrun_problem() -> typing.Optional[str]:
     return None
 
 
-
 def rendezvous_note(hours: float) -> typing.Optional[str]:
     """The line a rank started without torchrun prints before it meets the others, or None. torchrun's agent
     gathers every node before it starts its workers (they find TORCHELASTIC_RUN_ID set) and stops them all when
@@ -965,6 +967,7 @@ def rendezvous_note(hours: float) -> typing.Optional[str]:
     e = os.environ
     return (f"rank {e['RANK']} of {e['WORLD_SIZE']}: waiting for every rank at {e['MASTER_ADDR']}:{e['MASTER_PORT']} "
             f"(up to {hours:g} h; start them all with the same WORLD_SIZE and MASTER_*, or use torchrun)")
+
 
 # The OSErrors a user's paths and disk cause (a name taken by a folder, a file where a folder goes, no permission, a
 # read-only or full disk, a name too long), not a bug's: a missing file stays a traceback (a path this code got wrong)
@@ -1043,7 +1046,8 @@ def memory_floor_problem(model_fn, device: torch.device, *args, lower: str = "--
     if available is None:
         return None
     parts = memory_floor(model_fn, *args, **kwargs)
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1").strip()
+    ranks = int(local) if device.type == "cpu" and local.isdigit() and int(local) > 0 else 1
     need = sum(parts.values()) * ranks
     if need <= available:
         return None
