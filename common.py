@@ -820,12 +820,18 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+INT64 = range(-2 ** 63, 2 ** 63)  # an int flag becomes tensor sizes and indices: past 64 bits torch raises a TypeError
+
+
 def _flag_type(tp):
     def parse(s: str):
         try:
-            return tp(s)
+            value = tp(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid {tp.__name__} value: {s!r}")
+        if tp is int and value not in INT64:
+            raise argparse.ArgumentTypeError(f"invalid int value: {s!r} (past 64 bits)")
+        return value
     parse.__name__ = tp.__name__
     return parse
 
@@ -838,7 +844,8 @@ def _fits(value, tp) -> bool:
     if tp is bool:
         return isinstance(value, bool)
     if tp in (int, float, str):
-        return isinstance(value, (int, float) if tp is float else tp) and not isinstance(value, bool)
+        return isinstance(value, (int, float) if tp is float else tp) and not isinstance(value, bool) and (
+            tp is not int or value in INT64)
     return True
 
 
@@ -978,7 +985,8 @@ PATH_ERRNOS = (errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ERO
 def memory_error(e: BaseException, lower: str = "--batch-size or --ctx") -> typing.Optional[str]:
     """The one-line message a script prints for an exception that is the machine's or the paths' and not a bug, or
     None for any other: an allocation failure (CUDA's OutOfMemoryError, the CPU allocator's RuntimeError "can't
-    allocate memory", Python's MemoryError: the sizes asked for do not fit this machine), or a file the system
+    allocate memory", Python's MemoryError: the sizes asked for do not fit this machine; torch's "Storage size
+    calculation overflowed": they do not fit 64-bit addresses, even on the meta device), or a file the system
     refuses (PATH_ERRNOS: an output name taken by a folder, no permission, a full or read-only disk; a missing file
     stays a traceback). `lower` names the script's flags that shrink a run, besides the model's size."""
     if isinstance(e, OSError) and e.errno in PATH_ERRNOS and (e.filename is not None or e.errno in DISK_ERRNOS):
@@ -987,8 +995,8 @@ def memory_error(e: BaseException, lower: str = "--batch-size or --ctx") -> typi
         return (f"{where}{e.strerror or type(e).__name__}; check that path (--out-dir, --cache-dir), its "
                 "permissions and the free space")
     text = str(e).strip()
-    if not (isinstance(e, (torch.OutOfMemoryError, MemoryError))
-            or isinstance(e, RuntimeError) and "can't allocate memory" in text):
+    if not (isinstance(e, (torch.OutOfMemoryError, MemoryError)) or isinstance(e, RuntimeError) and (
+            "can't allocate memory" in text or text.startswith("Storage size calculation overflowed"))):
         return None
     first = text.splitlines()[0] if text else type(e).__name__
     first = first.split("DefaultCPUAllocator: ")[-1]  # the CPU allocator's message starts with its C++ assert

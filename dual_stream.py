@@ -2465,6 +2465,7 @@ def apply_preset(cfg: Config, explicit) -> str:
 
 
 FLOAT32_MAX = torch.finfo(torch.float32).max  # every float flag must fit: AdamW steps in float32
+ADAM_LR_MAX = FLOAT32_MAX * (1 - 0.9)  # Adam's first step divides lr by 1 − β1
 MAX_LAYERS = 1024  # the model is built block by block before any memory runs out: --layers 1e20 would never end
 
 
@@ -2504,6 +2505,12 @@ def validate(cfg: Config, explicit=()) -> None:
     bad = [f.name for f in fields(cfg) if isinstance(v := getattr(cfg, f.name), float) and not abs(v) <= FLOAT32_MAX]
     if bad:
         raise RunError(f"--{bad[0].replace('_', '-')} must be a finite number of at most {FLOAT32_MAX:.1e} (float32)")
+    # Adam's first step is lr / (1 − β1) = 10·lr (β1 = 0.9) in float32: past FLOAT32_MAX / 10, a traceback
+    big = [f.name for f in fields(cfg) if (f.name == "lr" or f.name.endswith("_lr")) and getattr(cfg, f.name)
+           > ADAM_LR_MAX]
+    if big:
+        raise RunError(f"--{big[0].replace('_', '-')} must be at most {ADAM_LR_MAX:.1e} (Adam's first step, 10·lr, "
+                       "must fit float32)")
     parse_alphas(cfg.amplify)
     typed = [k for k in (*SWEEP["dense"], *POINT_KEYS) if k in explicit]
     if cfg.sweep and typed:

@@ -663,12 +663,18 @@ def test_parse_config_flags_from_dataclass():
     assert common.parse_config(DemoConfig, ["--lr", "0.1"])[1].explicit == {"lr"}
     assert common.parse_config(DemoConfig, ["--max-tokens", "none", "--no-compile"])[0].max_tokens is None
     assert common.parse_config(DemoConfig, ["--prompt", "none"])[0].prompt == "none"  # a string stays a string
+    assert common.parse_config(DemoConfig, ["--n-layers", str(2 ** 63 - 1)])[0].n_layers == 2 ** 63 - 1
+    # a stored config holds what the flags could: no int past 64 bits
+    assert common.config_errors(DemoConfig(n_layers=2 ** 63)) == [f"n_layers={2 ** 63}"]
+    assert common.config_errors(DemoConfig(n_layers=-2 ** 63, max_tokens=2 ** 63 - 1)) == []
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["--layerz", "6"], "unrecognized arguments: --layerz 6"),
     (["--n-lay", "6"], "unrecognized arguments: --n-lay 6"),  # no abbreviations (config_parser)
     (["--n-layers", "six"], "invalid int value: 'six'"),
+    (["--n-layers", str(2 ** 63)], f"invalid int value: '{2 ** 63}' (past 64 bits)"),  # torch's sizes are int64
+    (["--max-tokens", str(-2 ** 63 - 1)], "(past 64 bits)"),
     (["--mixer", "mamba"], "invalid choice: 'mamba'"),
 ])
 def test_parse_config_bad_input_is_one_line(capsys, argv, needle):

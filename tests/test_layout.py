@@ -568,6 +568,8 @@ def test_memory_error_message():
     assert common.memory_error(torch_oom("CUDA out of memory. Tried 2 GiB.\nmore")).startswith(
         "out of memory (CUDA out of memory. Tried 2 GiB.);")
     assert common.memory_error(MemoryError()).startswith("out of memory (MemoryError);")
+    assert common.memory_error(RuntimeError("Storage size calculation overflowed with sizes=[2, 3]")).startswith(
+        "out of memory (Storage size calculation overflowed with sizes=[2, 3]); lower")  # sizes past 64 bits
     assert common.memory_error(RuntimeError("expected a tensor")) is None and common.memory_error(ValueError()) is None
     # a path the system refuses: one line naming it (a checkpoint's rename names both ends), not a traceback
     assert common.memory_error(IsADirectoryError(21, "Is a directory", "out/report.html")).startswith(
