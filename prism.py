@@ -141,9 +141,9 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     above only compare estimators with each other. For N of the queries, each method's top --attr-retrain-k
     (10) windows are left out of a continued training from the trained weights on the M attribution windows
     (--attr-retrain-epochs 1 of plain SGD at --attr-retrain-lr 0.1, --attr-retrain-batch windows a step, by
-    default the model's training batch; all parameters, CE, fp32, the same batches in every run, a window left
-    out losing only its own gradient), and so are 10 random windows; Δ is the query's loss minus that after the
-    same training with nothing left out. Windows that really helped the query give Δ > 0, above the random
+    default the model's training batch, at most M; all parameters, CE, fp32, the same batches in every run, a
+    window left out losing only its own gradient), and so are 10 random windows; Δ is the query's loss minus that
+    after the same training with nothing left out; a divergent SGD (a non-finite loss) is an error. Windows that really helped the query give Δ > 0, above the random
     ones'. Each method is also compared with the cached one query by query (a paired difference: the queries'
     own spread cancels). Plain SGD, not AdamW: with SGD a left-out window removes its own gradient and nothing
     else, while Adam divides every step by a running gradient scale that the left-out window is part of.
@@ -2982,7 +2982,8 @@ def val_queries(data, Q: int, ctx: int, device):
     tokens = data.tokens("val")
     if len(tokens) < ctx + 1:
         raise RunError(f"the val split has {len(tokens)} tokens, fewer than --ctx + 1 = {ctx + 1}: no query window")
-    starts = torch.linspace(0, len(tokens) - ctx - 1, Q).long().unique()  # fewer if the split is that short
+    span = len(tokens) - ctx  # window starts 0 … span - 1: more queries than that are the same windows again
+    starts = torch.linspace(0, span - 1, min(Q, span)).long().unique()  # fewer if the split is that short
     w = torch.from_numpy(tokens[(starts[:, None] + torch.arange(ctx + 1)[None, :]).numpy()].astype("int64"))
     return w[:, :-1].to(device), w[:, -1].to(device)
 
@@ -3109,12 +3110,20 @@ def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, lo
     work = copy.deepcopy(model)  # the runs train a copy: the analyses after this one see the trained model
     start = {key: v.clone() for key, v in model.state_dict().items()}
     batch = cfg.attr_retrain_batch or cfg.batch_size
+    if batch > M:  # each window's loss is weighted 1/batch: past M, every step would shrink by M/batch unseen
+        log(f"note: retraining check: batches of {batch} windows, more than the attribution set's {M}; using {M} "
+            "(one full batch per epoch)")
+        batch = M
     done = {}  # left-out set -> the picked queries' losses (two methods' equal top-k train once)
     t0 = time.time()
 
     def train_without(left_out):
-        return retrain_query_losses(work, start, windows, left_out, xq[picked], yq[picked], order,
-                                    cfg.attr_retrain_lr, batch)
+        out = retrain_query_losses(work, start, windows, left_out, xq[picked], yq[picked], order,
+                                   cfg.attr_retrain_lr, batch)
+        if not out.isfinite().all():  # the check's plain SGD diverged: every Δ would be NaN
+            raise RunError(f"the retraining check diverged (a non-finite query loss after {cfg.attr_retrain_epochs} "
+                           f"epochs of SGD at --attr-retrain-lr {cfg.attr_retrain_lr:g}); lower --attr-retrain-lr")
+        return out
 
     def losses(left_out):
         key = frozenset(int(m) for m in left_out)

@@ -1357,3 +1357,41 @@ def test_retraining_check_needs_a_window_to_train_on():
     with pytest.raises(prism.RunError, match=r"^--attr-retrain-k 6 leaves no window of the attribution set's 6 to "
                                              r"train on; use at most 5$"):
         prism.retrain_check(model, windows_of(6, 8), xq[:, :-1], xq[:, -1], {}, cfg, print)
+
+
+def test_retraining_check_batches_at_most_the_set_and_refuses_divergence(monkeypatch):
+    """A batch larger than the attribution set trains on the whole set per step (weighting each window by the
+    requested batch would shrink every step unseen, so every Δ read 0), said in a note; an lr at which the plain
+    SGD diverges is one error line, not a table of NaN deltas."""
+    cfg = Config(layers=1, d_model=16, heads=2, n_protos=12, topk=3, ctx=8, init="random", kernels="torch",
+                 attr_retrain=2, attr_retrain_k=2, attr_retrain_batch=1000)
+    model = PRISM(cfg, V).eval()
+    xq, windows = windows_of(2, 8, seed=61), windows_of(8, 8, seed=62)
+    batches = []
+    real = prism.retrain_query_losses
+    monkeypatch.setattr(prism, "retrain_query_losses", lambda *a: batches.append(a[8]) or real(*a))
+    lines = []
+    rt = prism.retrain_check(model, windows, xq[:, :-1], xq[:, -1], {}, cfg, lines.append)
+    assert rt["batch"] == 8 and set(batches) == {8}
+    assert lines[0] == ("note: retraining check: batches of 1000 windows, more than the attribution set's 8; using "
+                        "8 (one full batch per epoch)")
+    same = prism.retrain_check(model, windows, xq[:, :-1], xq[:, -1], {}, dataclasses.replace(cfg, attr_retrain_batch=8),
+                               print)  # the same run as batches of 8 asked for
+    assert rt["shift"] == same["shift"] != 0 and rt["rows"] == same["rows"]
+    monkeypatch.setattr(prism, "retrain_query_losses", lambda *a: torch.full((2,), float("nan")))
+    with pytest.raises(prism.RunError, match=r"^the retraining check diverged \(a non-finite query loss after 1 "
+                                             r"epochs of SGD at --attr-retrain-lr 0.1\); lower --attr-retrain-lr$"):
+        prism.retrain_check(model, windows, xq[:, :-1], xq[:, -1], {}, dataclasses.replace(cfg, attr_retrain_batch=0),
+                            print)
+
+
+def test_more_queries_than_val_windows_allocate_no_more():
+    """--attr-queries past the val split's window starts: every start once (what the linspace would collapse to),
+    without building a Q-long linspace first (1e9 queries took GBs and the OOM killer)."""
+    class Tiny:
+        def tokens(self, split):
+            return np.arange(20, dtype=np.uint16)
+    xq, yq = prism.val_queries(Tiny(), 10 ** 12, 5, "cpu")
+    assert xq[:, 0].tolist() == list(range(15)) and yq.tolist() == list(range(5, 20))
+    xq, _ = prism.val_queries(Tiny(), 4, 5, "cpu")
+    assert xq[:, 0].tolist() == [0, 4, 9, 14]  # as before: evenly spread, floor of linspace(0, 14, 4)
