@@ -397,12 +397,24 @@ class _ByteEncoding:
 
 def unk_targets_note(ev: dict) -> str:
     """A final evaluation's loss without its unk targets, where there are any (evaluate_ppl's "unk_tokens",
-    "loss_known", "ppl_known"): compaction maps every id unseen in training to unk, so the model never learnt to
-    predict it and each such target costs far more than a real one."""
+    "loss_known", "ppl_known"; the last two None when every target is unk): compaction maps every id unseen in
+    training to unk, so the model never learnt to predict it and each such target costs far more than a real one."""
     if not ev.get("unk_tokens"):
         return ""
+    if ev["loss_known"] is None:
+        return (f"; every one of its {ev['unk_tokens']:,} targets is unk (ids unseen in training), so there is no "
+                "loss without them: a larger --compact keeps more ids")
     return (f"; without its {ev['unk_tokens']:,} unk targets (ids unseen in training) loss {ev['loss_known']:.4f}, "
             f"perplexity {ev['ppl_known']:.2f}")
+
+
+def unk_targets_cell(ev: dict) -> str:
+    """unk_targets_note as a report's table cell."""
+    if not ev.get("unk_tokens"):
+        return "—"
+    if ev["loss_known"] is None:
+        return f"none: all {ev['unk_tokens']:,} targets are unk"
+    return f"loss {ev['loss_known']:.4f}, ppl {ev['ppl_known']:.2f} ({ev['unk_tokens']:,} left out)"
 
 
 def unknown_note(tok: "Tokenizer", prompt: str) -> str | None:

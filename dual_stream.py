@@ -1257,9 +1257,10 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
 
         dist.all_reduce(sums)
     total, count, total_known, count_known, windows = sums.tolist()
+    known = total_known / count_known if count_known else None  # None: every target is unk
     return {"loss": total / count, "ppl": perplexity(total / count), "tokens": int(count), "windows": int(windows),
-            "unk_tokens": int(count - count_known), "loss_known": total_known / max(count_known, 1),
-            "ppl_known": perplexity(total_known / max(count_known, 1))}
+            "unk_tokens": int(count - count_known), "loss_known": known,
+            "ppl_known": None if known is None else perplexity(known)}
 
 
 def on_windows(windows: int, tokens: int) -> str:
@@ -1618,15 +1619,15 @@ def budget_diff(budgets: dict) -> str:
 def sweep_table(models: dict, ppl: dict, compare: bool = True) -> list[dict]:
     """Parameters, val loss and its relative cost to token-factor dense (spec §10.1); no cost when the models
     were not trained on one budget (compare=False)."""
+    from common import unk_targets_cell
+
     base = ppl.get("dense", {}).get("loss") if compare else None
     rows = []
     for name, m in models.items():
         n, emb = m.n_params(), m.wte.weight.numel()
         row = {"model": name, "config": variant(m.cfg), "params (M)": n / 1e6, "non-embedding (M)": (n - emb) / 1e6,
                "val loss": ppl[name]["loss"], "ppl": ppl[name]["ppl"],
-               "without the unk targets": f"loss {ppl[name]['loss_known']:.4f}, ppl {ppl[name]['ppl_known']:.2f} "
-                                          f"({ppl[name]['unk_tokens']:,} left out)" if ppl[name].get("unk_tokens")
-                                          else "—"}
+               "without the unk targets": unk_targets_cell(ppl[name])}
         if base is not None:
             row["vs dense"] = f"{ppl[name]['loss'] / base - 1:+.2%}"
             row["paper"] = PAPER_COST.get(name, "0%" if name == "dense" else "")

@@ -1454,9 +1454,10 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
 
         dist.all_reduce(sums)
     total, count, total_known, count_known, fired = sums.tolist()
+    known = total_known / count_known if count_known else None  # None: every target is unk
     res = {"loss": total / count, "ppl": perplexity(total / count), "tokens": int(count),
-           "unk_tokens": int(count - count_known), "loss_known": total_known / max(count_known, 1),
-           "ppl_known": perplexity(total_known / max(count_known, 1))}
+           "unk_tokens": int(count - count_known), "loss_known": known,
+           "ppl_known": None if known is None else perplexity(known)}
     if head_kw and head_kw.get("suppress") is not None:
         res["fired"] = int(fired)
     return res
@@ -3991,6 +3992,8 @@ def resolved(asked: str, got: str) -> str:
 
 
 def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, name: str = "report") -> Path:
+    from common import unk_targets_cell
+
     preset, device = (resolved(getattr(cfg, k), results.get(k, "")) for k in ("preset", "device"))
     parts = [f"<h1>PRISM report</h1><p>{html.escape(time.strftime('%Y-%m-%d %H:%M'))}, preset "
              f"{html.escape(preset)}, device {html.escape(device)}</p>",
@@ -4022,8 +4025,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
     if "ppl" in results:
         parts.append("<h2>Validation (every token once)</h2>" + table_html(
             [{"model": k, "loss": v["loss"], "ppl": v["ppl"], "tokens": v["tokens"],
-              "without the unk targets": f"loss {v['loss_known']:.4f}, ppl {v['ppl_known']:.2f} ({v['unk_tokens']:,} "
-                                         "left out)" if v.get("unk_tokens") else "—"}
+              "without the unk targets": unk_targets_cell(v)}
              for k, v in results["ppl"].items()], ["model", "loss", "ppl", "tokens", "without the unk targets"]))
         if "gap" in results:
             parts.append(f"<p>PRISM val loss vs the dense twin: {results['gap']:+.2%} (paper: within 5%)</p>")

@@ -1388,9 +1388,10 @@ def evaluate_ppl(model, data, ctx: int, autocast, batch_size: int = 8, max_windo
 
         dist.all_reduce(sums)
     total, count, total_known, count_known = sums.tolist()
+    known = total_known / count_known if count_known else None  # None: every target is unk
     return {"loss": total / count, "ppl": perplexity(total / count), "tokens": int(count),
-            "unk_tokens": int(count - count_known), "loss_known": total_known / max(count_known, 1),
-            "ppl_known": perplexity(total_known / max(count_known, 1))}
+            "unk_tokens": int(count - count_known), "loss_known": known,
+            "ppl_known": None if known is None else perplexity(known)}
 
 
 def dist_ready() -> bool:
@@ -2346,6 +2347,8 @@ def table_html(rows: list[dict], cols: list[str]) -> str:
 
 
 def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, name: str = "report") -> Path:
+    from common import unk_targets_cell
+
     shown = asdict(cfg)
     for key in ("preset", "device", "dtype"):  # the flag as typed and what the run made of it: "auto → cpu"
         if results.get(key) and results[key] != shown[key]:
@@ -2358,8 +2361,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
     if "ppl" in results:
         parts.append("<h2>Perplexity (val, every token once)</h2>" + table_html(
             [{"model": k, "ppl": f"{v['ppl']:.2f}", "tokens": v["tokens"], "weights of step": v.get("step", ""),
-              "without the unk targets": f"loss {v['loss_known']:.4f}, ppl {v['ppl_known']:.2f} ({v['unk_tokens']:,} "
-                                         "left out)" if v.get("unk_tokens") else "—"}
+              "without the unk targets": unk_targets_cell(v)}
              for k, v in results["ppl"].items()],
             ["model", "ppl", "tokens", "weights of step", "without the unk targets"]))
         if "ratio" in results:

@@ -496,6 +496,28 @@ def test_evaluate_ppl_reports_the_loss_without_the_unk_targets():
     assert f"without its {res['unk_tokens']:,} unk targets (ids unseen in training) loss {res['loss_known']:.4f}" \
         in note
     assert common.unk_targets_note({**res, "unk_tokens": 0}) == ""
+    assert common.unk_targets_cell(res) == (f"loss {res['loss_known']:.4f}, ppl {res['ppl_known']:.2f} "
+                                            f"({res['unk_tokens']:,} left out)")
+    assert common.unk_targets_cell({**res, "unk_tokens": 0}) == "—"
+
+
+def test_evaluate_ppl_when_every_target_is_unk():
+    """A vocabulary compacted to almost nothing (--compact 2) can leave no known val target: the loss without the
+    unk targets is then undefined (None in the JSON, said in the log and the report), not 0 and perplexity 1."""
+    class AllUnk(FakeData):
+        def iter_eval(self, split, batch_size, ctx):
+            x, y = tokens(B=batch_size, T=ctx, seed=2)
+            yield x, torch.full_like(y, 5)
+    data = AllUnk()
+    data.tokenizer = types.SimpleNamespace(unk=5)
+    res = ds.evaluate_ppl(tiny_model().eval(), data, 16, torch.autocast("cpu", enabled=False))
+    assert res["unk_tokens"] == res["tokens"] == 8 * 16 and res["loss_known"] is None and res["ppl_known"] is None
+    assert res["loss"] > 0
+    assert common.unk_targets_note(res) == ("; every one of its 128 targets is unk (ids unseen in training), so there "
+                                            "is no loss without them: a larger --compact keeps more ids")
+    assert common.unk_targets_cell(res) == "none: all 128 targets are unk"
+    assert ds.sweep_table({"dense": tiny_model()}, {"dense": res})[0]["without the unk targets"] == \
+        "none: all 128 targets are unk"
 
 
 def test_ablation_rows_say_what_they_remove_and_fts_skips_the_repeats():
