@@ -876,8 +876,9 @@ class VectorQuantizer(nn.Module):
 
     # ---- initialisation (spec §2.4) ----------------------------------------------------------------------
     def _kmeans(self, x, g):
-        """Lloyd's k-means on x [M, d] (fp32): best of cfg.init_restarts runs of cfg.init_iters iterations, seeded
-        by random rows or k-means++ (D² sampling). The assignment step is vq_search(k = 1, T = 0).
+        """Lloyd's k-means on x [M, d] (fp32): best of cfg.init_restarts runs of cfg.init_iters iterations (fewer
+        when the assignment stops changing), seeded by random rows or k-means++ (D² sampling). The assignment
+        step is vq_search(k = 1, T = 0).
         -> (centroids [K, d], assignment [M])."""
         cfg, K = self.cfg, self.cfg.codebook_size
         best = (float("inf"), None, None)
@@ -891,8 +892,12 @@ class VectorQuantizer(nn.Module):
                     d2 = torch.minimum(d2, (x - x[nxt]).pow(2).sum(-1))
             else:
                 C = x[torch.randperm(len(x), generator=g)[:K].to(x.device)]
+            last = None
             for _ in range(cfg.init_iters):
                 assign = vq_search(x, C, 1, 0.0, backend=self.backend, precision=self.precision)[0]
+                if last is not None and torch.equal(assign, last):
+                    break  # a fixed point: every later pass gives the same C (bit for bit on the CPU)
+                last = assign
                 sums = torch.zeros_like(C).index_add_(0, assign, x)
                 counts = torch.bincount(assign, minlength=K).to(x.dtype)
                 # an empty cluster keeps its previous centroid
@@ -2783,6 +2788,8 @@ class TranscoderSAE(nn.Module):
 def train_sae(cfg, x: torch.Tensor, y: torch.Tensor, device, log=print) -> tuple[TranscoderSAE, dict]:
     """Adam on MSE(ŷ, y) + sae_l1·mean|f|₁ over seeded minibatches of (x_l, x_h) rows. -> (sae, info).
     Every row the caller passes is used, [CLS] included (the official SAE drops it, "no_cls"; module docstring)."""
+    from common import memory_floor_problem
+
     t0 = time.time()
     g = torch.Generator().manual_seed(cfg.analysis_seed)
     torch.manual_seed(cfg.analysis_seed)
@@ -2790,6 +2797,8 @@ def train_sae(cfg, x: torch.Tensor, y: torch.Tensor, device, log=print) -> tuple
     if not k and not cfg.sae_l1:
         log("note: --sae-k 0 with --sae-l1 0 trains a ReLU SAE with no sparsity penalty, so its codes are dense; "
             "the official SAE adds --sae-l1 1e-4")
+    if (problem := memory_floor_problem(lambda: TranscoderSAE(x.shape[1], L, k), device, lower="--sae-latents")):
+        raise RunError(problem)  # before it allocates, like the main model
     sae = TranscoderSAE(x.shape[1], L, k).to(device)
     opt = torch.optim.Adam(sae.parameters(), lr=cfg.sae_lr)
     B, l1, steps = min(cfg.sae_batch, len(x)), cfg.sae_l1, cfg.sae_steps
@@ -3837,6 +3846,7 @@ def apply_preset(cfg: Config, explicit) -> str:
 
 FLOAT32_MAX = torch.finfo(torch.float32).max  # every float flag must fit: AdamW steps in float32
 ADAM_LR_MAX = FLOAT32_MAX * (1 - 0.9)  # Adam's first step divides lr by 1 − β1
+MAX_IG_STEPS = 4096  # numpy leggauss(4096): 3 s, a 128 MB companion matrix (10**9: out of memory)
 MAX_LAYERS = 1024  # the model is built block by block before any memory runs out: --layers 1e20 would never end
 
 
@@ -3912,6 +3922,8 @@ def validate(cfg: Config, explicit=()) -> None:
               (cfg.fidelity_sentences >= 0, "--fidelity-sentences must be >= 0 (0: every dev sentence)"),
               (cfg.probe_epochs >= 1 and cfg.probe_patience >= 0, "--probe-epochs must be >= 1, --probe-patience >= 0"),
               (cfg.ig_steps >= 1 and cfg.ig_batch >= 1, "--ig-steps and --ig-batch must be >= 1"),
+              (cfg.ig_steps <= MAX_IG_STEPS, f"--ig-steps must be at most {MAX_IG_STEPS} (numpy's Gauss-Legendre "
+                                             "nodes take O(n²) memory and O(n³) time; the paper used 500)"),
               (cfg.cards_per_method >= 1 and cfg.coherence_draws >= 1,
                "--cards-per-method and --coherence-draws must be >= 1")]
     for ok, msg in checks:

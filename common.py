@@ -1057,20 +1057,26 @@ def memory_floor(model_fn, tokens: int = 0, vocab: int = 0, width: int = 0, laye
 
 def memory_floor_problem(model_fn, device: torch.device, *args, lower: str = "--batch-size or --ctx",
                          **kwargs) -> typing.Optional[str]:
-    """The one-line error for a run whose sizes cannot fit, checked before anything is allocated, or None.
-    A CPU run whose allocations each fit but together exceed the memory is killed by the kernel (exit 137, no
-    message) once it touches the pages; this refuses it up front, and only when memory_floor(model_fn, *args,
+    """The one-line error for a training run whose sizes cannot fit, checked before anything is allocated, or
+    None. A CPU run whose allocations each fit but together exceed the memory is killed by the kernel (exit 137,
+    no message) once it touches the pages; this refuses it up front, and only when memory_floor(model_fn, *args,
     **kwargs) exceeds available_memory. Ranks that share a CPU (torchrun's LOCAL_WORLD_SIZE) each hold all of
     it. `lower` as in memory_error."""
-    available = available_memory(device)
-    if available is None:
+    if available_memory(device) is None:  # nothing to compare with: the model is not even counted
         return None
-    parts = memory_floor(model_fn, *args, **kwargs)
     local = os.environ.get("LOCAL_WORLD_SIZE", "1").strip()
     ranks = int(local) if device.type == "cpu" and local.isdigit() and int(local) > 0 else 1
+    return memory_problem(memory_floor(model_fn, *args, **kwargs), device, lower, ranks)
+
+
+def memory_problem(parts: dict[str, int], device: torch.device, lower: str, ranks: int = 1) -> typing.Optional[str]:
+    """The one-line error when `parts` ({what: bytes}, a floor under what a step will hold at once) times `ranks`
+    exceed available_memory(device), or None (also when that cannot be read). `lower` names the flags to lower."""
+    available = available_memory(device)
     need = sum(parts.values()) * ranks
-    if need <= available:
+    if available is None or need <= available:
         return None
+
     def gib(b):
         return f"{b / 2 ** 30:.3g} GiB" if b < 1000 * 2 ** 30 else f"{b / 2 ** 30:,.0f} GiB"
     shown = ", ".join(f"{name} {gib(b)}" for name, b in parts.items() if b)

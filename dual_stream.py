@@ -1756,8 +1756,19 @@ def js_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 DISTINCT_WINDOWS, DISTINCT_WIDTH, DISTINCT_SKIP = 8, 128, 8  # what distinctiveness reads, and its label says
-DISTINCTIVENESS_ON = (f"mean pairwise JS in bits over heads and query rows {DISTINCT_SKIP} on, in the first "
-                      f"{DISTINCT_WINDOWS} val windows of min({DISTINCT_WIDTH}, ctx) tokens")
+
+
+def distinct_sizes(model: DualStream, data, width: int = DISTINCT_WIDTH, skip: int = DISTINCT_SKIP) -> tuple[int, int]:
+    """-> (width, skip) as distinctiveness reads them: windows of at most the model's ctx and the val split, and
+    at least one query row left after the skipped ones."""
+    width = min(width, model.cfg.ctx, len(data.tokens("val")) - 1)
+    return width, min(skip, width - 1)
+
+
+def distinctiveness_on(width: int, skip: int) -> str:
+    """What distinctiveness measured, as the log and the report say it."""
+    return (f"mean pairwise JS in bits over heads and query rows {skip} on, in the first {DISTINCT_WINDOWS} val "
+            f"windows of {width} tokens")
 
 
 @torch.no_grad()
@@ -1767,9 +1778,8 @@ def distinctiveness(model: DualStream, data, windows: int = DISTINCT_WINDOWS, wi
     query rows of the JS divergence between the two heads' attention rows, on `windows` val windows. The first
     `skip` rows (a handful of keys, nearly forced patterns) are left out."""
     model.eval()
-    width = min(width, model.cfg.ctx, len(data.tokens("val")) - 1)
+    width, skip = distinct_sizes(model, data, width, skip)
     x = next(iter(data.iter_eval("val", windows, width)))[0]
-    skip = min(skip, width - 1)  # at least one row left
     with model.probe(keep_maps=True):
         model(x)
         maps = [a.last["maps"][:, :, skip:] for a in model.attentions()]  # [B, H, T', T] per layer
@@ -2111,7 +2121,8 @@ def gap_text(g: dict) -> str:
 
 @torch.no_grad()
 def head_specialization(model: DualStream, data, device) -> dict:
-    return {"distinctiveness": distinctiveness(model, data), "hubs": hubs(model), "hub_growth": hub_growth(model),
+    return {"distinctiveness": distinctiveness(model, data), "on": distinctiveness_on(*distinct_sizes(model, data)),
+            "hubs": hubs(model), "hub_growth": hub_growth(model),
             "coreference": coreference(model, data.tokenizer, device),
             "coreference_gap": coreference_gap(model, data.tokenizer, device)}
 
@@ -2402,7 +2413,7 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
         parts.append(f"<h2>Head sweep</h2><p>{REPORTED_HEAD_SWEEP}; this run's figures:</p>"
                      + table_html(rows, list(rows[0])))
     for m, s in results.get("specialization", {}).items():
-        parts.append(f"<h2>Head specialisation, {html.escape(m)}</h2><p>distinctiveness ({DISTINCTIVENESS_ON}) "
+        parts.append(f"<h2>Head specialisation, {html.escape(m)}</h2><p>distinctiveness ({html.escape(s['on'])}) "
                      "per layer: " + per_layer(s["distinctiveness"]) + "</p>")
         if s.get("hubs"):
             parts.append(img(s["figure"]) + table_html(s["hubs"], list(s["hubs"][0])))
@@ -2739,7 +2750,7 @@ def run(cfg: Config, explicit) -> int:
         results["specialization"] = {}
         for name, m in models.items():
             s = results["specialization"][name] = head_specialization(m, data, device)
-            line = f"distinctiveness ({DISTINCTIVENESS_ON}) per layer " + per_layer(s["distinctiveness"])
+            line = f"distinctiveness ({s['on']}) per layer " + per_layer(s["distinctiveness"])
             fig = kronecker_figure(m)
             if fig is not None:
                 png = out_dir / f"{'' if cfg.train else 'analysis-'}kronecker-{variant(m.cfg)}.png"

@@ -2170,6 +2170,22 @@ def uniforms(gen, S: int, n: int, device):
     return torch.stack([torch.rand(n, generator=gen) for _ in range(S)]).to(device)
 
 
+def fisher_draws_problem(M: int, T: int, d: int, S: int, device, exact: bool) -> Optional[str]:
+    """The one-line error when S drawn targets per token cannot fit (--attr-fisher-samples 1e9 asked for hundreds
+    of GB after the training, and the out-of-memory line named --batch-size), or None. The floor: one batched
+    pass's uniforms, draws and their δ̃ (token_deltas: S·n·(4 + 8 + 4d) bytes over its n tokens); for the exact
+    reference also the M·S·T drawn targets it keeps beside the larger of that and the (M·S)² float64 Gram."""
+    from common import memory_problem
+
+    n = min(M, max(1, ATTR_TOKENS // T)) * T
+    per_pass = ("one pass's draws and their δ̃", S * n * (12 + 4 * d))
+    parts = dict([per_pass])
+    if exact:
+        gram = ("the sampled gradients' Gram (float64)", 8 * (M * S) ** 2)
+        parts = {"the drawn targets": 4 * M * S * T, **dict([max(per_pass, gram, key=lambda kv: kv[1])])}
+    return memory_problem(parts, torch.device(device), "--attr-fisher-samples or --attr-seqs")
+
+
 def sequence_sums(seq_of_token, idx, a, delta, K: int, chunk=ATTR_CHUNK):
     """g_{m,i} = Σ_{t∈m} a_{t,i} δ_t for every (sequence, prototype) pair with some a_{t,i} > 0, by sort/segment
     ops (no loop over tokens). seq_of_token [N], idx/a [N, k], delta [N, d] -> (keys m·K + i [U], sorted by
@@ -2268,6 +2284,8 @@ def build_attr_cache(model: PRISM, windows, curvature: str = "block", damping: f
     A = torch.zeros(K * K, device=device) if curvature == "kfac" else None
     keys, vecs = [], []
     fisher = s_curvature == "fisher"
+    if fisher and (problem := fisher_draws_problem(M, T, d, samples, device, exact=False)) is not None:
+        raise RunError(problem)
     gen = torch.Generator().manual_seed(seed)
     B = max(1, ATTR_TOKENS // T)
     for s in range(0, M, B):
@@ -2469,6 +2487,8 @@ def build_exact(model: PRISM, windows, damping: float = 0.1, curvature: str = "e
     M, T = windows.shape[0], windows.shape[1] - 1
     fisher = curvature == "fisher"
     S = samples if fisher else 1
+    if fisher and (problem := fisher_draws_problem(M, T, d, S, device, exact=True)) is not None:
+        raise RunError(problem)
     gen = torch.Generator().manual_seed(seed)
     true, sampled = ([], []), ([], [])  # (keys, rows) of G and of G̃
     states = []  # ggn: the tokens' final states, kept for build_ggn (no second forward pass)

@@ -244,6 +244,30 @@ def test_kmeans_baseline_assigns_each_row_its_nearest_centroid():
     assert m.ablation(x[:1], torch.tensor([-1])).abs().sum() == 0
 
 
+
+@pytest.mark.parametrize("seeding", ["random", "kmeans++"])
+def test_kmeans_stops_at_its_fixed_point_with_the_same_result(seeding, monkeypatch):
+    """Lloyd's iterations end once the assignment repeats: the centroids are those of running every iteration
+    (here a 200-pass run against one whose stop never fires), and --init-iters 1e9 ends at once instead of for
+    ever."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(400, 8, generator=g) + 4 * torch.randn(5, 8, generator=g)[torch.arange(400) % 5]
+    cfg = cv.Config(d_model=8, codebook_size=7, kernels="torch", init="kmeans", init_seeding=seeding,
+                    init_restarts=2, init_iters=200)
+    passes = []
+    real = cv.vq_search
+    monkeypatch.setattr(cv, "vq_search", lambda *a, **k: passes.append(1) or real(*a, **k))
+    C, assign = cv.VectorQuantizer(cfg)._kmeans(x, torch.Generator().manual_seed(0))
+    assert len(passes) < 2 * 40  # both restarts stopped early (each pass plus the final search)
+    monkeypatch.setattr(cv.torch, "equal", lambda a, b: False)  # the stop never fires: all 200 passes
+    C_all, assign_all = cv.VectorQuantizer(cfg)._kmeans(x, torch.Generator().manual_seed(0))
+    monkeypatch.undo()
+    assert torch.equal(C, C_all) and torch.equal(assign, assign_all)
+    cfg.init_iters = 10 ** 9
+    C_big, _ = cv.VectorQuantizer(cfg)._kmeans(x, torch.Generator().manual_seed(0))
+    assert torch.equal(C_big, C)
+
+
 # ---- the probe test -------------------------------------------------------------------------------------------
 
 def test_fidelity_drops_only_for_the_carrying_direction():
@@ -318,6 +342,22 @@ def test_sae_with_a_diverging_loss_stops_with_one_line():
     cfg = cv.Config(sae_latents=8, sae_k=2, sae_steps=20, sae_lr=1e30)
     x = torch.randn(64, 4)
     with pytest.raises(cv.RunError, match="baseline SAE: non-finite loss at step"):
+        cv.train_sae(cfg, x, x, torch.device("cpu"), log=lambda s: None)
+
+
+
+def test_sae_that_cannot_fit_stops_before_it_is_built(monkeypatch):
+    """--sae-latents 2**31 asked for terabytes after the main model had trained, and the out-of-memory line
+    named --batch-size: the SAE's floor is checked before it is built and names --sae-latents."""
+    import common
+
+    cfg = cv.Config(sae_latents=2 ** 31, sae_k=1, sae_steps=1)
+    monkeypatch.setattr(common, "available_memory", lambda device: 2 ** 30)
+    monkeypatch.setattr(cv, "TranscoderSAE", lambda *a, real=cv.TranscoderSAE: real(*a) if torch.get_default_device(
+        ).type == "meta" else pytest.fail("built an SAE that cannot fit"))
+    x = torch.randn(64, 16)
+    with pytest.raises(cv.RunError, match=r"^this run needs at least 1,056 GiB of memory \(weights, gradients and "
+                                          r"AdamW's moments 1,056 GiB\) .*; lower --sae-latents, or the model's size"):
         cv.train_sae(cfg, x, x, torch.device("cpu"), log=lambda s: None)
 
 

@@ -1420,3 +1420,16 @@ def test_report_config_marks_what_a_sweep_varies():
     row = ds.resolved_config(Config(head_sweep=True), {})
     assert row["heads"] == "swept (per model below)" and row["mixing"] == "kronecker"
     assert ds.resolved_config(Config(), {})["mixing"] == "kronecker"
+
+
+def test_distinctiveness_says_the_rows_and_width_it_read():
+    """The label follows the clamps: a ctx below 128 reads windows of ctx tokens, and below 9 fewer skipped rows
+    (ctx 4 skips 3, leaving one), not the '8 on, min(128, ctx)' of the defaults."""
+    data = types.SimpleNamespace(tokens=lambda split: torch.arange(5000) % 40)
+    for ctx, width, skip in ((256, 128, 8), (64, 64, 8), (4, 4, 3), (1, 1, 0)):
+        model = ds.DualStream(ds.Config(layers=1, heads=2, d_model=16, ctx=ctx), 40)
+        assert ds.distinct_sizes(model, data) == (width, skip)
+        assert ds.distinctiveness_on(width, skip) == (f"mean pairwise JS in bits over heads and query rows {skip} on, "
+                                                      f"in the first 8 val windows of {width} tokens")
+    short = types.SimpleNamespace(tokens=lambda split: torch.arange(51) % 40)  # the val split caps it too
+    assert ds.distinct_sizes(ds.DualStream(ds.Config(layers=1, heads=2, d_model=16, ctx=256), 40), short) == (50, 8)

@@ -1395,3 +1395,29 @@ def test_more_queries_than_val_windows_allocate_no_more():
     assert xq[:, 0].tolist() == list(range(15)) and yq.tolist() == list(range(5, 20))
     xq, _ = prism.val_queries(Tiny(), 4, 5, "cpu")
     assert xq[:, 0].tolist() == [0, 4, 9, 14]  # as before: evenly spread, floor of linspace(0, 14, 4)
+
+
+def test_fisher_draws_that_cannot_fit_stop_before_they_are_drawn(monkeypatch):
+    """--attr-fisher-samples 1e9 asked for hundreds of GB once training was over, and the out-of-memory line named
+    --batch-size: each fisher build checks its floor first (one pass's uniforms, draws and δ̃; the exact
+    reference's kept targets beside the larger of that and its float64 Gram) and names the flag."""
+    import common
+
+    model = tiny()
+    M, T, S = 6, 8, 10 ** 9
+    d = model.P.shape[1]
+    w = windows_of(M, T, seed=7)
+    monkeypatch.setattr(common, "available_memory", lambda device: 2 ** 30)
+    per_pass = S * M * T * (12 + 4 * d)
+    gib = lambda b: f"{b / 2 ** 30:,.0f} GiB"  # noqa: E731
+    with pytest.raises(prism.RunError, match=rf"^this run needs at least {gib(per_pass)} of memory \(one pass's "
+                                             r"draws and their δ̃ .*; lower --attr-fisher-samples or --attr-seqs,"):
+        prism.build_attr_cache(model, w, "block", 1e-2, "fisher", samples=S, seed=3)
+    need = 4 * M * S * T + 8 * (M * S) ** 2  # the Gram outgrows one pass
+    with pytest.raises(prism.RunError, match=rf"^this run needs at least {gib(need)} of memory \(the drawn targets "
+                                             r".*, the sampled gradients' Gram \(float64\) "):
+        prism.build_exact(model, w, 1e-2, "fisher", S, seed=3)
+    assert prism.fisher_draws_problem(M, T, d, 2, "cpu", exact=True) is None  # 1 GiB holds the test's own sizes
+    assert prism.fisher_draws_problem(M, T, d, 10 ** 9, "cpu", exact=False) is not None
+    monkeypatch.setattr(common, "available_memory", lambda device: None)  # unknown: no refusal
+    assert prism.fisher_draws_problem(M, T, d, 10 ** 9, "cpu", exact=True) is None
