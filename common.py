@@ -67,11 +67,11 @@ sequentially so every token is predicted exactly once (exact perplexity).
 Labeled text: `load_labeled("shakespeare")` gives passages labeled with their play's genre (split by play as
 above); `ag_news` and `imdb` come from the hub.
 
-Also here, because every script's `main()` or training loop needs them: `parse_config`, which turns a config dataclass into
-argparse flags (`--layers 6`), with one-line errors for unknown flags and bad values; and the checks that turn the
-machine's limits into one line instead of a traceback or a silent kill: `torchrun_problem` and `rendezvous_note`
-(DDP's variables), `memory_floor_problem` (sizes that cannot fit, refused before the model is built) and
-`memory_error` (an allocation or a path the system refuses).
+Also here, because every script's `main()` or training loop needs them: `parse_config`, which turns a config
+dataclass into argparse flags (`--layers 6`), with one-line errors for unknown flags and bad values; and the
+checks that turn the machine's limits into one line instead of a traceback or a silent kill: `torchrun_problem`
+and `rendezvous_note` (DDP's variables), `memory_floor_problem` (sizes that cannot fit, refused before the model
+is built) and `memory_error` (an allocation or a path the system refuses).
 """
 from __future__ import annotations
 

@@ -143,10 +143,11 @@ Choices where the paper is silent (spec §9), each a switch where results depend
     (--attr-retrain-epochs 1 of plain SGD at --attr-retrain-lr 0.1, --attr-retrain-batch windows a step, by
     default the model's training batch, at most M; all parameters, CE, fp32, the same batches in every run, a
     window left out losing only its own gradient), and so are 10 random windows; Δ is the query's loss minus that
-    after the same training with nothing left out; a divergent SGD (a non-finite loss) is an error. Windows that really helped the query give Δ > 0, above the random
-    ones'. Each method is also compared with the cached one query by query (a paired difference: the queries'
-    own spread cancels). Plain SGD, not AdamW: with SGD a left-out window removes its own gradient and nothing
-    else, while Adam divides every step by a running gradient scale that the left-out window is part of.
+    after the same training with nothing left out; a divergent SGD (a non-finite loss) is an error. Windows that
+    really helped the query give Δ > 0, above the random ones'. Each method is also compared with the cached one
+    query by query (a paired difference: the queries' own spread cancels). Plain SGD, not AdamW: with SGD a
+    left-out window removes its own gradient and nothing else, while Adam divides every step by a running
+    gradient scale that the left-out window is part of.
     Retraining from scratch per query and method is out of a CPU's reach, and we would expect its run-to-run
     noise to swamp 10 windows of 256. In one small step TracIn's score is the check's own linear prediction
     (below), and there TracIn's top k is the largest predicted Δ by construction, so a short check could favour
@@ -3142,8 +3143,9 @@ def retrain_check(model: PRISM, windows, xq, yq, rankings: dict, cfg: Config, lo
         out = retrain_query_losses(work, start, windows, left_out, xq[picked], yq[picked], order,
                                    cfg.attr_retrain_lr, batch)
         if not out.isfinite().all():  # the check's plain SGD diverged: every Δ would be NaN
-            raise RunError(f"the retraining check diverged (a non-finite query loss after {cfg.attr_retrain_epochs} "
-                           f"epochs of SGD at --attr-retrain-lr {cfg.attr_retrain_lr:g}); lower --attr-retrain-lr")
+            epochs = f"{cfg.attr_retrain_epochs} epoch{'s' * (cfg.attr_retrain_epochs > 1)}"
+            raise RunError(f"the retraining check diverged (a non-finite query loss after {epochs} of SGD at "
+                           f"--attr-retrain-lr {cfg.attr_retrain_lr:g}); lower --attr-retrain-lr")
         return out
 
     def losses(left_out):

@@ -1380,7 +1380,7 @@ def test_retraining_check_batches_at_most_the_set_and_refuses_divergence(monkeyp
     assert rt["shift"] == same["shift"] != 0 and rt["rows"] == same["rows"]
     monkeypatch.setattr(prism, "retrain_query_losses", lambda *a: torch.full((2,), float("nan")))
     with pytest.raises(prism.RunError, match=r"^the retraining check diverged \(a non-finite query loss after 1 "
-                                             r"epochs of SGD at --attr-retrain-lr 0.1\); lower --attr-retrain-lr$"):
+                                             r"epoch of SGD at --attr-retrain-lr 0.1\); lower --attr-retrain-lr$"):
         prism.retrain_check(model, windows, xq[:, :-1], xq[:, -1], {}, dataclasses.replace(cfg, attr_retrain_batch=0),
                             print)
 
