@@ -232,7 +232,7 @@ def _read_text(f: Path) -> str:
     """A local text file as UTF-8 (a stray invalid byte becomes U+FFFD). NUL bytes mean it is no UTF-8 text at all
     (a binary file, or UTF-16), and so do more than MAX_UNDECODABLE of invalid sequences (random bytes, or Latin-1
     text full of accents): training on either would learn garbage, so both are refused. A U+FFFD that the file
-    itself holds (valid UTF-8, EF BF BD) is text, not an error."""
+    itself holds (valid UTF-8, EF BF BD) is text, not an error. A leading byte-order mark is not text: dropped."""
     data = f.read_bytes()
     if b"\x00" in data:
         raise DataError(f"{f} holds NUL bytes: a binary file, or text not in UTF-8 (UTF-16?); convert it to UTF-8")
@@ -242,7 +242,7 @@ def _read_text(f: Path) -> str:
     if bad > max(share * len(text), count):
         raise DataError(f"{f}: {bad / len(text):.0%} of its characters are not UTF-8: a binary file, or text in "
                         "another encoding (Latin-1?); convert it to UTF-8")
-    return text
+    return text.removeprefix("\ufeff")
 
 
 def load_local(path: str | Path) -> list[Document]:
@@ -260,8 +260,10 @@ def load_local(path: str | Path) -> list[Document]:
                 continue
             try:
                 text = json.loads(line)["text"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DataError(f"{path}:{i + 1}: not a JSON object with a 'text' field") from None
+            except (ValueError, KeyError, TypeError, RecursionError) as e:  # ValueError: JSONDecodeError, or an
+                why = (" (nested too deeply for Python's JSON parser)" if isinstance(e, RecursionError) else  # int
+                       "" if isinstance(e, (json.JSONDecodeError, KeyError, TypeError)) else f" ({str(e).split(':')[0]})")
+                raise DataError(f"{path}:{i + 1}: not a JSON object with a 'text' field{why}") from None
             if not isinstance(text, str):
                 raise DataError(f"{path}:{i + 1}: 'text' is a {type(text).__name__}, not a string")
             docs.append(Document(text, f"{path.stem}:{i + 1}"))
@@ -703,7 +705,12 @@ class TokenData:
 
     def _to_device(self, xy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) on the device from the [B, ctx + 1] windows: one copy of xy (pinned, asynchronous on CUDA; a
-        sliced view would not be contiguous, which sends the copy through a pageable temporary), sliced there."""
+        sliced view would not be contiguous, which sends the copy through a pageable temporary), sliced there. An id
+        past the vocabulary (a damaged .bin whose size still fits) is a DataError here, on the CPU copy, not an
+        IndexError deep in the embedding."""
+        if xy.numel() and int(xy.max()) >= self.vocab_size:
+            raise DataError(f"token cache {self.path} holds id {int(xy.max())}, past its vocabulary of "
+                            f"{self.vocab_size}; delete the folder")
         if self.device.type == "cuda":
             xy = xy.pin_memory().to(self.device, non_blocking=True)
         else:

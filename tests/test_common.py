@@ -315,6 +315,25 @@ def test_corrupt_cache_is_a_clear_error(tmp_path):
         common.TokenData(path)
 
 
+def test_a_cache_with_ids_past_its_vocabulary_is_a_clear_error(tmp_path):
+    """A damaged .bin of the right size can hold ids the embedding has no row for: every batch and evaluation
+    window refuses it in one line (an IndexError deep in the model before)."""
+    path = common.prepare(str(write_corpus(tmp_path / "c")), "bytes", cache_dir=tmp_path / "cache")
+    data = common.TokenData(path)
+    train = np.memmap(path / "train.bin", dtype=data.dtype, mode="r+")
+    train[::7] = 60000
+    train.flush()
+    del train
+    with pytest.raises(DataError, match=rf"holds id 60000, past its vocabulary of {data.vocab_size}; delete the"):
+        data.get_batch("train", 4, 16)
+    val = np.memmap(path / "val.bin", dtype=data.dtype, mode="r+")
+    val[-1] = data.vocab_size
+    val.flush()
+    del val
+    with pytest.raises(DataError, match=f"holds id {data.vocab_size}, past"):
+        list(data.iter_eval("val", 4, 16))
+
+
 # ---------------------------------------------------------------- batches
 
 def test_get_batch_shapes_shift_and_determinism(shakespeare_cache):
@@ -418,6 +437,10 @@ def test_local_txt_file_folder_and_jsonl(tmp_path):
     ('{"text": "only one"}\n', "at least two documents"),
     ('{"text": "ok"}\n{"text": null}\n', "data.jsonl:2: 'text' is a NoneType, not a string"),
     ('{"text": ["a", "b"]}\n{"text": "ok"}\n', "data.jsonl:1: 'text' is a list, not a string"),
+    ('{"text": "ok"}\n{"text": "x", "y": ' + "[" * 100000 + "]" * 100000 + "}\n",
+     "data.jsonl:2: not a JSON object with a 'text' field \\(nested too deeply for Python's JSON parser\\)"),
+    ('{"text": "ok"}\n{"text": "x", "y": ' + "9" * 5000 + "}\n",
+     "data.jsonl:2: not a JSON object with a 'text' field \\(Exceeds the limit \\(4300 digits\\) for integer"),
 ])
 def test_local_jsonl_errors(tmp_path, content, match):
     (tmp_path / "data.jsonl").write_text(content)
@@ -477,6 +500,10 @@ def test_local_path_errors(tmp_path, monkeypatch):
     assert common._read_text(_write(tmp_path / "stray.txt", b"words " * 100 + b"\xff")).endswith("\ufffd")
     assert common._read_text(_write(tmp_path / "short.txt", "3 \u20ac".encode()[:-1])) == "3 \ufffd"  # a cut euro sign
     held = "a replacement character \ufffd here\n" * 40  # valid UTF-8 that holds U+FFFD itself: 3 % of it
+    bom = _write(tmp_path / "bom.txt", b"\xef\xbb\xbf" + "words here\n".encode() * 20)  # a byte-order mark is no text
+    assert common._read_text(bom) == "words here\n" * 20
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "hello there"}\n{"text": "another one"}\n')
+    assert [d.text for d in common.load_local(tmp_path / "bom.jsonl")] == ["hello there", "another one"]
     assert common._read_text(_write(tmp_path / "held.txt", held.encode())) == held
     if hasattr(os, "mkfifo"):  # a named pipe would block the read forever
         os.mkfifo(tmp_path / "pipe.txt")
