@@ -3901,6 +3901,8 @@ def validate(cfg: Config, explicit=()) -> None:
               (len(set(names(cfg.baselines))) == len(names(cfg.baselines)),
                f"--baselines {cfg.baselines}: each baseline once (one named twice would be fitted twice)"),
               (cfg.train or not cfg.resume, "--resume continues training and --no-train trains nothing; give one"),
+              (not cfg.bench or cfg.train and not cfg.resume, "--bench times the model and its kernels on random "
+                                                              "data, with no checkpoint: drop --resume and --no-train"),
               (cfg.batch_size >= 1, "--batch-size must be >= 1"), (cfg.max_iters >= 1, "--max-iters must be >= 1"),
               (cfg.eval_interval >= 1 and cfg.log_interval >= 1, "intervals must be >= 1"),
               (cfg.lr > 0, "--lr must be > 0"), (0 <= cfg.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),

@@ -2505,6 +2505,8 @@ def validate(cfg: Config, explicit=()) -> None:
               (cfg.temperature >= 0, "--temperature must be >= 0 (0: greedy)"),
               (cfg.top_k >= 0, "--top-k must be >= 0 (0: off)"),
               (cfg.train or not cfg.resume, "--resume continues training and --no-train trains nothing; give one"),
+              (not cfg.bench or cfg.train and not cfg.resume, "--bench times the model and its kernels on random "
+                                                              "data, with no checkpoint: drop --resume and --no-train"),
               # a standard LayerNorm has one group: a gain per head would be silently a gain per element
               (cfg.norm == "cln" or cfg.cln_gain == "element", "--cln-gain head needs --norm cln (a LayerNorm has no "
                "heads)"),
@@ -2652,6 +2654,10 @@ def run(cfg: Config, explicit) -> int:
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
     torch.manual_seed(cfg.seed + rank)
     if cfg.bench:  # random tokens: no corpus needed
+        overridden = [f"--{k.replace('_', '-')}" for k in ("mode", "mixing", "ffn_mixing", *POINT_KEYS) if k in explicit]
+        if overridden:  # the bench sets them per strategy (SWEEP)
+            log(f"note: --bench times every mixing strategy of the sweep side by side; {', '.join(overridden)} "
+                f"{'is' if len(overridden) == 1 else 'are'} not used")
         res = bench(cfg, BENCH_VOCAB, device, autocast, log)
         if rank == 0:
             print(json.dumps(res, indent=1, default=str))

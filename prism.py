@@ -4238,6 +4238,8 @@ def validate(cfg: Config) -> None:
               (cfg.ctx >= 1, "--ctx must be >= 1"), (cfg.batch_size >= 1, "--batch-size must be >= 1"),
               (cfg.max_iters >= 1, "--max-iters must be >= 1"),
               (cfg.train or not cfg.resume, "--resume continues training and --no-train trains nothing; give one"),
+              (not cfg.bench or cfg.train and not cfg.resume, "--bench times the model and its kernels on random "
+                                                              "data, with no checkpoint: drop --resume and --no-train"),
               (cfg.eval_interval >= 1 and cfg.log_interval >= 1 and cfg.eval_iters >= 1, "intervals must be >= 1"),
               (cfg.lr > 0, "--lr must be > 0"), (0 <= cfg.dropout < 1, "--dropout must be in [0, 1)"),
               (0 <= cfg.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),

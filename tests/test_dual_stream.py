@@ -1179,6 +1179,8 @@ def test_resume_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     (["--layers", "10000000000000"], 1, "error: --layers must be in [1, 1024]"),
     (["--lr", "1e39"], 1, "--lr must be a finite number of at most 3.4e+38 (float32)"),
     (["--lr", "3e38"], 1, "--lr must be at most 3.4e+37 (Adam's first step, 10·lr, must fit float32)"),
+    (["--bench", "--resume"], 1, "--bench times the model and its kernels on random data, with no checkpoint"),
+    (["--bench", "--no-train"], 1, "drop --resume and --no-train"),
     (["--weight-decay", "1e300"], 1, "--weight-decay must be a finite number of at most 3.4e+38"),
     (["--out-dir", ""], 1, "--out-dir is empty (. names the current folder)"),
     (["--heads", "0"], 1, "error: --heads must be >= 1"),
@@ -1245,6 +1247,8 @@ def test_bench_on_cpu(tmp_path, capsys, monkeypatch):
                  monkeypatch)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "training tokens/s: dense" in r.stdout and "kernel (torch, float32) T=128" in r.stdout
+    assert "note: --bench times every mixing strategy of the sweep side by side; --attn-out-mixing is not used" \
+        in r.stdout  # the bench sets each strategy's maps itself
     res = json.loads(r.stdout[r.stdout.index("\n{") + 1:])
     assert set(res["ratio_to_dense"]) == {"dense", "kronecker", "independent", "identity", "fully independent"}
     assert res["ratio_to_dense"]["dense"] == 1.0

@@ -498,6 +498,8 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir, capsys, monkeypatch):
     (["--no-repeat-ngram-size", "-1"], 1, "--no-repeat-ngram-size must be >= 0"),
     (["--lr", "inf"], 1, "--lr must be a finite number"), (["--weight-decay", "inf"], 1, "--weight-decay must be a"),
     (["--lr", "3e38"], 1, "--lr must be at most 3.4e+37 (Adam's first step, 10·lr, must fit float32)"),
+    (["--bench", "--resume"], 1, "--bench times the model and its kernels on random data, with no checkpoint"),
+    (["--bench", "--no-train"], 1, "drop --resume and --no-train"),
     (["--temperature", "-1"], 1, "--temperature must be >= 0 (0: greedy)"),
     (["--top-k", "-1"], 1, "--top-k must be >= 0"),
     (["--top-p", "0.9x"], 2, "argument --top-p: invalid float value: '0.9x'"),
