@@ -2373,7 +2373,8 @@ def write_report(out_dir: Path, cfg: Config, results: dict, histories: dict, nam
     if results.get("models"):
         parts.append("<h2>Validation (every token once)</h2>" + table_html(results["models"], list(results["models"][0]))
                      + (f"<p>Val loss vs dense not computed: {html.escape(results['vs_dense_skipped'])}</p>"
-                        if "vs_dense_skipped" in results else ""))
+                        if "vs_dense_skipped" in results else "")
+                     + (f"<p>Not shown: {html.escape(results['missing'])}</p>" if "missing" in results else ""))
     if results.get("amplification"):
         amp = results["amplification"]
         # every model reads the same first windows of the same split: one count for the whole table
@@ -2633,6 +2634,8 @@ def run(cfg: Config, explicit) -> int:
                            "architecture flags name the files" if there else f"run {flag} first") + ")")
     if cfg.train:
         check_steps(loaded)
+    # --no-train over a sweep shows the members whose checkpoints exist: the others are named, not dropped unseen
+    missing = [name for name in confs if name not in loaded] if not cfg.train and not cfg.bench else []
     if loaded:
         saved = next(iter(loaded.values()))[2]
         cfg = replace(cfg, **{k: getattr(saved, k) for k in ARCH_KEYS + MERGED_KEYS if k not in swept})
@@ -2682,6 +2685,10 @@ def run(cfg: Config, explicit) -> int:
     # what the auto settings resolved to, for the report (its configuration table shows "auto → cpu")
     results = {"preset": preset, "device": str(device),
                "dtype": "bfloat16" if isinstance(autocast, torch.autocast) else "float32"}
+    if missing:
+        results["missing"] = (f"no checkpoint in {cfg.out_dir} for {', '.join(missing)}: left out of this run "
+                              f"(--{'head-' * cfg.head_sweep}sweep --resume trains them)")
+        log(f"note: {results['missing']}")
     histories, models, budgets = {}, {}, {}  # budgets: the data and tokens each model was trained on
     start_rng = data.rng_state()
     for name, c in confs.items():

@@ -1109,6 +1109,8 @@ def test_sweep_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(json.loads((tmp_path / "analysis.json").read_text())["models"]) == 6
     assert json.loads((tmp_path / "analysis.json").read_text())["models"][0]["vs dense"] == "+0.00%"
+    missing = f"no checkpoint in {tmp_path} for identity: left out of this run (--sweep --resume trains them)"
+    assert f"note: {missing}" in r.stdout and json.loads((tmp_path / "analysis.json").read_text())["missing"] == missing
     # one model extended apart (a single run writes the sweep model's file): no cost vs dense, and the run says why
     r = run_main(ds.main, ["--resume", "--mixing", "kronecker", *args, "--max-iters", "6", "--amplify", "",
                            "--no-ablation"], capsys, monkeypatch)
@@ -1125,6 +1127,7 @@ def test_sweep_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "sweep: val loss vs dense not computed: no token-factor dense model (its checkpoint is not in " \
            "--out-dir)" in r.stdout
+    assert "for dense, kronecker, identity: left out of this run" in r.stdout
 
 
 def test_head_sweep_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
