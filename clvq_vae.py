@@ -2342,6 +2342,12 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
     if damaged:
         raise RunError(f"{path} is a damaged checkpoint ({', '.join(damaged)}: not what save_checkpoint writes); "
                        "delete it or retrain")
+    # the layers name the file (ckpt_path): a file renamed to another pair would take that pair's place unseen, and
+    # --resume would then train a model of the checkpoint's pair from step 0 beside it
+    named = ckpt_path(replace(cfg, layer_l=saved["layer_l"], layer_h=saved["layer_h"])).name
+    if path.name != named:
+        raise RunError(f"{path} holds the model of {named} (layers {saved['layer_l']} -> {saved['layer_h']}), not the "
+                       "one its name says; rename it back or retrain")
 
     def typed_otherwise(keys) -> str:  # "k=stored (asked typed)" for each typed key that differs from the checkpoint
         return ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in keys

@@ -429,6 +429,17 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
     rc, err = call_main(cv.main, ["--resume", "--max-iters", "7", *named, "--cache-dir", str(cache_dir)], capsys,
                         monkeypatch)
     assert rc == 1 and err.count("\n") == 1 and "ckpt-clvq-l1-h2.pt is at step 9, past --max-iters 7" in err, err
+    # a checkpoint renamed to another layer pair's file: refused by its name, not loaded as that pair (--no-train) or
+    # trained beside it from step 0 (--resume, which took the checkpoint's layers and wrote ckpt-vq-l1-h1.pt)
+    import shutil
+    shutil.copy(tmp_path / "ckpt-clvq-l1-h2.pt", tmp_path / "ckpt-clvq-l1-h2.pt.orig")
+    shutil.copy(tmp_path / "ckpt-vq-l1-h1.pt", tmp_path / "ckpt-clvq-l1-h2.pt")
+    for mode in ("--no-train", "--resume"):
+        rc, err = call_main(cv.main, [mode, *named, "--cache-dir", str(cache_dir)], capsys, monkeypatch)
+        assert rc == 1 and err.count("\n") == 1 and err.endswith(
+            "ckpt-clvq-l1-h2.pt holds the model of ckpt-vq-l1-h1.pt (layers 1 -> 1), not the one its name says; "
+            "rename it back or retrain\n"), err
+    shutil.move(tmp_path / "ckpt-clvq-l1-h2.pt.orig", tmp_path / "ckpt-clvq-l1-h2.pt")
     # a checkpoint trained with K = 8 cannot be used with K = 16; a damaged one is refused
     rc, err = call_main(cv.main, ["--no-train", "--codebook-size", "16", *named], capsys, monkeypatch)
     assert rc == 1 and err.count("\n") == 1 and "was trained with codebook_size=8 (asked 16)" in err
