@@ -1434,7 +1434,9 @@ def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, best: 
     state = {
         "format": "glassbox-checkpoint/1", "script": "protot", "config": asdict(cfg),
         "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "best_val_loss": best,
-        "best": best_weights, "tokenizer": data.tokenizer.state_dict(), "history": history,
+        "best": best_weights, "tokenizer": data.tokenizer.state_dict(),
+        "corpus": getattr(data, "meta", {}).get("fingerprint"),  # its contents (check_tokenizer)
+        "history": history,
         "rng": {"torch": torch.get_rng_state(), "data": data_rng,
                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
     }
@@ -2566,13 +2568,18 @@ def check_steps(loaded: dict) -> None:
 
 
 def check_tokenizer(ck: dict, data, path: Path) -> None:
-    """A checkpoint only makes sense with the token map it was trained with."""
+    """A checkpoint only makes sense with the token map, and the corpus contents, it was trained with (a checkpoint
+    from before the contents were stored, 2026-12-05, is checked on its map alone)."""
     saved, current = ck["tokenizer"], data.tokenizer.state_dict()
     if saved["name"] != current["name"] or saved["compacted"] != current["compacted"] or \
             not torch.equal(saved["kept"], current["kept"]):
         raise RunError(f"{path} was trained with another token map ({saved['name']}, "
                        f"{len(saved['kept']) + 1 if saved['compacted'] else 'full'} ids) than this data's "
                        f"({current['name']}, {data.vocab_size} ids); the corpus or its cache changed")
+    corpus = getattr(data, "meta", {}).get("fingerprint")  # a file edited in place keeps its name and maybe its map
+    if ck.get("corpus") is not None and corpus is not None and ck["corpus"] != corpus:
+        raise RunError(f"{path} was trained on other contents of --dataset {ck['config']['dataset']} (the files changed "
+                       "since); restore them, or retrain on these")
 
 
 def load_weights(model: nn.Module, state: dict, path: Path) -> None:

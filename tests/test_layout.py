@@ -392,6 +392,23 @@ def test_damaged_checkpoints_are_one_line_errors(name, tmp_path, cache_dir):
 
 
 @pytest.mark.parametrize("name", list(TINY_LM))
+def test_a_checkpoint_of_other_corpus_contents_is_refused(name, tmp_path, cache_dir):
+    """A corpus file edited in place keeps its --dataset name and, when the new text lands in val, its token map:
+    the checkpoint stores the cache's fingerprint of the contents, and --resume / --no-train refuse another one
+    (a checkpoint written before it was stored is checked on its token map alone)."""
+    import torch
+
+    mod, data, cfg, path = tiny_lm_checkpoint(name, tmp_path, cache_dir)
+    ck = torch.load(path, weights_only=True)
+    assert ck["corpus"] == data.meta["fingerprint"]
+    mod.check_tokenizer(ck, data, path)
+    with pytest.raises(mod.RunError, match=r"ckpt.pt was trained on other contents of --dataset shakespeare \(the "
+                                           r"files changed since\); restore them, or retrain on these$"):
+        mod.check_tokenizer({**ck, "corpus": "local:0123"}, data, path)
+    mod.check_tokenizer({k: v for k, v in ck.items() if k != "corpus"}, data, path)  # an older checkpoint
+
+
+@pytest.mark.parametrize("name", list(TINY_LM))
 def test_resume_refuses_a_seed_it_cannot_apply(name, tmp_path, cache_dir):
     """--resume goes on from the checkpoint's random state: a --seed typed with it would change nothing but the
     stored config, which would then no longer describe the run. One line instead; the same seed typed is fine, and
