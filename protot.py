@@ -226,6 +226,8 @@ CPU_PRESET = dict(d_model=128, ctx=128, batch_size=16, max_iters=320, lr=3e-3, e
 # --resume continues the run's own schedule, not the preset's or the defaults'.
 ARCH_KEYS = ("mixer", "layers", "d_model", "n_protos", "heads", "value_dim", "ema", "shared_routing",
              "conv_layers", "dataset", "tokenizer", "compact", "max_tokens")
+# the architecture keys one mixer alone reads: the other's model is the same whatever they say
+MIXER_KEYS = {"proto": ("n_protos", "value_dim", "ema", "shared_routing", "conv_layers"), "attention": ("heads",)}
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "no_repeat_ngram_size")  # no weight changes
 ANALYSIS_KEYS = ("labels", "label_windows", "intervene", "mode", "target", "prompts", "find_prototype", "robustness",
                  "sample", "sample_tokens") + SAMPLING_KEYS
@@ -1515,7 +1517,8 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
         return ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in keys
                          if k in explicit and getattr(cfg, k) != saved.get(k))
 
-    diff = typed_otherwise(ARCH_KEYS)
+    other = MIXER_KEYS["attention" if saved.get("mixer") == "proto" else "proto"]  # no part of this model
+    diff = typed_otherwise(k for k in ARCH_KEYS if k not in other)
     if diff:
         raise RunError(f"{path} was trained with {diff}; drop those flags or use another --out-dir")
     diff = typed_otherwise(FIXED_ON_RESUME) if cfg.resume else ""
@@ -2552,6 +2555,9 @@ def unused_flags(cfg: Config, explicit, mixers) -> list[str]:
                              "--mixer attention has no prototypes to label"),
            **dict.fromkeys(("sample_tokens",) + SAMPLING_KEYS,
                            (cfg.train or cfg.sample is not None, "no samples: a --no-train run samples only with --sample"))}
+    why.update(dict.fromkeys(MIXER_KEYS["proto"], (proto, "--mixer attention has no prototypes")))
+    why["heads"] = ("attention" in mixers, "it sizes the attention baseline's heads, and --mixer proto has none")
+    why["mixer"] = (not cfg.compare, "--compare trains both mixers")
     if not cfg.train:  # load_checkpoint kept the checkpoint's value: the typed one went unused, whatever else
         why.update(dict.fromkeys(TRAINING_KEYS, (False, "--no-train trains nothing: the checkpoint's value stays")))
     return [f"note: --{k.replace('_', '-')} has no effect in this run ({msg})" for k, (used, msg) in why.items()

@@ -1023,3 +1023,27 @@ def test_unused_flags_are_noted():
     assert notes({"sample_tokens"}, train=False, sample="KING:") == []
     assert notes({"top_p", "no_repeat_ngram_size"}, train=False) == ["note: --top-p", "note: --no-repeat-ngram-size"]
     assert notes({"top_p", "repetition_penalty", "temperature"}) == []  # a training run samples
+    # one mixer's architecture flags on the other's model (and a --mixer under --compare, which trains both)
+    assert notes({"n_protos", "ema", "conv_layers"}, ("attention",), mixer="attention") == [
+        "note: --n-protos", "note: --ema", "note: --conv-layers"]
+    assert notes({"heads"}) == ["note: --heads"] and notes({"heads", "n_protos"}, ("proto", "attention")) == []
+    assert notes({"mixer"}, ("proto", "attention"), compare=True) == ["note: --mixer"] and notes({"mixer"}) == []
+
+
+def test_the_other_mixers_flags_are_not_held_against_a_checkpoint(tmp_path, cache_dir):
+    """An attention checkpoint stores the config's --n-protos, which its model never reads: a later --n-protos
+    that differs is not 'trained with n_protos=7 (asked 4)'; for a ProtoT checkpoint it still is (and --heads the
+    other way round)."""
+    data = common.load_data(cache_dir=cache_dir)
+    for mixer, other, same in (("attention", "n_protos", "heads"), ("proto", "heads", "n_protos")):
+        cfg = Config(mixer=mixer, layers=1, d_model=16, heads=2, n_protos=7, ctx=16, kernels="torch",
+                     out_dir=str(tmp_path))
+        model = protot.build_model(cfg, data.vocab_size, torch.device("cpu"))
+        path = tmp_path / f"ckpt-{mixer}.pt"
+        protot.save_checkpoint(path, model, protot.make_optimizer(model, cfg, "cpu"), cfg, 1, 9.0, data.rng_state(),
+                               data, {k: [] for k in protot.HISTORY_KEYS})
+        asked = dataclasses.replace(cfg, train=False, **{other: 4})
+        protot.load_checkpoint(path, asked, {other})  # no error: not part of this model
+        with pytest.raises(protot.RunError, match=rf"was trained with {same}="):
+            protot.load_checkpoint(path, dataclasses.replace(cfg, train=False, **{same: 8 if same == "heads" else 4}),
+                                   {same})
