@@ -2658,6 +2658,8 @@ def fit(cfg: Config, train_acts: Activations, dev_acts: Activations, device, log
         model.history = ck["history"]
         return model.eval()
     c = replace(cfg, resume=cfg.resume and path.exists())
+    if cfg.resume and not c.resume:  # the baseline of a run that was trained without it, say
+        log(f"{name}: no checkpoint at {path} yet; training it from step 0")
     ck = load_checkpoint(path, cfg, ARCH_KEYS)[0] if c.resume else None
     if ck is not None:
         check_steps({name: (path, ck, c)})
@@ -4012,6 +4014,10 @@ def run(cfg: Config, explicit) -> int:
     rank = dist_info["rank"]
     if (not cfg.train or cfg.resume) and not cfg.bench:  # the architecture and data settings come from the checkpoint
         cfg = load_checkpoint(ckpt_path(cfg), cfg, explicit)[1]
+        vq = ckpt_path(cfg, f"vq-l{cfg.layer_l}-h{cfg.layer_l}")  # the single-layer baseline's file (fit)
+        if not cfg.train and "vq" in names(cfg.baselines) and cfg.layer_l != cfg.layer_h and not vq.exists():
+            raise RunError(f"no checkpoint of the VQ-VAE baseline at {vq} (this run was trained without it): drop vq "
+                           "from --baselines, or train it with --resume")
     if cfg.kernels == "triton" and cfg.top_k > VQ_MAX_K:  # k as trained: after the checkpoint's settings
         raise RunError(f"--kernels triton: the search kernel takes --top-k up to {VQ_MAX_K}, not {cfg.top_k}; use "
                        "--kernels auto (the torch form for a larger k)")

@@ -416,10 +416,15 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
             assert torch.equal(x, y), name
     assert (tmp_path / "analysis.json").exists() and (tmp_path / "analysis-cards.html").exists()
     assert (tmp_path / "cards.html").stat().st_mtime < (tmp_path / "analysis-cards.html").stat().st_mtime
-    # --resume takes the run's settings from the checkpoint (not the preset's) and extends a finished run
+    # --resume takes the run's settings from the checkpoint (not the preset's) and extends a finished run; a
+    # baseline with no checkpoint yet trains from step 0, and says so
+    (tmp_path / "ckpt-vq-l1-h1.pt").unlink()
     rc, err = call_main(cv.main, ["--resume", "--max-iters", "9", *named, "--cache-dir", str(cache_dir),
                                   "--no-fidelity", "--ig-steps", "4"], capsys, monkeypatch)
     assert rc == 0, err
+    assert f"vq-l1-h1: no checkpoint at {tmp_path / 'ckpt-vq-l1-h1.pt'} yet; training it from step 0" in \
+        (tmp_path / "log-clvq-l1-h2.txt").read_text()
+    assert torch.load(tmp_path / "ckpt-vq-l1-h1.pt", weights_only=True)["step"] == 9
     assert "ckpt-clvq-l1-h2.pt at step 6" in (tmp_path / "log-clvq-l1-h2.txt").read_text()
     assert "note: --ig-steps has no effect in this run (the fidelity test is off: --no-fidelity)" in \
         (tmp_path / "log-clvq-l1-h2.txt").read_text()  # typed, and the fidelity test is off: said, not dropped
@@ -440,6 +445,12 @@ def test_cli_trains_reports_and_fit_fn_trains_the_baseline(tmp_path, tiny_bert, 
             "ckpt-clvq-l1-h2.pt holds the model of ckpt-vq-l1-h1.pt (layers 1 -> 1), not the one its name says; "
             "rename it back or retrain\n"), err
     shutil.move(tmp_path / "ckpt-clvq-l1-h2.pt.orig", tmp_path / "ckpt-clvq-l1-h2.pt")
+    # a run trained without the VQ-VAE baseline: --no-train says so before any work, not after the main evaluation
+    shutil.move(tmp_path / "ckpt-vq-l1-h1.pt", tmp_path / "vq.keep")
+    rc, err = call_main(cv.main, ["--no-train", *named, "--cache-dir", str(cache_dir)], capsys, monkeypatch)
+    assert rc == 1 and err == (f"error: no checkpoint of the VQ-VAE baseline at {tmp_path / 'ckpt-vq-l1-h1.pt'} (this "
+                               "run was trained without it): drop vq from --baselines, or train it with --resume\n"), err
+    shutil.move(tmp_path / "vq.keep", tmp_path / "ckpt-vq-l1-h1.pt")
     # a checkpoint trained with K = 8 cannot be used with K = 16; a damaged one is refused
     rc, err = call_main(cv.main, ["--no-train", "--codebook-size", "16", *named], capsys, monkeypatch)
     assert rc == 1 and err.count("\n") == 1 and "was trained with codebook_size=8 (asked 16)" in err
