@@ -1825,6 +1825,8 @@ def cached_activations(src: SourceModel, dataset: str, texts: list[str], labels:
         if acts.x_l.shape[1] != src.d_model:
             raise DataError(f"activation cache {path} holds {acts.x_l.shape[1]}-wide rows for a {src.d_model}-wide "
                             "source model; delete it")
+        if not (acts.x_l.isfinite().all() and acts.x_h.isfinite().all()):  # else a NaN loss blamed on training
+            raise DataError(f"activation cache {path} holds non-finite activations (a damaged file); delete it")
         if log:
             log(f"activations: reusing {path} ({acts.x_l.shape[0]:,} rows)")
         return acts
@@ -3919,6 +3921,7 @@ def validate(cfg: Config, explicit=()) -> None:
               (cfg.plateau_patience >= 0 and cfg.early_stop >= 0, "--plateau-patience and --early-stop must be >= 0"),
               (cfg.weight_decay >= 0, "--weight-decay must be >= 0"), (cfg.grad_clip >= 0, "--grad-clip must be >= 0"),
               (cfg.out_dir.strip() != "", "--out-dir is empty (. names the current folder)"),
+              (cfg.model.strip() != "", "--model is empty: name a Hugging Face model or a local model folder"),
               (not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), f"--out-dir {cfg.out_dir} is a file"),
               (cfg.cache_dir is None or cfg.cache_dir.strip() != "",
                "--cache-dir is empty (. names the current folder; leave it out for the default)"),

@@ -2493,8 +2493,10 @@ def validate(cfg: Config, explicit=()) -> None:
         if not ok:  # before the checks below divide by them
             raise RunError(msg)
     checks = [(1 <= cfg.layers <= MAX_LAYERS, f"--layers must be in [1, {MAX_LAYERS}]"),
-              (cfg.d_model % cfg.heads == 0, f"--d-model {cfg.d_model} must split into --heads {cfg.heads} heads"),
-              (cfg.pos == "alibi" or (cfg.d_model // cfg.heads) % 2 == 0,
+              # --head-sweep's H = 2, 3, 6, 12 replace --heads: checked below, naming them
+              (cfg.head_sweep or cfg.d_model % cfg.heads == 0,
+               f"--d-model {cfg.d_model} must split into --heads {cfg.heads} heads"),
+              (cfg.head_sweep or cfg.pos == "alibi" or (cfg.d_model // cfg.heads) % 2 == 0,
                "the head size d_model/heads must be even (RoPE rotates pairs; --pos alibi takes any)"),
               (cfg.ctx >= 1, "--ctx must be >= 1"), (cfg.batch_size >= 1, "--batch-size must be >= 1"),
               (cfg.max_iters >= 1, "--max-iters must be >= 1"),

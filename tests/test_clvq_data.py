@@ -202,6 +202,12 @@ def test_cache_is_reused_and_keyed(bert, tmp_path, monkeypatch):
     torch.save(sd, files[0])
     with pytest.raises(DataError, match=r"activation cache .* is unreadable \(ValueError\); delete it"):
         C.cached_activations(bert, **base, cache_dir=tmp_path)
+    # a NaN row (a damaged file) is the cache's error, not a non-finite loss blamed on training
+    sd["spec"]["n"] -= 1
+    sd["x_l"][1, 0] = float("nan")
+    torch.save(sd, files[0])
+    with pytest.raises(DataError, match=r"activation cache .* holds non-finite activations \(a damaged file\); delete"):
+        C.cached_activations(bert, **base, cache_dir=tmp_path)
 
 
 def test_a_failed_cache_write_is_one_line_and_keeps_the_old_file(tmp_path, monkeypatch):

@@ -1182,6 +1182,8 @@ def test_resume_from_the_command_line(tmp_path, cache_dir, capsys, monkeypatch):
     (["--layers", "10000000000000"], 1, "error: --layers must be in [1, 1024]"),
     (["--lr", "1e39"], 1, "--lr must be a finite number of at most 3.4e+38 (float32)"),
     (["--lr", "3e38"], 1, "--lr must be at most 3.4e+37 (Adam's first step, 10·lr, must fit float32)"),
+    (["--head-sweep", "--d-model", "16"], 1, "--head-sweep needs --d-model 16 to split into even heads for H = 2, 3, 6, 12"),
+    (["--head-sweep", "--d-model", "18"], 1, "--head-sweep needs --d-model 18 to split into even heads for H = 2, 3, 6"),
     (["--bench", "--resume"], 1, "--bench times the model and its kernels on random data, with no checkpoint"),
     (["--bench", "--no-train"], 1, "drop --resume and --no-train"),
     (["--weight-decay", "1e300"], 1, "--weight-decay must be a finite number of at most 3.4e+38"),
