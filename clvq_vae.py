@@ -1825,7 +1825,9 @@ def cached_activations(src: SourceModel, dataset: str, texts: list[str], labels:
         if acts.x_l.shape[1] != src.d_model:
             raise DataError(f"activation cache {path} holds {acts.x_l.shape[1]}-wide rows for a {src.d_model}-wide "
                             "source model; delete it")
-        if not (acts.x_l.isfinite().all() and acts.x_h.isfinite().all()):  # else a NaN loss blamed on training
+        finite = all(bool(x[i:i + 65536].isfinite().all()) for x in (acts.x_l, acts.x_h)  # in chunks: no cache-
+                     for i in range(0, len(x), 65536))  # sized mask; else a NaN loss blamed on training
+        if not finite:
             raise DataError(f"activation cache {path} holds non-finite activations (a damaged file); delete it")
         if log:
             log(f"activations: reusing {path} ({acts.x_l.shape[0]:,} rows)")
@@ -2346,10 +2348,11 @@ def load_checkpoint(path: Path, cfg: Config, explicit=()) -> tuple[dict, Config]
                        "delete it or retrain")
     # the layers name the file (ckpt_path): a file renamed to another pair would take that pair's place unseen, and
     # --resume would then train a model of the checkpoint's pair from step 0 beside it
-    named = ckpt_path(replace(cfg, layer_l=saved["layer_l"], layer_h=saved["layer_h"])).name
+    pair = saved.get("layer_l", cfg.layer_l), saved.get("layer_h", cfg.layer_h)  # a config without them: typed
+    named = ckpt_path(replace(cfg, layer_l=pair[0], layer_h=pair[1])).name
     if path.name != named:
-        raise RunError(f"{path} holds the model of {named} (layers {saved['layer_l']} -> {saved['layer_h']}), not the "
-                       "one its name says; rename it back or retrain")
+        raise RunError(f"{path} holds the model of {named} (layers {pair[0]} -> {pair[1]}), not the one its name "
+                       "says; rename it back or retrain")
 
     def typed_otherwise(keys) -> str:  # "k=stored (asked typed)" for each typed key that differs from the checkpoint
         return ", ".join(f"{k}={saved.get(k)!r} (asked {getattr(cfg, k)!r})" for k in keys

@@ -536,7 +536,8 @@ def default_cache_dir() -> Path:
 
 # How each corpus is split, in the cache key: a cache built under another rule is never reused.
 SPLIT_RULES = {"shakespeare": "by play, VAL_PLAYS held out", "local": "every 10th document; one file: 90% at the "
-               "nearest line boundary within 5%", **{k: f"val_every={v[3]}" for k, v in HUB.items()}}
+               "nearest line boundary within 5%; a leading byte-order mark dropped (2026-12-05)",
+               **{k: f"val_every={v[3]}" for k, v in HUB.items()}}
 
 
 def _split_rule(dataset: str) -> str:
@@ -1022,14 +1023,51 @@ def memory_error(e: BaseException, lower: str = "--batch-size or --ctx") -> typi
     return f"out of memory ({first[:200]}); lower {lower}, or the model's size, or use a device with more memory"
 
 
-MEMINFO, CGROUP = Path("/proc/meminfo"), Path("/sys/fs/cgroup")  # Linux's memory figures (cgroup v2)
+MEMINFO, CGROUP, PROC_CGROUP = Path("/proc/meminfo"), Path("/sys/fs/cgroup"), Path("/proc/self/cgroup")
+# per cgroup version: the limit, the usage, and the page cache in memory.stat that the kernel reclaims first
+CGROUP_FILES = {2: ("memory.max", "memory.current", "inactive_file"),
+                1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+
+
+def cgroup_room() -> typing.Optional[int]:
+    """The least room left under any memory limit on this process, or None when none is set or readable: over its
+    cgroup (/proc/self/cgroup; v2, or v1's memory controller) and every ancestor up to the mount (SLURM sets the
+    job's limit a few levels up; a container's is at the root it sees), each limit less the usage that the
+    inactive page cache does not explain (the kernel drops that cache before it kills: a corpus just tokenised
+    sits there). The cgroups' own swap is not added."""
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        hid, controllers, rel = (line.split(":", 2) + ["", ""])[:3]
+        version = 2 if hid == "0" and not controllers else 1 if "memory" in controllers.split(",") else None
+        if version is None:
+            continue
+        base = CGROUP if version == 2 else CGROUP / "memory"
+        limit_file, usage_file, cache_key = CGROUP_FILES[version]
+        parts = [q for q in rel.strip().split("/") if q and q != ".."]
+        for n in range(len(parts), -1, -1):
+            folder = base.joinpath(*parts[:n])
+            try:
+                limit = (folder / limit_file).read_text().strip()
+                if limit == "max":
+                    continue
+                stat = dict(ln.split()[:2] for ln in (folder / "memory.stat").read_text().splitlines() if ln.strip())
+                used = int((folder / usage_file).read_text()) - int(stat.get(cache_key, 0))
+                rooms.append(int(limit) - max(used, 0))
+            except (OSError, ValueError):
+                continue
+    return min(rooms) if rooms else None
 
 
 def available_memory(device: torch.device) -> typing.Optional[int]:
     """Bytes a run on `device` can still allocate, or None where this cannot be read (MPS, a system without
     /proc): a CUDA device's free memory plus what PyTorch's caching allocator holds unused (an earlier model's,
-    freed); on CPU Linux's MemAvailable plus free swap, capped by the cgroup v2 limit (memory.max less
-    memory.current, as SLURM and containers set it; the cgroup's own swap is not added)."""
+    freed); on CPU Linux's MemAvailable plus free swap, capped by cgroup_room(). (On the CPU, memory an earlier
+    model freed into the process's own heap is not counted: near the limit a second model of a sweep may be
+    refused that would have fit.)"""
     if device.type == "cuda":
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + cached
@@ -1040,13 +1078,8 @@ def available_memory(device: torch.device) -> typing.Optional[int]:
         free = (int(info["MemAvailable"].split()[0]) + int(info.get("SwapFree", "0 kB").split()[0])) * 1024
     except (OSError, KeyError, ValueError):
         return None
-    try:
-        limit = (CGROUP / "memory.max").read_text().strip()
-        if limit != "max":
-            free = min(free, int(limit) - int((CGROUP / "memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
-    return free
+    room = cgroup_room()
+    return free if room is None else min(free, room)
 
 
 def memory_floor(model_fn, tokens: int = 0, vocab: int = 0, width: int = 0, layers: int = 0,
@@ -1068,12 +1101,20 @@ def memory_floor_problem(model_fn, device: torch.device, *args, lower: str = "--
     None. A CPU run whose allocations each fit but together exceed the memory is killed by the kernel (exit 137,
     no message) once it touches the pages; this refuses it up front, and only when memory_floor(model_fn, *args,
     **kwargs) exceeds available_memory. Ranks that share a CPU (torchrun's LOCAL_WORLD_SIZE) each hold all of
-    it. `lower` as in memory_error."""
-    if available_memory(device) is None:  # nothing to compare with: the model is not even counted
-        return None
-    local = os.environ.get("LOCAL_WORLD_SIZE", "1").strip()
-    ranks = int(local) if device.type == "cpu" and local.isdigit() and int(local) > 0 else 1
-    return memory_problem(memory_floor(model_fn, *args, **kwargs), device, lower, ranks)
+    it. Under DDP every rank takes the verdict of the tightest one (a rank refusing alone would leave the others
+    waiting in DDP's first collective). `lower` as in memory_error."""
+    problem = None
+    if available_memory(device) is not None:  # else nothing to compare with: the model is not even counted
+        local = os.environ.get("LOCAL_WORLD_SIZE", "1").strip()
+        ranks = int(local) if device.type == "cpu" and local.isdigit() and int(local) > 0 else 1
+        problem = memory_problem(memory_floor(model_fn, *args, **kwargs), device, lower, ranks)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        refused = torch.tensor([float(problem is not None)], device=device)
+        torch.distributed.all_reduce(refused, op=torch.distributed.ReduceOp.MAX)
+        if refused.item() and problem is None:
+            problem = (f"another rank's device cannot hold this run (its error line says how much); lower {lower}, "
+                       "or the model's size, or use devices with more memory")
+    return problem
 
 
 def memory_problem(parts: dict[str, int], device: torch.device, lower: str, ranks: int = 1) -> typing.Optional[str]:

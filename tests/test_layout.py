@@ -760,21 +760,40 @@ def test_memory_floor_is_below_what_a_step_holds(script, kw):
 
 
 def test_available_memory_reads_meminfo_and_the_cgroup(tmp_path, monkeypatch):
+    """MemAvailable plus free swap, capped by the tightest cgroup limit on the process's own cgroup or an ancestor
+    (v2 and v1), each less the usage its inactive page cache does not explain."""
     import torch
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:  9000 kB\nMemAvailable:   3000 kB\nSwapFree:  1000 kB\n")
+    mount, proc = tmp_path / "cgroup", tmp_path / "self-cgroup"
     monkeypatch.setattr(common, "MEMINFO", meminfo)
-    monkeypatch.setattr(common, "CGROUP", tmp_path / "no-cgroup")
+    monkeypatch.setattr(common, "CGROUP", mount)
+    monkeypatch.setattr(common, "PROC_CGROUP", proc)
     cpu = torch.device("cpu")
-    assert common.available_memory(cpu) == 4000 * 1024
-    (tmp_path / "cg").mkdir()
-    monkeypatch.setattr(common, "CGROUP", tmp_path / "cg")
-    (tmp_path / "cg" / "memory.max").write_text("max\n")
-    (tmp_path / "cg" / "memory.current").write_text("1000000\n")
-    assert common.available_memory(cpu) == 4000 * 1024  # no limit set
-    (tmp_path / "cg" / "memory.max").write_text("3000000\n")
-    assert common.available_memory(cpu) == 2000000  # the job's limit less what it holds
+    assert common.available_memory(cpu) == 4000 * 1024  # no /proc/self/cgroup: no cap
+
+    def group(folder, limit, used, cache, v2=True):
+        folder.mkdir(parents=True, exist_ok=True)
+        names = common.CGROUP_FILES[2 if v2 else 1]
+        (folder / names[0]).write_text(f"{limit}\n")
+        (folder / names[1]).write_text(f"{used}\n")
+        (folder / "memory.stat").write_text(f"anon 5\n{names[2]} {cache}\nfile 7\n")
+    proc.write_text("0::/job_7/step_0/task_0\n")  # SLURM: the job's limit two levels up, none below
+    group(mount, "max", 0, 0)
+    group(mount / "job_7", 3_000_000, 2_500_000, 1_000_000)  # 1.5 MB used beyond reclaimable cache: 1.5 MB room
+    group(mount / "job_7" / "step_0" / "task_0", "max", 2_000_000, 0)
+    assert common.cgroup_room() == 1_500_000 and common.available_memory(cpu) == 1_500_000
+    group(mount / "job_7" / "step_0", 1_700_000, 600_000, 0)  # a tighter step limit below it
+    assert common.cgroup_room() == 1_100_000
+    group(mount, 10 ** 12, 2_000_000, 0)  # a loose limit at the root changes nothing
+    assert common.cgroup_room() == 1_100_000
+    proc.write_text("9:name=systemd:/\n4:memory:/box\n0::/\n")  # cgroup v1's memory controller (hybrid)
+    group(mount / "memory" / "box", 2_000_000, 1_500_000, 500_000, v2=False)
+    assert common.cgroup_room() == min(1_000_000, 10 ** 12 - 2_000_000)
+    proc.write_text("0::/\n")
+    (mount / "memory.max").write_text("max\n")
+    assert common.cgroup_room() is None and common.available_memory(cpu) == 4000 * 1024
     meminfo.write_text("MemTotal:  9000 kB\n")  # an old kernel without MemAvailable: no estimate, no refusal
     assert common.available_memory(cpu) is None
     assert common.available_memory(torch.device("meta")) is None  # neither CPU nor CUDA (MPS): not read
@@ -840,3 +859,30 @@ def test_a_rank_started_by_hand_says_it_waits_and_joins(script):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.split() == ["0", "1", "gloo"], r.stderr[-2000:]
     assert r.stderr.startswith(f"rank 0 of 1: waiting for every rank at 127.0.0.1:{port} (up to 2 h;"), r.stderr
+
+
+def test_memory_floor_verdict_is_every_ranks(monkeypatch):
+    """Under DDP the refusal is collective: a rank whose own check passes still stops, with its own line, when
+    another rank's fails (an all_reduce of the verdicts), instead of building its model and waiting for that rank
+    in DDP's first collective."""
+    import torch
+
+    build = lambda: torch.nn.Linear(10, 10)  # noqa: E731
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(common, "available_memory", lambda device: 2 ** 30)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    verdicts = []
+
+    def all_reduce(t, op=None):  # the other rank refused
+        verdicts.append(float(t.item()))
+        t.fill_(1.0)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    assert common.memory_floor_problem(build, cpu) == (
+        "another rank's device cannot hold this run (its error line says how much); lower --batch-size or --ctx, "
+        "or the model's size, or use devices with more memory")
+    monkeypatch.setattr(common, "available_memory", lambda device: 10)  # this rank refuses: its own message
+    assert common.memory_floor_problem(build, cpu).startswith("this run needs at least")
+    assert verdicts == [0.0, 1.0]
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None: None)  # every rank passed
+    monkeypatch.setattr(common, "available_memory", lambda device: 2 ** 30)
+    assert common.memory_floor_problem(build, cpu) is None
