@@ -4020,7 +4020,7 @@ def run(cfg: Config, explicit) -> int:
     rank = dist_info["rank"]
     if (not cfg.train or cfg.resume) and not cfg.bench:  # the architecture and data settings come from the checkpoint
         cfg = load_checkpoint(ckpt_path(cfg), cfg, explicit)[1]
-        vq = ckpt_path(cfg, f"vq-l{cfg.layer_l}-h{cfg.layer_l}")  # the single-layer baseline's file (fit)
+        vq = ckpt_path(replace(cfg, layer_h=cfg.layer_l))  # the single-layer baseline's file (fit)
         if not cfg.train and "vq" in names(cfg.baselines) and cfg.layer_l != cfg.layer_h and not vq.exists():
             raise RunError(f"no checkpoint of the VQ-VAE baseline at {vq} (this run was trained without it): drop vq "
                            "from --baselines, or train it with --resume")

@@ -258,12 +258,15 @@ def load_local(path: str | Path) -> list[Document]:
         for i, line in enumerate(_read_text(path).split("\n")):
             if not line.strip():
                 continue
+            bad = f"{path}:{i + 1}: not a JSON object with a 'text' field"
             try:
                 text = json.loads(line)["text"]
-            except (ValueError, KeyError, TypeError, RecursionError) as e:  # ValueError: JSONDecodeError, or an
-                why = (" (nested too deeply for Python's JSON parser)" if isinstance(e, RecursionError) else  # int
-                       "" if isinstance(e, (json.JSONDecodeError, KeyError, TypeError)) else f" ({str(e).split(':')[0]})")
-                raise DataError(f"{path}:{i + 1}: not a JSON object with a 'text' field{why}") from None
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise DataError(bad) from None
+            except RecursionError:
+                raise DataError(f"{bad} (nested too deeply for Python's JSON parser)") from None
+            except ValueError as e:  # an integer past Python's 4,300-digit conversion limit
+                raise DataError(f"{bad} ({str(e).split(':')[0]})") from None
             if not isinstance(text, str):
                 raise DataError(f"{path}:{i + 1}: 'text' is a {type(text).__name__}, not a string")
             docs.append(Document(text, f"{path.stem}:{i + 1}"))
@@ -1103,11 +1106,9 @@ def memory_floor_problem(model_fn, device: torch.device, *args, lower: str = "--
     **kwargs) exceeds available_memory. Ranks that share a CPU (torchrun's LOCAL_WORLD_SIZE) each hold all of
     it. Under DDP every rank takes the verdict of the tightest one (a rank refusing alone would leave the others
     waiting in DDP's first collective). `lower` as in memory_error."""
-    problem = None
-    if available_memory(device) is not None:  # else nothing to compare with: the model is not even counted
-        local = os.environ.get("LOCAL_WORLD_SIZE", "1").strip()
-        ranks = int(local) if device.type == "cpu" and local.isdigit() and int(local) > 0 else 1
-        problem = memory_problem(memory_floor(model_fn, *args, **kwargs), device, lower, ranks)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1").strip()
+    ranks = int(local) if device.type == "cpu" and local.isdigit() and int(local) > 0 else 1
+    problem = memory_problem(memory_floor(model_fn, *args, **kwargs), device, lower, ranks)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         refused = torch.tensor([float(problem is not None)], device=device)
         torch.distributed.all_reduce(refused, op=torch.distributed.ReduceOp.MAX)
